@@ -1,0 +1,43 @@
+"""The ``kvtier`` command: ``kvtier daemon|audit|demo|bench ...``.
+
+Each subcommand owns its own argument parser; this module only dispatches, importing
+the subcommand's module lazily so that ``kvtier audit`` never pays for vLLM or Redis.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "daemon": ("connector.daemon.cli", "Subscribe to vLLM KV events; serve prefix look-ups."),
+    "audit": ("audit.cli", "Flag code that treats block_hash presence as 'full block'."),
+    "demo": ("connector.demo", "Run a real vLLM CPU engine with kvtier; print a hit table."),
+    "bench": ("connector.bench_cli", "Run the benchmarks in benchmarks/ side by side."),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvtier <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {doc}" for name, (_, doc) in SUBCOMMANDS.items()]
+    lines += ["", "Run 'kvtier <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"kvtier: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    entry: Callable[[list[str]], int] = module.main
+    return int(entry(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Fixtures shared across kvtier's tests. Real servers only; unique key prefixes per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support.redis_server import RedisServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REDIS_URL = os.environ.get("KVTIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The machine's Redis (CI starts one when it is absent). Fails loudly, never skips."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis at {REDIS_URL} is not reachable ({exc}); run scripts/bootstrap.sh")
+    return REDIS_URL
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix no other test uses; every key under it is deleted afterwards."""
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own on a free loopback port, which it may kill or pause."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

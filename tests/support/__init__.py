@@ -1,0 +1,1 @@
+"""Helpers shared by kvtier's tests: real servers on loopback ports, free ports."""
