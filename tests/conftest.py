@@ -46,3 +46,19 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir() -> Path:
+    """A tiny random Llama checkpoint, built once and cached outside the repo."""
+    from connector.tiny_models import tiny_llama
+
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir() -> Path:
+    """A tiny random GraniteMoeHybrid (Mamba + attention) checkpoint, built once."""
+    from connector.tiny_models import tiny_hybrid
+
+    return tiny_hybrid()

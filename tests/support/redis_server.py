@@ -1,4 +1,4 @@
-"""A real redis-server process on a loopback port that a test owns: start, SIGKILL, SIGSTOP, restart."""
+"""A real redis-server on a loopback port that a test owns: start, SIGKILL, SIGSTOP, restart."""
 
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ class RedisServer:
             if self.proc is not None and self.proc.poll() is not None:
                 log = (self.workdir / f"redis-{self.port}.log")
                 text = log.read_text() if log.exists() else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {text[-2000:]}")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}: {text[-2000:]}"
+                )
             try:
                 if self.client().ping():
                     return
