@@ -1,0 +1,135 @@
+"""The stored value format: one fixed 64-byte header followed by the raw payload bytes.
+
+Header (little-endian)::
+
+    magic       4s   b"KVTB"
+    version     u16  VALUE_VERSION
+    kind        u8   BlockKind (FULL / PARTIAL)
+    reserved    u8   0
+    digest      16s  Namespace.digest (bytes.fromhex(BlockKey.fingerprint))
+    group       u32  KV-cache group index
+    num_tokens  u64  cumulative tokens the block hash covers
+    hash_tag    u64  xxh3_64 of the block hash (catches a value stored under another key)
+    length      u64  payload length in bytes
+    checksum    u64  xxh3_64 of the payload
+    reserved    u32  0
+
+Every header field is checked against what the reader asked for, and the checksum
+against the payload, so a value from another namespace, another block, another kind,
+another format version, a truncated value or a flipped byte is a :class:`CorruptValue`,
+never a payload. Nothing is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from offload_tiers._types import BytesLike as Buffer
+from offload_tiers.keys import BlockKey, BlockKind
+
+MAGIC = b"KVTB"
+VALUE_VERSION = 1
+HEADER = struct.Struct("<4sHBB16sIQQQQI")
+HEADER_SIZE = HEADER.size  # 64
+MAX_PAYLOAD = 1 << 34  # 16 GiB: anything larger in a header is absurd, not a block
+
+assert HEADER_SIZE == 64
+
+
+class CorruptValue(ValueError):
+    """A stored value that must not be served; ``reason`` says why (no payload bytes in it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def namespace_digest(key: BlockKey) -> bytes:
+    """The 16-byte namespace digest a key's fingerprint encodes."""
+    try:
+        digest = bytes.fromhex(key.fingerprint)
+    except ValueError as exc:
+        raise ValueError(f"fingerprint is not hex: {key.fingerprint!r}") from exc
+    if len(digest) != 16:
+        raise ValueError(f"fingerprint must encode 16 bytes, got {len(digest)}")
+    return digest
+
+
+def hash_tag(block_hash: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(block_hash)
+
+
+def checksum(payload: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None,
+                  payload_checksum: int | None = None) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key``."""
+    if key.kind not in (BlockKind.FULL, BlockKind.PARTIAL):
+        raise ValueError(f"cannot store a {key.kind.name} entry")
+    length = memoryview(payload).nbytes
+    return HEADER.pack(
+        MAGIC, VALUE_VERSION, int(key.kind), 0,
+        digest if digest is not None else namespace_digest(key),
+        key.group, key.num_tokens, hash_tag(key.block_hash), length,
+        payload_checksum if payload_checksum is not None else checksum(payload), 0,
+    )
+
+
+def encode(key: BlockKey, payload: Buffer) -> list[Buffer]:
+    """``[header, payload]`` as two buffers (send them back to back; no payload copy)."""
+    view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    return [encode_header(key, view), view]
+
+
+def encode_bytes(key: BlockKey, payload: Buffer) -> bytes:
+    """Header and payload joined into one ``bytes`` (one copy)."""
+    return b"".join(encode(key, payload))
+
+
+def check_header(key: BlockKey, header: Buffer, *, total_len: int | None = None,
+                 digest: bytes | None = None) -> tuple[int, int]:
+    """Validate a header against ``key``; return ``(payload_length, checksum)``.
+
+    ``total_len`` is the stored value's full length when known (then truncation and
+    trailing bytes are caught here, without reading the payload).
+    """
+    hv = memoryview(header)
+    if hv.nbytes < HEADER_SIZE:
+        raise CorruptValue(f"truncated header ({hv.nbytes} < {HEADER_SIZE} bytes)")
+    (magic, version, kind, _r1, fp, group, num_tokens, tag, length, csum,
+     _r2) = HEADER.unpack_from(hv, 0)
+    if magic != MAGIC:
+        raise CorruptValue("bad magic (not a kvtier value)")
+    if version != VALUE_VERSION:
+        raise CorruptValue(f"unsupported value format version {version}")
+    if fp != (digest if digest is not None else namespace_digest(key)):
+        raise CorruptValue("foreign namespace fingerprint")
+    if kind != int(key.kind):
+        raise CorruptValue(f"kind {kind} does not match requested {key.kind.name}")
+    if group != key.group:
+        raise CorruptValue(f"group {group} does not match requested {key.group}")
+    if num_tokens != key.num_tokens:
+        raise CorruptValue(f"num_tokens {num_tokens} does not match requested {key.num_tokens}")
+    if tag != hash_tag(key.block_hash):
+        raise CorruptValue("block hash does not match")
+    if length > MAX_PAYLOAD:
+        raise CorruptValue(f"absurd payload length {length}")
+    if total_len is not None and total_len != HEADER_SIZE + length:
+        raise CorruptValue(
+            f"value is {total_len} bytes, header says {HEADER_SIZE + length} (truncated or padded)"
+        )
+    return length, csum
+
+
+def decode(key: BlockKey, value: Buffer, *, digest: bytes | None = None) -> memoryview:
+    """The payload of ``value`` (a zero-copy view), or :class:`CorruptValue`."""
+    view = memoryview(value).cast("B") if not isinstance(value, bytes) else memoryview(value)
+    length, csum = check_header(key, view, total_len=view.nbytes, digest=digest)
+    payload = view[HEADER_SIZE:HEADER_SIZE + length]
+    if checksum(payload) != csum:
+        raise CorruptValue("payload checksum mismatch")
+    return payload
