@@ -108,5 +108,5 @@ def hash_to_bytes(block_hash: int | bytes) -> bytes:
     if isinstance(block_hash, bytes):
         return block_hash
     if block_hash < 0:
-        return block_hash.to_bytes(8, "big", signed=True)
+        raise ValueError(f"block hashes are non-negative integers, got {block_hash}")
     return block_hash.to_bytes(max(8, (block_hash.bit_length() + 7) // 8), "big")

@@ -1,0 +1,51 @@
+"""The kvtier command dispatches lazily, and the daemon/tiers/audit paths never import vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from connector.cli import main
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("daemon", "audit", "demo", "bench"):
+        assert name in out
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_no_arguments_is_a_usage_error() -> None:
+    assert main([]) == 2
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["offload_tiers", "offload_tiers.keys", "audit", "connector", "connector.cli",
+     "connector.events", "connector.index", "connector.daemon.cli"],
+)
+def test_import_does_not_pull_in_vllm_or_torch(module: str) -> None:
+    code = (
+        f"import importlib, sys; importlib.import_module({module!r}); "
+        "bad = sorted(m for m in ('vllm', 'torch') if m in sys.modules); "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing {module} imported {out.stdout.strip()}"
+
+
+def test_connector_attribute_is_the_vllm_connector_class() -> None:
+    """``kv_connector_module_path="connector"`` resolves the class lazily."""
+    import connector
+
+    with pytest.raises(AttributeError):
+        _ = connector.NoSuchThing  # type: ignore[attr-defined]
