@@ -1,0 +1,508 @@
+"""The Redis tier: one Redis key per block, pipelined batches, write-behind, never raises.
+
+Key names are ``{prefix}:{fingerprint}:{group}:{hash hex}``; values are
+:mod:`offload_tiers.codec` (header + payload). Works with one server (``redis://``,
+``rediss://``, ``unix://``, credentials in the URL) and with Redis Cluster
+(``redis+cluster://`` / ``rediss+cluster://`` or ``cluster=True``), where batches are
+split per node.
+
+Failure model: every network operation is bounded by ``socket_timeout_s``; any failure
+marks the endpoint unavailable, after which calls touching it return at once (reads miss,
+writes are counted as failed) until a background probe (exponential backoff with jitter)
+finds it answering again. Nothing raises into the caller, except ``from_url(strict=True)``
+at start-up. Error texts and logs never contain the password.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.retry import Retry
+
+from offload_tiers import codec
+from offload_tiers._types import BytesLike
+from offload_tiers.keys import BlockKey
+from offload_tiers.redis_url import RedisTarget, parse_redis_url
+from offload_tiers.resp import Packer, command, set_parts
+from offload_tiers.write_behind import DoneCallback, Item, WriteBehind
+
+log = logging.getLogger(__name__)
+
+_MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+
+
+class RedisTierError(RuntimeError):
+    """Start-up failure reported by ``from_url(strict=True)`` (never contains the password)."""
+
+
+@dataclass(slots=True)
+class _Endpoint:
+    label: str
+    available: bool = True
+    next_try: float = 0.0
+    backoff: float = 0.0
+    failures: int = 0
+    policy_checked: bool = False
+
+
+class RedisTier:
+    """Blocks in Redis. Build with :meth:`from_url`."""
+
+    def __init__(self, target: RedisTarget, *, prefix: str = "kvtier", ttl_s: float | None = None,
+                 ttl_jitter: float = 0.1, socket_timeout_s: float = 2.0,
+                 connect_timeout_s: float | None = None, max_inflight: int = 64,
+                 max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
+                 write_queue_max_bytes: int = 512 << 20, backoff_initial_s: float = 0.1,
+                 backoff_max_s: float = 5.0, client_kwargs: dict[str, Any] | None = None) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if not 0 <= ttl_jitter <= 1:
+            raise ValueError(f"ttl_jitter must be within [0, 1], got {ttl_jitter}")
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be at least 1")
+        self.target = target
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.ttl_jitter = ttl_jitter
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
+        self._backoff_initial = backoff_initial_s
+        self._backoff_max = backoff_max_s
+        kwargs = dict(client_kwargs or {})
+        self._secrets = sorted({s for s in (*_url_passwords(target.url), kwargs.get("password"))
+                                if s}, key=len, reverse=True)
+        kwargs.update(
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s or socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        if not target.cluster:
+            kwargs.setdefault("health_check_interval", 0)
+        self._client_kwargs = kwargs
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._init_ep = _Endpoint(target.redacted, backoff=backoff_initial_s)
+        self._eps: dict[str, _Endpoint] = {}
+        self._topology_stale = False
+        self._closed = False
+        self._last_error = ""
+        self._warned_policy = False
+        self.noeviction = False
+        self._n = dict.fromkeys(
+            ("puts", "put_bytes", "put_failures", "gets", "hits", "misses", "corrupt",
+             "exists_checks", "deletes", "errors", "unavailable_events", "recoveries",
+             "dropped_unavailable", "skipped_unavailable"), 0)
+        self._writer = WriteBehind(self._sink, max_items=write_queue_max,
+                                   max_bytes=write_queue_max_bytes, tick=self._probe,
+                                   name="kvtier-redis-writer")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "kvtier", ttl_s: float | None = None,
+                 ttl_jitter: float = 0.1, socket_timeout_s: float = 2.0,
+                 connect_timeout_s: float | None = None, max_inflight: int = 64,
+                 max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
+                 write_queue_max_bytes: int = 512 << 20, cluster: bool | None = None,
+                 ssl_ca_certs: str | None = None, backoff_initial_s: float = 0.1,
+                 backoff_max_s: float = 5.0, strict: bool = False,
+                 **redis_kwargs: Any) -> RedisTier:
+        """Connect to ``url``; with ``strict`` a failing first contact raises RedisTierError.
+
+        Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``, ``ssl_keyfile``).
+        """
+        target = parse_redis_url(url, cluster)
+        if ssl_ca_certs is not None:
+            redis_kwargs["ssl_ca_certs"] = ssl_ca_certs
+        tier = cls(target, prefix=prefix, ttl_s=ttl_s, ttl_jitter=ttl_jitter,
+                   socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s,
+                   max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes,
+                   write_queue_max=write_queue_max, write_queue_max_bytes=write_queue_max_bytes,
+                   backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+                   client_kwargs=redis_kwargs)
+        tier._probe(force=True)
+        if strict and not tier.available:
+            error = tier.last_error
+            tier.close()
+            raise RedisTierError(f"cannot use Redis at {target.redacted}: {error}")
+        return tier
+
+    def _make_client(self) -> Any:
+        if self.target.cluster:
+            from redis.cluster import RedisCluster  # noqa: PLC0415 - only for Cluster URLs
+
+            return RedisCluster.from_url(self.target.url, cluster_error_retry_attempts=0,
+                                         **self._client_kwargs)
+        return redis.Redis.from_url(self.target.url, **self._client_kwargs)
+
+    def _get_client(self) -> Any:
+        if self._client is None and not self._closed:
+            if not self._init_ep.available and time.monotonic() < self._init_ep.next_try:
+                return None
+            try:
+                client = self._make_client()
+            except Exception as exc:
+                self._mark_failed(self._init_ep, exc)
+                return None
+            with self._lock:
+                if self._client is None:
+                    self._client = client
+                self._init_ep.available = True
+        return self._client
+
+    # ------------------------------------------------------------------ health
+    @property
+    def available(self) -> bool:
+        """True when the last contact with every known endpoint succeeded."""
+        return (self._client is not None and self._init_ep.available
+                and all(ep.available for ep in self._eps.values()))
+
+    @property
+    def last_error(self) -> str:
+        return self._last_error
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _describe(self, exc: BaseException) -> str:
+        if isinstance(exc, AuthenticationError):
+            return self._scrub(f"authentication failed ({exc})")
+        return self._scrub(f"{type(exc).__name__}: {exc}")
+
+    def _endpoint(self, label: str) -> _Endpoint:
+        ep = self._eps.get(label)
+        if ep is None:
+            with self._lock:
+                ep = self._eps.setdefault(label, _Endpoint(label, backoff=self._backoff_initial))
+        return ep
+
+    def _mark_failed(self, ep: _Endpoint, exc: BaseException) -> None:
+        text = self._describe(exc)
+        with self._lock:
+            was_up = ep.available
+            ep.available = False
+            ep.failures += 1
+            ep.next_try = time.monotonic() + ep.backoff * (0.5 + random.random())
+            ep.backoff = min(max(ep.backoff, self._backoff_initial) * 2, self._backoff_max)
+            self._last_error = text
+            self._n["errors"] += 1
+            if was_up:
+                self._n["unavailable_events"] += 1
+        if was_up:
+            log.warning("Redis tier %s (%s) unavailable: %s; reads miss and writes drop "
+                        "until it answers again", ep.label, self.target.redacted, text)
+
+    def _mark_ok(self, ep: _Endpoint) -> None:
+        if ep.available:
+            return
+        with self._lock:
+            ep.available = True
+            ep.backoff = self._backoff_initial
+            self._n["recoveries"] += 1
+        log.warning("Redis tier %s (%s) answers again", ep.label, self.target.redacted)
+
+    def _probe(self, force: bool = False) -> None:
+        """Background health check: reconnect endpoints whose backoff expired."""
+        client = self._get_client()
+        if client is None:
+            return
+        now = time.monotonic()
+        for label, pool in self._pools(client):
+            ep = self._endpoint(label)
+            if force or (not ep.available and now >= ep.next_try):
+                self._ping(ep, pool)
+            if ep.available and not ep.policy_checked:
+                ep.policy_checked = True
+                self._check_policy(pool, ep)
+
+    def _ping(self, ep: _Endpoint, pool: Any) -> None:
+        responses = self._exchange(ep, pool, [[command(b"PING")]], probe=True)
+        if responses is not None:
+            self._mark_ok(ep)
+
+    def _check_policy(self, pool: Any, ep: _Endpoint) -> None:
+        responses = self._exchange(ep, pool, [[command(b"CONFIG", b"GET", b"maxmemory-policy")]])
+        if not responses or not isinstance(responses[0], list) or len(responses[0]) < 2:
+            return  # CONFIG not permitted (ACL, managed Redis): nothing to say
+        policy = responses[0][1]
+        if policy == b"noeviction":
+            self.noeviction = True
+            if not self._warned_policy:
+                self._warned_policy = True
+                log.warning("Redis %s has maxmemory-policy noeviction: once full, every store "
+                            "fails; use allkeys-lru (or set ttl_s)", ep.label)
+
+    def _pools(self, client: Any) -> list[tuple[str, Any]]:
+        if not self.target.cluster:
+            return [("main", client.connection_pool)]
+        return [(node.name, client.get_redis_connection(node).connection_pool)
+                for node in client.get_primaries()]
+
+    # ------------------------------------------------------------------ transport
+    def _name(self, key: BlockKey) -> bytes:
+        return f"{self.prefix}:{key.name}".encode()
+
+    def _exchange(self, ep: _Endpoint, pool: Any, cmds: Sequence[list], *,
+                  probe: bool = False) -> list[Any] | None:
+        """Send ``cmds`` pipelined in bounded windows; their replies, or None on failure.
+
+        Replies are values or ResponseError instances (a per-command error, not a failure).
+        """
+        if not probe and not ep.available:
+            with self._lock:
+                self._n["skipped_unavailable"] += len(cmds)
+            return None
+        conn = None
+        try:
+            conn = pool.get_connection()
+            out: list[Any] = []
+            i = 0
+            while i < len(cmds):
+                packer = Packer()
+                j = i
+                while j < len(cmds) and j - i < self.max_inflight and (
+                        j == i or packer.nbytes < self.max_inflight_bytes):
+                    packer.add(cmds[j])
+                    j += 1
+                conn.send_packed_command(packer.finish(), check_health=False)
+                for _ in range(i, j):
+                    try:
+                        out.append(conn.read_response())
+                    except ResponseError as exc:
+                        out.append(exc)
+                i = j
+            return out
+        except Exception as exc:  # timeouts, resets, refused, auth, protocol: all the same
+            if conn is not None:
+                conn.disconnect()
+            try:
+                pool.disconnect(inuse_connections=False)
+            except Exception:
+                log.debug("pool disconnect failed", exc_info=True)
+            self._mark_failed(ep, exc)
+            return None
+        finally:
+            if conn is not None:
+                pool.release(conn)
+
+    def _run(self, names: list[bytes], cmds: list[list]) -> list[Any]:
+        """One reply per command (None where its endpoint failed), batched per node."""
+        replies: list[Any] = [None] * len(cmds)
+        client = self._get_client()
+        if client is None or not cmds:
+            return replies
+        if not self.target.cluster:
+            got = self._exchange(self._endpoint("main"), client.connection_pool, cmds)
+            return got if got is not None else replies
+        if self._topology_stale:
+            self._topology_stale = False
+            try:
+                client.nodes_manager.initialize()
+            except Exception as exc:
+                self._mark_failed(self._init_ep, exc)
+                return replies
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            for i, name in enumerate(names):
+                node = client.nodes_manager.get_node_from_slot(client.keyslot(name))
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except Exception as exc:  # slots not covered (cluster down)
+            self._topology_stale = True
+            self._mark_failed(self._init_ep, exc)
+            return replies
+        for label, (node, idx) in groups.items():
+            pool = client.get_redis_connection(node).connection_pool
+            got = self._exchange(self._endpoint(label), pool, [cmds[i] for i in idx])
+            if got is None:
+                continue
+            for i, reply in zip(idx, got, strict=True):
+                if isinstance(reply, ResponseError) and str(reply).startswith(_MOVED):
+                    self._topology_stale = True
+                replies[i] = reply
+        return replies
+
+    def _px(self) -> int | None:
+        if self.ttl_s is None:
+            return None
+        return max(1, int(self.ttl_s * 1000 * (1 + random.uniform(0, self.ttl_jitter))))
+
+    # ------------------------------------------------------------------ API
+    def put_many(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> int:
+        """Store blocks now (pipelined); the number stored. Never raises for Redis trouble."""
+        return sum(self._put_flags(items))
+
+    def _put_flags(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> list[bool]:
+        if not items:
+            return []
+        names, cmds, sizes = [], [], []
+        for key, payload in items:
+            view = payload if isinstance(payload, bytes) else memoryview(payload).cast("B")
+            name = self._name(key)
+            names.append(name)
+            cmds.append(set_parts(name, codec.encode_header(key, view), view, self._px()))
+            sizes.append(len(view))
+        replies = self._run(names, cmds)
+        flags = [r == b"OK" or r is True for r in replies]
+        stored = sum(flags)
+        with self._lock:
+            self._n["puts"] += stored
+            self._n["put_failures"] += len(flags) - stored
+            self._n["put_bytes"] += sum(n for n, ok in zip(sizes, flags, strict=True) if ok)
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                log.debug("Redis refused a store: %s", self._scrub(str(reply)))
+        return flags
+
+    def _sink(self, batch: Sequence[Item]) -> list[bool]:
+        return self._put_flags([(item.key, item.payload) for item in batch])
+
+    def submit_put(self, key: BlockKey, payload: BytesLike, *,
+                   on_done: DoneCallback | None = None) -> bool:
+        """Queue a store for the background writer; False = dropped (counted), never blocks.
+
+        Without ``on_done`` a non-``bytes`` payload is copied (the caller may reuse its
+        buffer). With ``on_done`` the caller keeps the buffer unchanged until
+        ``on_done(stored: bool)`` runs (called exactly once, also on a drop).
+        """
+        if self._closed or not self.available:
+            with self._lock:
+                self._n["dropped_unavailable"] += 1
+            if on_done is not None:
+                on_done(False)
+            return False
+        if on_done is None and not isinstance(payload, bytes):
+            payload = bytes(memoryview(payload).cast("B"))
+        nbytes = memoryview(payload).nbytes
+        return self._writer.submit(Item(key, payload, nbytes, on_done))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued stores to be written (or fail); False on timeout."""
+        return self._writer.flush(timeout)
+
+    def get_many(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        """Validated payloads (zero-copy views) or None for misses and bad values."""
+        if not keys:
+            return []
+        names = [self._name(k) for k in keys]
+        replies = self._run(names, [[command(b"GET", n)] for n in names])
+        out: list[memoryview | None] = []
+        corrupt = hits = 0
+        for key, reply in zip(keys, replies, strict=True):
+            if reply is None:
+                out.append(None)
+                continue
+            if isinstance(reply, ResponseError) or not isinstance(reply, bytes):
+                corrupt += 1
+                out.append(None)
+                continue
+            try:
+                out.append(codec.decode(key, reply))
+                hits += 1
+            except codec.CorruptValue as exc:
+                corrupt += 1
+                log.debug("bad value at %s: %s", key.name, exc.reason)
+                out.append(None)
+        with self._lock:
+            self._n["gets"] += len(keys)
+            self._n["hits"] += hits
+            self._n["misses"] += len(keys) - hits
+            self._n["corrupt"] += corrupt
+        return out
+
+    def get(self, key: BlockKey) -> memoryview | None:
+        return self.get_many([key])[0]
+
+    def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Cheap presence check: the header (GETRANGE) and the length (STRLEN) validate."""
+        if not keys:
+            return []
+        names, cmds = [], []
+        end = str(codec.HEADER_SIZE - 1).encode()
+        for key in keys:
+            name = self._name(key)
+            names += [name, name]
+            cmds += [[command(b"GETRANGE", name, b"0", end)], [command(b"STRLEN", name)]]
+        replies = self._run(names, cmds)
+        out = []
+        corrupt = 0
+        for n, key in enumerate(keys):
+            header, length = replies[2 * n], replies[2 * n + 1]
+            ok = False
+            if isinstance(header, bytes) and isinstance(length, int) and length > 0:
+                try:
+                    codec.check_header(key, header, total_len=length)
+                    ok = True
+                except codec.CorruptValue:
+                    corrupt += 1
+            elif isinstance(header, ResponseError):
+                corrupt += 1
+            out.append(ok)
+        with self._lock:
+            self._n["exists_checks"] += len(keys)
+            self._n["corrupt"] += corrupt
+        return out
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks; the number that existed."""
+        if not keys:
+            return 0
+        names = [self._name(k) for k in keys]
+        replies = self._run(names, [[command(b"UNLINK", n)] for n in names])
+        deleted = sum(r for r in replies if isinstance(r, int))
+        with self._lock:
+            self._n["deletes"] += deleted
+        return deleted
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._n)
+            out.update(
+                available=self.available, last_error=self._last_error,
+                noeviction=self.noeviction, cluster=self.target.cluster,
+                url=self.target.redacted,
+                endpoints={ep.label: ep.available for ep in self._eps.values()},
+            )
+        out.update(queue_depth=self._writer.depth, queue_bytes=self._writer.queued_bytes,
+                   queued=self._writer.submitted, dropped=self._writer.dropped,
+                   written=self._writer.written, write_failed=self._writer.failed)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (up to ``timeout``), stop the writer, close connections."""
+        if self._closed:
+            return
+        self._writer.close(timeout)
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                log.debug("closing the Redis client failed", exc_info=True)
+
+    def __enter__(self) -> RedisTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _url_passwords(url: str) -> tuple[str, ...]:
+    """The URL's password, as written and percent-decoded (both are scrubbed from texts)."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return ()
+    return (password, unquote(password)) if password else ()
+

@@ -1,0 +1,159 @@
+"""A bounded write-behind queue drained by one background thread.
+
+``submit`` never blocks: when the queue is full (by count or bytes) the item is dropped,
+counted, and its ``on_done(False)`` runs at once. The thread hands batches to ``sink``,
+which returns one success flag per item, and runs ``tick`` (health probes) between batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DoneCallback = Callable[[bool], None]
+
+
+@dataclass(slots=True)
+class Item:
+    key: Any
+    payload: Any
+    nbytes: int
+    on_done: DoneCallback | None
+
+
+def _notify(item: Item, ok: bool) -> None:
+    if item.on_done is not None:
+        try:
+            item.on_done(ok)
+        except Exception:
+            log.exception("write-behind on_done callback failed")
+
+
+class WriteBehind:
+    """One thread, one bounded queue; drops rather than stalls."""
+
+    def __init__(self, sink: Callable[[Sequence[Item]], list[bool]], *, max_items: int,
+                 max_bytes: int, batch_items: int = 32, batch_bytes: int = 32 << 20,
+                 tick: Callable[[], None] | None = None, tick_interval_s: float = 0.1,
+                 name: str = "kvtier-write-behind") -> None:
+        self._sink = sink
+        self._tick = tick
+        self._tick_interval = tick_interval_s
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._batch_items = batch_items
+        self._batch_bytes = batch_bytes
+        self._q: deque[Item] = deque()
+        self._bytes = 0
+        self._busy = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.submitted = 0
+        self.dropped = 0
+        self.written = 0
+        self.failed = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Item) -> bool:
+        with self._cond:
+            if (self._closed or len(self._q) >= self.max_items
+                    or (self._q and self._bytes + item.nbytes > self.max_bytes)):
+                self.dropped += 1
+                drop = True
+            else:
+                self._q.append(item)
+                self._bytes += item.nbytes
+                self.submitted += 1
+                drop = False
+                self._cond.notify()
+        if drop:
+            _notify(item, False)
+        return not drop
+
+    @property
+    def depth(self) -> int:
+        return len(self._q)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far was written or failed; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._q or self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 0.1)
+            return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (up to ``timeout``), drop the rest, stop the thread."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            rest = list(self._q)
+            self._q.clear()
+            self._bytes = 0
+            self.dropped += len(rest)
+            self._cond.notify_all()
+        for item in rest:
+            _notify(item, False)
+        self._thread.join(timeout)
+
+    def _take(self) -> list[Item]:
+        batch: list[Item] = []
+        size = 0
+        while (self._q and len(batch) < self._batch_items
+               and (not batch or size < self._batch_bytes)):
+            item = self._q.popleft()
+            self._bytes -= item.nbytes
+            size += item.nbytes
+            batch.append(item)
+        return batch
+
+    def _run(self) -> None:
+        next_tick = 0.0
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                if not self._q:
+                    self._cond.wait(self._tick_interval)
+                batch = self._take()
+                self._busy = len(batch)
+            now = time.monotonic()
+            if self._tick is not None and now >= next_tick:
+                next_tick = now + self._tick_interval
+                try:
+                    self._tick()
+                except Exception:
+                    log.exception("write-behind tick failed")
+            if batch:
+                try:
+                    results = self._sink(batch)
+                except Exception:
+                    log.exception("write-behind sink failed")
+                    results = [False] * len(batch)
+                for item, ok in zip(batch, results, strict=True):
+                    _notify(item, ok)
+                ok_count = sum(results)
+                with self._cond:
+                    self.written += ok_count
+                    self.failed += len(batch) - ok_count
+                    self._busy = 0
+                    self._cond.notify_all()
+            else:
+                with self._cond:
+                    self._busy = 0
+                    self._cond.notify_all()
