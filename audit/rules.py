@@ -1,0 +1,470 @@
+"""The checker: find presence tests on a KV-cache block's ``block_hash`` and judge their purpose.
+
+One pass per file. Each scope (module, class, function, lambda) gets a :class:`Resolver`
+that is filled flow-insensitively before its statements are checked. A candidate is
+``R.block_hash``, ``getattr(R, "block_hash", ...)`` or a local alias of one; it is reported
+only when it is tested for presence and ``R`` resolves to a block. What the test drives
+(counting, selecting, a position, a yes/no on fullness, membership) picks the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+from audit.model import RULES, Finding
+from audit.resolve import BLOCK, BLOCKS, GROUPS, KVBLOCKS, OTHER, Kind, Resolver, Vocabulary
+
+HASH_ATTR = "block_hash"
+NUM_TOKENS_ATTR = "block_hash_num_tokens"
+
+COUNT, SELECT, INDEX, DECIDE, UNCLEAR, MEMBER, CORRECT = (
+    "KVT001", "KVT002", "KVT003", "KVT004", "KVT005", "KVT006", "")
+
+DEFAULT_BOOKKEEPING_CLASSES = frozenset({
+    "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "BlockHashToBlockMap",
+})
+_MEMBER_FUNC = re.compile(r"writable|set_block_hash|reset_hash|insert_block_hash|"
+                          r"remove_cached|evict|touch|free_blocks|hash_to_block|is_cached|"
+                          r"cached_block", re.I)
+_TRANSFER_FUNC = re.compile(r"load|store|save|recv|receive|send|transfer|offload|fetch|"
+                            r"pull|push|select|pick|choose|prefetch|copy|sched", re.I)
+_DECIDE_NAME = re.compile(r"full|computed|complete|ready|loaded|filled|done|finished", re.I)
+_COUNT_NAME = re.compile(r"num|count|total|tokens|blocks|len|(^|_)n(_|$)|size|hit|computed",
+                         re.I)
+_COLLECT_METHODS = frozenset({"append", "add", "extend", "insert", "appendleft", "put",
+                              "put_nowait", "setdefault", "update"})
+_TERMINAL = (ast.Continue, ast.Return, ast.Break, ast.Raise)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A hash expression whose receiver resolved to a block."""
+
+    node: ast.expr  # the hash expression (attribute, getattr call, alias name)
+    receiver: ast.expr
+    kind: Kind
+
+
+class Checker:
+    """Checks one parsed module; :meth:`run` returns its findings (unsuppressed)."""
+
+    def __init__(self, path: str, tree: ast.Module, vocab: Vocabulary,
+                 bookkeeping: frozenset[str] = DEFAULT_BOOKKEEPING_CLASSES) -> None:
+        self.path = path
+        self.tree = tree
+        self.vocab = vocab
+        self.bookkeeping = bookkeeping
+        self.findings: list[Finding] = []
+        self._stack: list[ast.AST] = []
+
+    # ---------------------------------------------------------------- driving
+    def run(self) -> list[Finding]:
+        root = Resolver(self.vocab)
+        self._collect_producers(root)
+        self._prebind(self.tree.body, root)
+        self._stack = [self.tree]
+        for child in self.tree.body:
+            self._visit(child, root)
+        return self.findings
+
+    def _collect_producers(self, root: Resolver) -> None:
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
+                kind = root.annotation(node.returns)
+                if kind is not None and kind.kind in (BLOCK, BLOCKS, GROUPS, KVBLOCKS):
+                    root.producers[node.name] = Kind(kind.kind, kind.confidence,
+                                                     f"{node.name}() -> {kind.why[10:]}")
+
+    def _visit(self, node: ast.AST, resolver: Resolver) -> None:
+        if isinstance(node, _SCOPES):
+            resolver = self._enter_scope(node, resolver)
+        else:
+            self._check(node, resolver)
+        self._stack.append(node)
+        for child in ast.iter_child_nodes(node):
+            self._visit(child, resolver)
+        self._stack.pop()
+
+    def _enter_scope(self, node: ast.AST, parent: Resolver) -> Resolver:
+        if isinstance(node, ast.ClassDef):
+            return Resolver(self.vocab, class_name=node.name, parent=parent)
+        scope = Resolver(self.vocab, parent=parent)
+        args = node.args  # type: ignore[attr-defined]
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+            kind = scope.annotation(arg.annotation)
+            if kind is not None:
+                scope.set(arg.arg, kind)
+            elif arg.arg != "self":
+                scope.names.pop(arg.arg, None)
+        body = node.body if isinstance(node.body, list) else [node.body]
+        self._prebind(body, scope)
+        return scope
+
+    # ---------------------------------------------------------------- binding
+    def _prebind(self, body: list[ast.stmt] | list[ast.expr], scope: Resolver) -> None:
+        nodes: list[ast.AST] = []
+        todo: list[ast.AST] = list(body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, _SCOPES):
+                continue
+            nodes.append(node)
+            todo.extend(ast.iter_child_nodes(node))
+        nodes.reverse()
+        for _ in range(2):  # a second pass propagates through chains of assignments
+            for node in nodes:
+                self._bind(node, scope)
+
+    def _bind(self, node: ast.AST, scope: Resolver) -> None:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                self._bind_value(target, node.value, scope)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            kind = scope.annotation(node.annotation)
+            if kind is not None:
+                scope.set(node.target.id, kind)
+            elif node.value is not None:
+                self._bind_value(node.target, node.value, scope)
+        elif isinstance(node, ast.NamedExpr):
+            self._bind_value(node.target, node.value, scope)
+        elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
+            scope.bind_target(node.target, node.iter)
+
+    def _bind_value(self, target: ast.expr, value: ast.expr, scope: Resolver) -> None:
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
+                and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts, strict=True):
+                self._bind_value(t, v, scope)
+            return
+        if not isinstance(target, ast.Name):
+            return
+        source = self._hash_source(value, scope, follow_alias=False)
+        if source is not None:
+            scope.aliases[target.id] = (source.receiver, source.kind)
+            return
+        kind = scope.expr(value)
+        if kind is not None and (kind.kind == OTHER or kind.confidence > 1
+                                 or target.id not in scope.names):
+            scope.set(target.id, kind)
+
+    # ------------------------------------------------------------- candidates
+    def _hash_source(self, node: ast.AST, scope: Resolver,
+                     follow_alias: bool = True) -> Candidate | None:
+        receiver: ast.expr | None = None
+        if isinstance(node, ast.Attribute) and node.attr == HASH_ATTR \
+                and isinstance(node.ctx, ast.Load):
+            receiver = node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "getattr" and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value == HASH_ATTR):
+            receiver = node.args[0]
+        elif follow_alias and isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            found = scope.alias(node.id)
+            if found is not None:
+                return Candidate(node, found[0], found[1])
+            return None
+        if receiver is None:
+            return None
+        kind = scope.expr(receiver)
+        if kind is None or kind.kind != BLOCK:
+            return None
+        return Candidate(node, receiver, kind)
+
+    def _check(self, node: ast.AST, scope: Resolver) -> None:
+        if not isinstance(node, ast.Attribute | ast.Call | ast.Name):
+            return
+        cand = self._hash_source(node, scope)
+        if cand is None:
+            return
+        stack = self._stack
+        test, consumer, child, depth = self._presence_test(cand.node, stack)
+        if test is None:
+            return
+        code = self._classify(cand, test, consumer, child, depth, scope)
+        if code == CORRECT:
+            return
+        self._report(cand, test, code, depth)
+
+    # --------------------------------------------------------- presence tests
+    def _presence_test(self, node: ast.expr, stack: list[ast.AST]
+                       ) -> tuple[ast.expr | None, ast.AST | None, ast.AST | None, int]:
+        """(the test node, its consumer, the consumer's child on the path, stack depth)."""
+        i = len(stack) - 1
+        cur: ast.AST = node
+        while i >= 0 and isinstance(stack[i], ast.NamedExpr) and stack[i].value is cur:
+            cur, i = stack[i], i - 1
+        if i < 0:
+            return None, None, None, 0
+        parent = stack[i]
+        if isinstance(parent, ast.Compare):
+            if len(parent.ops) != 1 or not isinstance(parent.ops[0], ast.Is | ast.IsNot
+                                                      | ast.Eq | ast.NotEq):
+                return None, None, None, 0
+            other = parent.comparators[0] if parent.left is cur else parent.left
+            if not (isinstance(other, ast.Constant) and other.value is None):
+                return None, None, None, 0
+            cur, i = parent, i - 1
+        elif not self._truthy_context(cur, parent, stack, i):
+            return None, None, None, 0
+        test = cur
+        # climb the boolean plumbing to the construct that consumes the test
+        while i >= 0:
+            parent = stack[i]
+            if isinstance(parent, ast.BoolOp | ast.NamedExpr) or (
+                    isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)) or (
+                    isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name)
+                    and parent.func.id == "bool") or (
+                    isinstance(parent, ast.IfExp) and parent.test is cur):
+                cur, i = parent, i - 1
+                continue
+            break
+        if i < 0:
+            return None, None, None, 0
+        return test, stack[i], cur, i
+
+    @staticmethod
+    def _truthy_context(cur: ast.AST, parent: ast.AST, stack: list[ast.AST], i: int) -> bool:
+        if isinstance(parent, ast.If | ast.While | ast.IfExp | ast.Assert):
+            return parent.test is cur
+        if isinstance(parent, ast.UnaryOp):
+            return isinstance(parent.op, ast.Not)
+        if isinstance(parent, ast.BoolOp):
+            return True
+        if isinstance(parent, ast.comprehension):
+            return cur in parent.ifs
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name):
+            return parent.func.id == "bool" and cur in parent.args
+        if isinstance(parent, ast.Lambda):  # filter(lambda b: b.block_hash, ...)
+            return i >= 1 and _call_name(stack[i - 1]) in {"filter", "any", "all"}
+        if isinstance(parent, ast.GeneratorExp | ast.ListComp) and parent.elt is cur:
+            return i >= 1 and _call_name(stack[i - 1]) in {"any", "all", "filter"}
+        return False
+
+    # ---------------------------------------------------------- classification
+    def _classify(self, cand: Candidate, test: ast.expr, consumer: ast.AST, child: ast.AST,
+                  depth: int, scope: Resolver) -> str:
+        stack = self._stack
+        func = _enclosing(stack, depth, ast.FunctionDef | ast.AsyncFunctionDef)
+        func_name = func.name if func is not None else ""
+        cls = _enclosing(stack, depth, ast.ClassDef)
+        region = self._region(consumer, child, depth)
+        if _consults_num_tokens([child, *region]):
+            return CORRECT
+        if (cls is not None and cls.name in self.bookkeeping) or _MEMBER_FUNC.search(func_name):
+            return MEMBER
+        outer = stack[depth - 1] if depth >= 1 else None
+        if isinstance(consumer, ast.comprehension):
+            comp = outer
+            call = _call_name(stack[depth - 2]) if depth >= 2 else ""
+            if call in {"sum", "len"}:
+                return COUNT
+            if call in {"any", "all"}:
+                return DECIDE
+            elt = getattr(comp, "elt", None) or getattr(comp, "value", None)
+            if elt is not None and self._is_hash_only(elt, scope):
+                return MEMBER
+            return SELECT
+        if isinstance(consumer, ast.GeneratorExp | ast.ListComp | ast.SetComp):
+            call = _call_name(outer) if outer is not None else ""
+            return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE}.get(call, SELECT)
+        if isinstance(consumer, ast.Lambda):
+            call = _call_name(outer) if outer is not None else ""
+            if call == "map" and depth >= 2 and _call_name(stack[depth - 2]) == "sum":
+                return COUNT
+            return {"filter": SELECT, "map": SELECT, "any": DECIDE, "all": DECIDE}.get(
+                call, UNCLEAR)
+        if isinstance(consumer, ast.Call):
+            call = _call_name(consumer)
+            return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE,
+                    "filter": SELECT}.get(call, UNCLEAR)
+        if isinstance(consumer, ast.AugAssign):
+            return COUNT
+        if isinstance(consumer, ast.Assert):
+            return MEMBER
+        if isinstance(consumer, ast.Return):
+            if _DECIDE_NAME.search(func_name):
+                return DECIDE
+            return UNCLEAR
+        if isinstance(consumer, ast.Assign | ast.AnnAssign):
+            targets = consumer.targets if isinstance(consumer, ast.Assign) else [consumer.target]
+            names = " ".join(_target_text(t) for t in targets)
+            if _DECIDE_NAME.search(names):
+                return DECIDE
+            return UNCLEAR
+        if isinstance(consumer, ast.If | ast.While):
+            return self._classify_region(cand, consumer, region, func_name, scope)
+        return UNCLEAR
+
+    def _region(self, consumer: ast.AST, child: ast.AST, depth: int) -> list[ast.AST]:
+        """Statements (or expressions) whose execution the test decides."""
+        if isinstance(consumer, ast.comprehension):
+            comp = self._stack[depth - 1] if depth >= 1 else None
+            parts: list[ast.AST] = list(consumer.ifs)
+            for attr in ("elt", "key", "value"):
+                if getattr(comp, attr, None) is not None:
+                    parts.append(getattr(comp, attr))
+            return parts
+        if not isinstance(consumer, ast.If | ast.While) or consumer.test is not child:
+            return [consumer] if isinstance(consumer, ast.stmt) else []
+        region: list[ast.AST] = [*consumer.body, *consumer.orelse]
+        if isinstance(consumer, ast.If) and consumer.body \
+                and isinstance(consumer.body[-1], _TERMINAL) and depth >= 1:
+            holder = self._stack[depth - 1]
+            for field in ("body", "orelse", "finalbody"):
+                stmts = getattr(holder, field, None)
+                if isinstance(stmts, list) and consumer in stmts:
+                    region.extend(stmts[stmts.index(consumer) + 1:])
+                    break
+        return region
+
+    def _classify_region(self, cand: Candidate, stmt: ast.If | ast.While,
+                         region: list[ast.AST], func_name: str, scope: Resolver) -> str:
+        loop_vars = self._loop_vars(stmt)
+        base = _base_name(cand.receiver)
+        watched = loop_vars | ({base} if base else set())
+        signals: set[str] = set()
+        for node in _flat(region):
+            if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add | ast.Sub) \
+                    and _COUNT_NAME.search(_target_text(node.target)):
+                signals.add(COUNT)
+            elif isinstance(node, ast.Break):
+                signals.add(INDEX)
+            elif isinstance(node, ast.Assign) and _mentions(node.value, loop_vars - {base}) \
+                    and not isinstance(node.value, ast.Subscript):
+                signals.add(INDEX)
+            elif isinstance(node, ast.Return) and node.value is not None:
+                if _mentions(node.value, loop_vars - {base}):
+                    signals.add(INDEX)
+                elif _TRANSFER_FUNC.search(func_name):
+                    signals.add(SELECT)
+                elif _DECIDE_NAME.search(func_name):
+                    signals.add(DECIDE)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _COLLECT_METHODS:
+                if any(_mentions(a, watched) and not self._is_hash_only(a, scope)
+                       for a in node.args):
+                    signals.add(SELECT)
+            elif isinstance(node, ast.Yield | ast.YieldFrom):
+                signals.add(SELECT)
+        if isinstance(stmt, ast.While) and COUNT not in signals and any(
+                isinstance(n, ast.AugAssign) for n in _flat(region)):
+            signals.add(INDEX)
+        for code in (COUNT, INDEX, SELECT, DECIDE):
+            if code in signals:
+                return code
+        if any(self._uses_hash(n, cand, scope) for n in _flat(region)):
+            return MEMBER
+        if _TRANSFER_FUNC.search(func_name) and isinstance(stmt, ast.If) and stmt.body \
+                and isinstance(stmt.body[-1], ast.Continue | ast.Return):
+            return SELECT
+        return UNCLEAR
+
+    def _loop_vars(self, stmt: ast.AST) -> set[str]:
+        """Names bound by the innermost enclosing ``for`` (the index and the element)."""
+        for node in reversed(self._stack):
+            if isinstance(node, ast.For | ast.AsyncFor):
+                return {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+            if isinstance(node, _SCOPES):
+                break
+        return set()
+
+    def _is_hash_only(self, node: ast.AST, scope: Resolver) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr == HASH_ATTR:
+            return True
+        return isinstance(node, ast.Name) and scope.alias(node.id) is not None
+
+    def _uses_hash(self, node: ast.AST, cand: Candidate, scope: Resolver) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr == HASH_ATTR:
+            return True
+        return isinstance(node, ast.Name) and scope.alias(node.id) is not None
+
+    # -------------------------------------------------------------- reporting
+    def _report(self, cand: Candidate, test: ast.expr, code: str, depth: int) -> None:
+        from audit.fixes import suggest  # local: keeps the hot path import-light
+
+        rule = RULES[code]
+        recv = ast.unparse(cand.receiver)
+        index, block_size, replacement = suggest(cand, test, self._stack[: depth + 1])
+        fix = rule.fix.format(recv=recv, index=index or "index",
+                              block_size=block_size or "block_size", code=code)
+        suggestion = None
+        if replacement is not None:
+            suggestion = replacement
+        self.findings.append(Finding(
+            path=self.path, line=test.lineno, col=test.col_offset + 1, code=code,
+            severity=rule.severity, message=f"{rule.summary} (receiver `{recv}`)", fix=fix,
+            confidence=cand.kind.confidence, why=cand.kind.why,
+            end_line=test.end_lineno or test.lineno, end_col=(test.end_col_offset or 0) + 1,
+            suggestion=suggestion,
+        ))
+
+
+# ------------------------------------------------------------------ helpers
+def _call_name(node: ast.AST | None) -> str:
+    if isinstance(node, ast.Call):
+        if isinstance(node.func, ast.Name):
+            return node.func.id
+        if isinstance(node.func, ast.Attribute):
+            return node.func.attr
+    return ""
+
+
+def _enclosing(stack: list[ast.AST], depth: int, kind: type | tuple[type, ...]):
+    for node in reversed(stack[: depth + 1]):
+        if isinstance(node, kind):
+            return node
+    return None
+
+
+def _target_text(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):
+        return _target_text(node.value)
+    return ""
+
+
+def _base_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _mentions(node: ast.AST, names: set[str]) -> bool:
+    if not names:
+        return False
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+
+
+def _flat(region: list[ast.AST]) -> list[ast.AST]:
+    """Every node of the region, descending into if/with/try but not into loops or defs."""
+    out: list[ast.AST] = []
+    todo = list(reversed(region))
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, _SCOPES):
+            continue
+        children = list(ast.iter_child_nodes(node))
+        if isinstance(node, ast.For | ast.AsyncFor | ast.While):
+            children = [node.iter] if isinstance(node, ast.For | ast.AsyncFor) else [node.test]
+        todo.extend(reversed(children))
+    return out
+
+
+def _consults_num_tokens(region: list[ast.AST]) -> bool:
+    """True when ``block_hash_num_tokens`` feeds the decision beyond a None check."""
+    for node in _flat(region):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and any(
+                isinstance(x, ast.Constant) and x.value is None
+                for x in (node.left, *node.comparators)):
+            continue  # ``num_tokens is not None`` alone says nothing about fullness
+        for sub in ast.iter_child_nodes(node):
+            if isinstance(sub, ast.Attribute) and sub.attr == NUM_TOKENS_ATTR:
+                return True
+    return False
