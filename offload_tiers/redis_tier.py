@@ -233,9 +233,13 @@ class RedisTier:
 
     def _check_policy(self, pool: Any, ep: _Endpoint) -> None:
         responses = self._exchange(ep, pool, [[command(b"CONFIG", b"GET", b"maxmemory-policy")]])
-        if not responses or not isinstance(responses[0], list) or len(responses[0]) < 2:
+        reply = responses[0] if responses else None
+        if isinstance(reply, dict):  # RESP3 map
+            policy = reply.get(b"maxmemory-policy")
+        elif isinstance(reply, list) and len(reply) >= 2:  # RESP2 pair
+            policy = reply[1]
+        else:
             return  # CONFIG not permitted (ACL, managed Redis): nothing to say
-        policy = responses[0][1]
         if policy == b"noeviction":
             self.noeviction = True
             if not self._warned_policy:

@@ -1,0 +1,114 @@
+"""A loopback TCP proxy a test controls: added latency, connection resets, black-holing."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+from tests.support.ports import free_port
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0), as a crashed peer or a middlebox would."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to ``target``; modes: ``forward``, ``blackhole``, ``refuse``.
+
+    ``latency_s`` delays every forwarded chunk; ``reset_all()`` RSTs every open connection;
+    ``blackhole`` accepts and forwards nothing (a hung peer); ``refuse`` resets new
+    connections at once.
+    """
+
+    def __init__(self, target_host: str, target_port: int, *, port: int | None = None) -> None:
+        self.target = (target_host, target_port)
+        self.port = port or free_port()
+        self.latency_s = 0.0
+        self.mode = "forward"
+        self.connections = 0
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", self.port))
+        self._listener.listen(64)
+        self._listener.settimeout(0.2)
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> TcpProxy:
+        self._thread.start()
+        return self
+
+    def reset_all(self) -> int:
+        with self._lock:
+            conns = list(self._conns)
+            self._conns.clear()
+        for sock in conns:
+            _reset(sock)
+        return len(conns)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._listener.close()
+        self.reset_all()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            if self.mode == "refuse":
+                _reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                _reset(client)
+                continue
+            upstream.settimeout(None)
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                while self.mode == "blackhole" and not self._stop.is_set():
+                    time.sleep(0.02)
+                if self.latency_s:
+                    time.sleep(self.latency_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(src)
+                self._conns.discard(dst)
+            _reset(src)
+            _reset(dst)

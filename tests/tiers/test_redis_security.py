@@ -1,0 +1,150 @@
+"""Credentials (requirepass, ACL user), wrong passwords, TLS with server verification,
+unix sockets. Secrets never appear in errors, logs or stats."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from offload_tiers.redis_tier import RedisTier, RedisTierError
+from offload_tiers.redis_url import parse_redis_url, redact_url
+from tests.support.ports import free_port
+from tests.support.redis_server import RedisServer
+from tests.support.tls_certs import make_tls_files
+from tests.tiers.helpers import key
+
+SECRET = "p@ss:w/rd%-Zq81"  # characters that need percent-encoding in a URL
+
+
+def _url(user: str, password: str, port: int) -> str:
+    return f"redis://{user}:{quote(password, safe='')}@127.0.0.1:{port}/0"
+
+
+def _no_secret(*texts: str) -> None:
+    for text in texts:
+        assert SECRET not in text and quote(SECRET, safe="") not in text, text
+
+
+def test_redact_url() -> None:
+    url = _url("alice", SECRET, 6379)
+    assert redact_url(url) == "redis://alice:***@127.0.0.1:6379/0"
+    assert redact_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+    assert redact_url("redis://h:1/0?password=pw&db=1") == "redis://h:1/0?password=***&db=1"
+    assert parse_redis_url("rediss+cluster://h:1").cluster
+    assert parse_redis_url("redis://h:1", cluster=True).cluster
+    with pytest.raises(ValueError) as info:
+        parse_redis_url("ftp://u:" + SECRET + "@h:1")
+    _no_secret(str(info.value))
+
+
+@pytest.fixture
+def auth_server(tmp_path: Path) -> RedisServer:
+    server = RedisServer(tmp_path / "auth", password=SECRET).start()
+    yield server
+    server.stop()
+
+
+def test_requirepass_in_url(auth_server: RedisServer, key_prefix: str) -> None:
+    with RedisTier.from_url(_url("", SECRET, auth_server.port), prefix=key_prefix,
+                            strict=True) as t:
+        assert t.put_many([(key(0), b"secret-protected")]) == 1
+        assert bytes(t.get(key(0))) == b"secret-protected"
+        _no_secret(str(t.stats()))
+
+
+def test_acl_user_in_url(auth_server: RedisServer, key_prefix: str) -> None:
+    admin = auth_server.client()
+    admin.execute_command("ACL", "SETUSER", "kvuser", "on", f">{SECRET}",
+                          f"~{key_prefix}:*", "+@all", "-@admin")
+    with RedisTier.from_url(_url("kvuser", SECRET, auth_server.port), prefix=key_prefix,
+                            strict=True) as t:
+        assert t.put_many([(key(0), b"acl")]) == 1 and bytes(t.get(key(0))) == b"acl"
+        assert not t.stats()["noeviction"]  # CONFIG denied by ACL: silently skipped
+    # the ACL forbids keys outside the prefix: a store there fails, counted, no exception
+    with RedisTier.from_url(_url("kvuser", SECRET, auth_server.port), prefix="elsewhere") as t:
+        assert t.put_many([(key(0), b"x")]) == 0 and t.stats()["put_failures"] == 1
+        assert t.available
+
+
+@pytest.mark.parametrize("user", ["", "kvuser"])
+def test_wrong_password_is_clear_and_secret_free(auth_server: RedisServer, key_prefix: str,
+                                                 user: str,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    wrong = SECRET + "-wrong"
+    url = _url(user, wrong, auth_server.port)
+    with pytest.raises(RedisTierError) as info:
+        RedisTier.from_url(url, prefix=key_prefix, strict=True)
+    message = str(info.value)
+    assert "authentication failed" in message.lower() or "auth" in message.lower(), message
+    assert f"127.0.0.1:{auth_server.port}" in message and "***" in message
+    assert wrong not in message and quote(wrong, safe="") not in message
+    _no_secret(message)
+    with caplog.at_level(logging.DEBUG):
+        t = RedisTier.from_url(url, prefix=key_prefix)
+        assert not t.available and t.get(key(0)) is None and t.put_many([(key(0), b"x")]) == 0
+        texts = [t.last_error, str(t.stats())] + [r.getMessage() for r in caplog.records]
+        t.close(timeout=1)
+    assert any("auth" in x.lower() for x in texts)
+    for text in texts:
+        assert wrong not in text and quote(wrong, safe="") not in text, text
+
+
+def test_no_password_given_to_protected_server(auth_server: RedisServer, key_prefix: str) -> None:
+    with pytest.raises(RedisTierError, match="(?i)auth"):
+        RedisTier.from_url(f"redis://127.0.0.1:{auth_server.port}/0", prefix=key_prefix,
+                           strict=True)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path):  # noqa: ANN201
+    files = make_tls_files(tmp_path / "tls")
+    tls_port = free_port()
+    server = RedisServer(tmp_path / "tls-redis", "--tls-port", str(tls_port),
+                         "--tls-cert-file", str(files.server_cert),
+                         "--tls-key-file", str(files.server_key),
+                         "--tls-ca-cert-file", str(files.ca_cert),
+                         "--tls-auth-clients", "no").start()
+    yield server, tls_port, files
+    server.stop()
+
+
+def test_tls_verifies_the_server(tls_server, key_prefix: str) -> None:  # noqa: ANN001
+    _server, port, files = tls_server
+    for host in ("127.0.0.1", "localhost"):
+        with RedisTier.from_url(f"rediss://{host}:{port}/0", prefix=key_prefix,
+                                ssl_ca_certs=str(files.ca_cert), strict=True) as t:
+            assert t.target.tls
+            assert t.put_many([(key(0), b"over tls" * 5000)]) == 1
+            assert bytes(t.get(key(0))) == b"over tls" * 5000
+
+
+def test_tls_with_an_untrusted_ca_fails_clearly(tls_server, key_prefix: str) -> None:  # noqa: ANN001
+    _server, port, files = tls_server
+    with pytest.raises(RedisTierError, match="(?i)certificate"):
+        RedisTier.from_url(f"rediss://127.0.0.1:{port}/0", prefix=key_prefix,
+                           ssl_ca_certs=str(files.other_ca_cert), strict=True,
+                           socket_timeout_s=2)
+
+
+def test_plain_client_against_tls_port_is_a_miss_not_a_hang(tls_server, key_prefix: str) -> None:  # noqa: ANN001
+    _server, port, _files = tls_server
+    t = RedisTier.from_url(f"redis://127.0.0.1:{port}/0", prefix=key_prefix,
+                           socket_timeout_s=0.5)
+    try:
+        assert not t.available and t.get(key(0)) is None
+    finally:
+        t.close(timeout=1)
+
+
+def test_unix_socket(tmp_path: Path, key_prefix: str) -> None:
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path / "unix", "--unixsocket", str(sock),
+                         "--unixsocketperm", "700").start()
+    try:
+        with RedisTier.from_url(f"unix://{sock}?db=0", prefix=key_prefix, strict=True) as t:
+            assert t.put_many([(key(0), b"unix")]) == 1 and bytes(t.get(key(0))) == b"unix"
+    finally:
+        server.stop()
