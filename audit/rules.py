@@ -97,11 +97,22 @@ class Checker:
             kind = scope.annotation(arg.annotation)
             if kind is not None:
                 scope.set(arg.arg, kind)
-            elif arg.arg != "self":
-                scope.names.pop(arg.arg, None)
+        if isinstance(node, ast.Lambda):
+            self._bind_lambda(node, parent, scope)
         body = node.body if isinstance(node.body, list) else [node.body]
         self._prebind(body, scope)
         return scope
+
+    def _bind_lambda(self, node: ast.Lambda, parent: Resolver, scope: Resolver) -> None:
+        """``filter(lambda b: ..., blocks)``: ``b`` is an element of ``blocks``."""
+        call = self._stack[-1] if self._stack else None
+        if not (isinstance(call, ast.Call) and call.args and call.args[0] is node
+                and _call_name(call) in {"filter", "map", "sorted", "min", "max"}
+                and len(call.args) >= 2 and node.args.args):
+            return
+        kind = parent.element_of(call.args[1])
+        if kind is not None:
+            scope.set(node.args.args[0].arg, kind)
 
     # ---------------------------------------------------------------- binding
     def _prebind(self, body: list[ast.stmt] | list[ast.expr], scope: Resolver) -> None:
