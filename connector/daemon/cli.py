@@ -1,0 +1,139 @@
+"""``kvtier daemon``: parse flags + YAML, run until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from connector.daemon.config import ConfigError, DaemonConfig, load_config
+
+__all__ = ["build_parser", "main", "run"]
+
+log = logging.getLogger("kvtier.daemon")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier daemon",
+        description="Subscribe to vLLM KV-event streams, keep a partial-aware index of "
+                    "which prefix lives in which tier, serve look-ups and metrics.",
+    )
+    p.add_argument("--config", help="YAML file (see configs/daemon.yaml); flags override it")
+    p.add_argument("--endpoint", action="append", metavar="PUB[,REPLAY]",
+                   help="a publisher as in vLLM's KVEventsConfig: the PUB endpoint and "
+                        "optionally its replay endpoint, e.g. 'tcp://*:5557,tcp://*:5558'. "
+                        "Repeatable. '*' => vLLM binds, the daemon connects; no '*' => "
+                        "vLLM connects, the daemon binds.")
+    p.add_argument("--dp-size", type=int, help="data-parallel ranks per publisher "
+                   "(ports offset by rank, as vLLM does)")
+    p.add_argument("--topic", help="ZMQ topic (vLLM's KVEventsConfig.topic)")
+    p.add_argument("--http", help="HOST:PORT for the HTTP API (default 127.0.0.1:9400)")
+    p.add_argument("--connect-host", help="host replacing '*' when connecting")
+    p.add_argument("--block-size", action="append", metavar="GROUP=SIZE",
+                   help="physical block size of a KV-cache group (else learned from full "
+                        "announcements). Repeatable.")
+    p.add_argument("--max-entries", type=int, help="cap on resident index entries")
+    p.add_argument("--replay-timeout", type=float, dest="replay_timeout_s")
+    rp = p.add_mutually_exclusive_group()
+    rp.add_argument("--replay-on-start", dest="replay_on_start", action="store_true",
+                    default=None, help="ask each publisher for its buffered batches at start")
+    rp.add_argument("--no-replay-on-start", dest="replay_on_start", action="store_false")
+    p.add_argument("--log-level")
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "http": args.http, "connect_host": args.connect_host, "max_entries": args.max_entries,
+        "replay_timeout_s": args.replay_timeout_s, "replay_on_start": args.replay_on_start,
+        "log_level": args.log_level,
+    }
+    if args.endpoint:
+        pubs = []
+        for spec in args.endpoint:
+            pub, _, replay = spec.partition(",")
+            entry: dict[str, Any] = {"endpoint": pub.strip()}
+            if replay.strip():
+                entry["replay_endpoint"] = replay.strip()
+            if args.dp_size is not None:
+                entry["dp_size"] = args.dp_size
+            if args.topic is not None:
+                entry["topic"] = args.topic
+            pubs.append(entry)
+        out["publishers"] = pubs
+    elif args.dp_size is not None or args.topic is not None:
+        raise ConfigError("--dp-size/--topic apply to --endpoint publishers; give --endpoint")
+    if args.block_size:
+        sizes: dict[int, int] = {}
+        for spec in args.block_size:
+            g, sep, b = spec.partition("=")
+            if not sep or not g.strip().isdigit() or not b.strip().isdigit():
+                raise ConfigError(f"--block-size expects GROUP=SIZE, got {spec!r}")
+            sizes[int(g)] = int(b)
+        out["block_sizes"] = sizes
+    return out
+
+
+async def _serve(cfg: DaemonConfig) -> int:
+    from aiohttp import web
+
+    from connector.daemon.http import make_app
+    from connector.daemon.service import Daemon
+
+    try:
+        daemon = Daemon(cfg)
+    except zmq.ZMQError as exc:
+        print(f"kvtier daemon: cannot open publisher sockets: {exc}", file=sys.stderr)
+        return 1
+    runner = web.AppRunner(make_app(daemon), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.http_host, cfg.http_port)
+        await site.start()
+    except OSError as exc:
+        print(f"kvtier daemon: cannot listen on {cfg.http}: {exc.strerror}", file=sys.stderr)
+        await runner.cleanup()
+        daemon.subscriber.close()
+        return 1
+    daemon.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    bound = site._server.sockets[0].getsockname() if site._server else cfg.http  # type: ignore
+    log.info("kvtier daemon: %d source(s); HTTP on %s", len(daemon.subscriber.sources), bound)
+    print(f"kvtier daemon listening on http://{bound[0]}:{bound[1]}", flush=True)
+    await stop.wait()
+    log.info("kvtier daemon: shutting down")
+    await runner.cleanup()
+    await asyncio.to_thread(daemon.stop)
+    return 0
+
+
+def run(cfg: DaemonConfig) -> int:
+    """Run the daemon in the foreground until SIGTERM/SIGINT; return the exit code."""
+    logging.basicConfig(level=cfg.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(cfg))
+
+
+def main(argv: list[str]) -> int:
+    """Entry point used by ``kvtier daemon``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, _overrides(args))
+    except ConfigError as exc:
+        print(f"kvtier daemon: {exc}", file=sys.stderr)
+        return 2
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

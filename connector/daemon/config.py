@@ -1,0 +1,156 @@
+"""Daemon configuration: YAML file + command-line flags, validated with pydantic."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["ConfigError", "DaemonConfig", "PublisherConfig", "load_config", "offset_endpoint"]
+
+_ENDPOINT_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")
+_MEDIUMS = {"GPU", "CPU", "STORAGE"}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message meant for the operator."""
+
+
+def _check_endpoint(value: str, what: str) -> str:
+    if not _ENDPOINT_RE.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not a ZMQ endpoint: use tcp://HOST:PORT, "
+            "tcp://*:PORT, ipc://PATH or inproc://NAME"
+        )
+    return value
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's ``offset_endpoint_port``: DP rank ``r`` uses port + r (tcp) or a ``_dp{r}`` suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+class PublisherConfig(BaseModel):
+    """One vLLM engine's KV-event publisher, written exactly as in vLLM's ``KVEventsConfig``.
+
+    ``endpoint`` with ``*`` (or ipc/inproc): vLLM binds, the daemon connects (``*`` is
+    replaced by ``connect_host``). Without ``*``: vLLM connects, so the daemon binds it.
+    ``replay_endpoint`` is always bound by vLLM (ROUTER); the daemon connects a DEALER.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    dp_size: int = Field(default=1, ge=1, le=1024)
+    topic: str = ""
+    name: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        return _check_endpoint(v, "endpoint")
+
+    @field_validator("replay_endpoint")
+    @classmethod
+    def _replay(cls, v: str | None) -> str | None:
+        return None if v is None else _check_endpoint(v, "replay_endpoint")
+
+
+class DaemonConfig(BaseModel):
+    """Everything ``kvtier daemon`` can be told (see configs/daemon.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    publishers: list[PublisherConfig] = Field(min_length=1)
+    http: str = "127.0.0.1:9400"
+    connect_host: str = "127.0.0.1"
+    replay_on_start: bool = True
+    replay_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    max_pending_batches: int = Field(default=10_000, ge=1)
+    max_entries: int = Field(default=10_000_000, ge=1)
+    block_sizes: dict[int, int] = Field(default_factory=dict)
+    hwm: int = Field(default=100_000, ge=0)
+    clear_on_restart: list[str] = Field(default_factory=lambda: ["GPU", "CPU"])
+    log_level: str = "INFO"
+
+    @field_validator("http")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"http must be HOST:PORT, got {v!r}")
+        return v
+
+    @field_validator("block_sizes")
+    @classmethod
+    def _sizes(cls, v: dict[int, int]) -> dict[int, int]:
+        for g, b in v.items():
+            if g < 0 or b <= 0:
+                raise ValueError(f"block_sizes: group {g} -> {b}: groups >= 0, sizes > 0")
+        return v
+
+    @field_validator("clear_on_restart")
+    @classmethod
+    def _mediums(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if m not in _MEDIUMS]
+        if bad:
+            raise ValueError(f"clear_on_restart: unknown media {bad}; use GPU, CPU, STORAGE")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {v!r}")
+        return v
+
+    @property
+    def http_host(self) -> str:
+        return self.http.rpartition(":")[0].strip("[]")
+
+    @property
+    def http_port(self) -> int:
+        return int(self.http.rpartition(":")[2])
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}")
+    return "invalid daemon configuration:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any]) -> DaemonConfig:
+    """Read ``path`` (YAML, optional), apply flag ``overrides``, validate. :class:`ConfigError`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = dict(loaded or {})
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return DaemonConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None

@@ -1,0 +1,54 @@
+"""The daemon's HTTP API (aiohttp): /healthz, /metrics, /stats, POST /lookup."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from connector.daemon.service import Daemon, LookupRequest
+
+__all__ = ["make_app"]
+
+MAX_BODY = 64 * 1024 * 1024
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def make_app(daemon: Daemon) -> web.Application:
+    """An aiohttp application serving ``daemon``."""
+    app = web.Application(client_max_size=MAX_BODY)
+
+    async def healthz(_: web.Request) -> web.Response:
+        alive = daemon.subscriber._thread is not None and daemon.subscriber._thread.is_alive()
+        body = {"status": "ok" if alive else "ingest thread not running",
+                "sources": len(daemon.subscriber.sources)}
+        return web.json_response(body, status=200 if alive else 503)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=daemon.metrics_text(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response(daemon.stats())
+
+    async def lookup(request: web.Request) -> web.Response:
+        try:
+            body: Any = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body is not valid JSON")
+        try:
+            req = LookupRequest(body)
+            return web.json_response(daemon.lookup(req))
+        except ValueError as exc:
+            return _error(400, str(exc))
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/lookup", lookup)
+    return app

@@ -1,0 +1,217 @@
+"""The running daemon: ingest thread + the state the HTTP handlers read."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from connector.daemon.config import DaemonConfig
+from connector.daemon.ingest import Ingestor
+from connector.daemon.subscriber import Subscriber
+from connector.events import MEDIUMS
+
+__all__ = ["Daemon", "LookupRequest"]
+
+
+class LookupRequest:
+    """A validated ``POST /lookup`` body."""
+
+    __slots__ = ("block_hashes", "group_idx", "unit", "publisher")
+
+    MAX_HASHES = 1_000_000
+
+    def __init__(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object with 'block_hashes'")
+        unknown = set(body) - {"block_hashes", "group_idx", "hash_block_size", "publisher"}
+        if unknown:
+            raise ValueError(f"unknown fields: {sorted(unknown)}")
+        hashes = body.get("block_hashes")
+        if not isinstance(hashes, list):
+            raise ValueError("'block_hashes' must be a list of ints (or hex strings)")
+        if len(hashes) > self.MAX_HASHES:
+            raise ValueError(f"'block_hashes' has more than {self.MAX_HASHES} entries")
+        out: list[int | bytes] = []
+        for i, h in enumerate(hashes):
+            if isinstance(h, bool):
+                raise ValueError(f"block_hashes[{i}] must be an int or hex string, not bool")
+            if isinstance(h, int):
+                out.append(h)
+            elif isinstance(h, str):
+                try:
+                    out.append(bytes.fromhex(h))
+                except ValueError:
+                    raise ValueError(f"block_hashes[{i}] is not a hex string") from None
+            else:
+                raise ValueError(f"block_hashes[{i}] must be an int or hex string")
+        self.block_hashes = out
+        self.group_idx = _int_field(body, "group_idx", 0, minimum=0)
+        unit = body.get("hash_block_size")
+        self.unit = None if unit is None else _int_field(body, "hash_block_size", 0, minimum=1)
+        pub = body.get("publisher")
+        if pub is not None and not isinstance(pub, str):
+            raise ValueError("'publisher' must be a string")
+        self.publisher = pub
+
+
+def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
+    v = body.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"'{name}' must be an integer >= {minimum}")
+    return v
+
+
+class Daemon:
+    """Wires config -> subscriber -> ingestor; answers look-ups, stats and metrics."""
+
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.ingestor = Ingestor(cfg.block_sizes, max_entries=cfg.max_entries)
+        self.subscriber = Subscriber(cfg, self.ingestor, self.lock)
+        self.started = time.time()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_DaemonCollector(self))
+        self._counts_cache: tuple[float, dict[tuple[str, str], int]] = (0.0, {})
+
+    def start(self) -> None:
+        self.subscriber.start()
+
+    def stop(self) -> None:
+        self.subscriber.stop()
+
+    def lookup(self, req: LookupRequest) -> dict[str, Any]:
+        with self.lock:
+            result = self.ingestor.index.lookup(
+                req.block_hashes, group=req.group_idx, unit=req.unit, publisher=req.publisher)
+        return {m: r.as_dict() for m, r in result.items()}
+
+    def entry_counts(self) -> dict[tuple[str, str], int]:
+        """Entries by (medium, kind), recomputed at most once a second (it is a scan)."""
+        at, counts = self._counts_cache
+        now = time.monotonic()
+        if now - at > 1.0:
+            with self.lock:
+                counts = self.ingestor.index.entry_counts()
+            self._counts_cache = (now, counts)
+        return counts
+
+    def stats(self) -> dict[str, Any]:
+        ing = self.ingestor
+        idx = ing.index
+        with self.lock:
+            pubs = {name: {
+                "batches": st.batches, "stored_events": st.stored_events,
+                "removed_events": st.removed_events, "cleared_events": st.cleared_events,
+                "invalid_events": st.invalid_events, "last_lag_s": round(st.last_lag_s, 6),
+                "max_lag_s": round(st.max_lag_s, 6),
+            } for name, st in ing.publishers.items()}
+            sources = [{
+                "name": s.name, "rank": s.rank, "endpoint": s.endpoint, "binds": s.binds,
+                "replay_endpoint": s.replay_endpoint, "next_seq": s.expected,
+                "replaying": s.replaying, **{k: v for k, v in vars(s.counters).items()},
+            } for s in self.subscriber.sources]
+            block_sizes = {f"{p}/{g}": b for (p, g), b in ing.facts.sizes.items()}
+            index = {
+                "entries": idx.n_entries, "max_entries": idx.max_entries,
+                "hash_stores": idx.stores, "hash_removals": idx.removals,
+                "unknown_removals": idx.unknown_removals,
+                "dropped_capacity": idx.dropped_capacity, "clears": idx.clears,
+                "facts": sum(len(d) for d in ing.facts.by_pg.values()),
+                "pending": sum(len(d) for d in ing.facts.pending.values()),
+                "invalid_events": ing.classifier.invalid_events,
+                "block_size_conflicts": ing.classifier.conflicts,
+                "block_sizes": block_sizes,
+            }
+        counts = self.entry_counts()
+        index["by_medium_kind"] = {f"{m}/{k}": c for (m, k), c in sorted(counts.items())}
+        return {"uptime_s": round(time.time() - self.started, 3), "pid": os.getpid(),
+                "rss_bytes": _rss_bytes(), "decode_errors": ing.decode_errors,
+                "index": index, "publishers": pubs, "sources": sources}
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _DaemonCollector(Collector):
+    """Reads the daemon's plain-int counters at scrape time (no cost on the hot path)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    def collect(self) -> Iterator[Any]:
+        d = self.d
+        ing = d.ingestor
+        idx = ing.index
+        counts = d.entry_counts()
+        with d.lock:
+            ev = CounterMetricFamily("kvtier_daemon_events", "KV events applied",
+                                     labels=["publisher", "type"])
+            batches = CounterMetricFamily("kvtier_daemon_batches", "Event batches applied",
+                                          labels=["publisher"])
+            lag = GaugeMetricFamily("kvtier_daemon_lag_seconds",
+                                    "Now minus the last applied batch's timestamp",
+                                    labels=["publisher"])
+            max_lag = GaugeMetricFamily("kvtier_daemon_max_lag_seconds",
+                                        "Largest lag seen", labels=["publisher"])
+            for name, st in ing.publishers.items():
+                ev.add_metric([name, "BlockStored"], st.stored_events)
+                ev.add_metric([name, "BlockRemoved"], st.removed_events)
+                ev.add_metric([name, "AllBlocksCleared"], st.cleared_events)
+                ev.add_metric([name, "invalid"], st.invalid_events)
+                batches.add_metric([name], st.batches)
+                lag.add_metric([name], st.last_lag_s)
+                max_lag.add_metric([name], st.max_lag_s)
+            hashes = CounterMetricFamily("kvtier_daemon_hashes", "Hash announcements applied",
+                                         labels=["op"])
+            hashes.add_metric(["stored"], idx.stores)
+            hashes.add_metric(["removed"], idx.removals)
+            hashes.add_metric(["unknown_removed"], idx.unknown_removals)
+            hashes.add_metric(["dropped_capacity"], idx.dropped_capacity)
+            total = GaugeMetricFamily("kvtier_daemon_index_entries_total",
+                                      "Resident (residency key, hash) entries")
+            total.add_metric([], idx.n_entries)
+            src_metrics = {
+                "gaps": ("kvtier_daemon_gaps", "Sequence gaps detected"),
+                "missing_batches": ("kvtier_daemon_gap_batches_unrepaired",
+                                    "Batches lost in gaps that replay could not repair"),
+                "repaired_batches": ("kvtier_daemon_gap_batches_repaired",
+                                     "Batches recovered by replay"),
+                "replays_requested": ("kvtier_daemon_replays", "Replay requests sent"),
+                "replay_timeouts": ("kvtier_daemon_replay_timeouts", "Replays that timed out"),
+                "duplicates": ("kvtier_daemon_duplicate_batches", "Duplicate/old batches skipped"),
+                "restarts": ("kvtier_daemon_publisher_restarts", "Publisher restarts seen"),
+                "decode_errors": ("kvtier_daemon_decode_errors", "Payloads that did not decode"),
+                "malformed_frames": ("kvtier_daemon_malformed_frames",
+                                     "Messages with wrong frame layout"),
+            }
+            fams = {k: CounterMetricFamily(n, h, labels=["source", "rank"])
+                    for k, (n, h) in src_metrics.items()}
+            for s in d.subscriber.sources:
+                c = vars(s.counters)
+                for k, fam in fams.items():
+                    fam.add_metric([s.name, str(s.rank)], c[k])
+        entries = GaugeMetricFamily("kvtier_daemon_entries", "Resident entries",
+                                    labels=["medium", "kind"])
+        kinds = ("FULL", "PARTIAL", "PLACEHOLDER", "PENDING")
+        for m in sorted({*MEDIUMS, *(m for m, _ in counts)}):
+            for k in kinds:
+                entries.add_metric([m, k], counts.get((m, k), 0))
+        rss = GaugeMetricFamily("kvtier_daemon_rss_bytes", "Resident set size")
+        rss.add_metric([], _rss_bytes())
+        yield from (ev, batches, lag, max_lag, hashes, total, entries, rss, *fams.values())
