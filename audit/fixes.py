@@ -122,4 +122,5 @@ def unified_diff(path: str, source: str, findings: Iterable[Finding]) -> str:
         for col0, col1, text in sorted(set(spans), reverse=True):  # byte offsets, right first
             raw = raw[:col0] + text.encode("utf-8") + raw[col1:]
         new[line - 1] = raw.decode("utf-8")
-    return "".join(difflib.unified_diff(lines, new, fromfile=f"a/{path}", tofile=f"b/{path}"))
+    return "".join(difflib.unified_diff(lines, new, fromfile=f"a/{path.lstrip('/')}",
+                                          tofile=f"b/{path.lstrip('/')}"))

@@ -398,7 +398,7 @@ class Checker:
 
         rule = RULES[code]
         recv = ast.unparse(cand.receiver)
-        index, block_size, replacement = suggest(cand, test, self._stack[: depth + 1])
+        index, block_size, replacement = suggest(cand, test, self._stack)
         fix = rule.fix.format(recv=recv, index=index or "index",
                               block_size=block_size or "block_size", code=code)
         suggestion = None

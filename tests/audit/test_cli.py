@@ -1,0 +1,271 @@
+"""The command: exit codes, formats, configuration, suppression, skips, parallelism, --diff."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from audit.cli import main
+from audit.config import Settings
+from audit.engine import run
+
+REPO = Path(__file__).resolve().parents[2]
+
+BAD = """
+def count(blocks: list[KVCacheBlock], block_size: int) -> int:
+    n = 0
+    for i, blk in enumerate(blocks):
+        if blk.block_hash is not None:
+            n += 1
+    return n
+"""
+UNCLEAR = """
+def f(blk: KVCacheBlock) -> None:
+    if blk.block_hash is not None:
+        log("x")
+"""
+INFO = """
+def is_block_writable(block: KVCacheBlock) -> bool:
+    return block.ref_cnt == 1 and block.block_hash is None
+"""
+CLEAN = """
+def count(blocks: list[KVCacheBlock], block_size: int) -> int:
+    return sum(b.block_hash_num_tokens == (i + 1) * block_size for i, b in enumerate(blocks))
+"""
+
+
+def write(root: Path, name: str, text: str) -> Path:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def audit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_exit_codes_clean_findings_and_usage(tmp_path: Path, capsys) -> None:
+    clean = write(tmp_path, "clean.py", CLEAN)
+    bad = write(tmp_path, "bad.py", BAD)
+    assert audit(capsys, "--isolated", str(clean))[0] == 0
+    rc, out, _ = audit(capsys, "--isolated", str(bad))
+    assert rc == 1
+    first = out.splitlines()[0]
+    assert first.startswith(f"{bad}:5:12: KVT001 [error] counts blocks")
+    assert "confidence: high" in first
+    assert out.splitlines()[1].strip().startswith("fix: decide fullness")
+    assert audit(capsys, "--isolated", "--bogus-flag", str(bad))[0] == 2
+    assert audit(capsys, "--isolated", str(tmp_path / "missing.py"))[0] == 2
+    assert audit(capsys, "--isolated", "--fail-on", "nope", str(bad))[0] == 2
+
+
+def test_fail_on_and_min_severity(tmp_path: Path, capsys) -> None:
+    warn = write(tmp_path, "warn.py", UNCLEAR)
+    info = write(tmp_path, "info.py", INFO)
+    rc, out, _ = audit(capsys, "--isolated", str(warn))
+    assert rc == 0 and "KVT005 [warning]" in out  # reported, but below the default fail-on
+    assert audit(capsys, "--isolated", "--fail-on", "warning", str(warn))[0] == 1
+    rc, out, _ = audit(capsys, "--isolated", str(info))
+    assert rc == 0 and out == ""  # info hidden by default
+    rc, out, _ = audit(capsys, "--isolated", "--min-severity", "info", "--fail-on", "info",
+                       str(info))
+    assert rc == 1 and "KVT006 [info]" in out
+    bad = write(tmp_path, "bad.py", BAD)
+    assert audit(capsys, "--isolated", "--fail-on", "never", str(bad))[0] == 0
+
+
+def test_json_sarif_github_statistics(tmp_path: Path, capsys) -> None:
+    bad = write(tmp_path, "bad.py", BAD)
+    write(tmp_path, "warn.py", UNCLEAR)
+    rc, out, _ = audit(capsys, "--isolated", "--format", "json", str(tmp_path))
+    data = json.loads(out)
+    assert rc == 1 and data["files"] == 2 and data["counts"] == {"KVT001": 1, "KVT005": 1}
+    first = data["findings"][0]
+    assert first["path"] == str(bad) and first["severity"] == "error"
+    assert first["confidence"] == "high" and first["fix"]
+
+    _, out, _ = audit(capsys, "--isolated", "--format", "sarif", str(tmp_path))
+    log = json.loads(out)
+    assert log["version"] == "2.1.0"
+    (run_,) = log["runs"]
+    rule_ids = [r["id"] for r in run_["tool"]["driver"]["rules"]]
+    levels = sorted(r["level"] for r in run_["results"])
+    assert levels == ["error", "warning"]
+    for result in run_["results"]:
+        assert rule_ids[result["ruleIndex"]] == result["ruleId"]
+        region = result["locations"][0]["physicalLocation"]["region"]
+        assert region["startLine"] >= 1 and region["startColumn"] >= 1
+
+    _, out, _ = audit(capsys, "--isolated", "--format", "github", str(tmp_path))
+    lines = out.splitlines()
+    assert lines[0].startswith(f"::error file={bad},line=5,col=12,") and "title=KVT001::" in lines[0]
+    assert lines[1].startswith("::warning ")
+
+    _, out, _ = audit(capsys, "--isolated", "--statistics", str(tmp_path))
+    assert out.split() == ["1", "KVT001", "[error]", "count-by-hash-presence",
+                           "1", "KVT005", "[warning]", "presence-test-unclear"]
+
+
+def test_output_file(tmp_path: Path, capsys) -> None:
+    bad = write(tmp_path, "bad.py", BAD)
+    report = tmp_path / "out" / "report.json"
+    report.parent.mkdir()
+    rc, out, _ = audit(capsys, "--isolated", "--format", "json", "-o", str(report), str(bad))
+    assert rc == 1 and out == ""
+    assert json.loads(report.read_text())["counts"] == {"KVT001": 1}
+
+
+def test_pyproject_configuration(tmp_path: Path, capsys) -> None:
+    write(tmp_path, "pyproject.toml", """
+        [tool.kvtier.audit]
+        include = ["pkg"]
+        exclude = ["pkg/generated/*"]
+        fail-on = "warning"
+        block-containers = ["my_block_list"]
+    """)
+    write(tmp_path, "pkg/warn.py", UNCLEAR)
+    write(tmp_path, "pkg/generated/bad.py", BAD)
+    write(tmp_path, "other/bad.py", BAD)
+    write(tmp_path, "pkg/custom.py", """
+        def f(mgr):
+            return sum(b.block_hash is not None for b in mgr.my_block_list)
+    """)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        rc, out, _ = audit(capsys, "--format", "json")  # no PATH: the include list
+    finally:
+        os.chdir(cwd)
+    data = json.loads(out)
+    paths = sorted(Path(f["path"]).as_posix() for f in data["findings"])
+    assert paths == [f"{(tmp_path / 'pkg/custom.py').as_posix()}",
+                     f"{(tmp_path / 'pkg/warn.py').as_posix()}"]
+    custom = next(f for f in data["findings"] if f["path"].endswith("custom.py"))
+    assert custom["code"] == "KVT001" and custom["confidence"] == "medium"
+    assert rc == 1  # fail-on = warning from the config
+    # The same tree audited explicitly: exclude still applies, include does not.
+    rc, out, _ = audit(capsys, "--format", "json", str(tmp_path))
+    found = {Path(f["path"]).relative_to(tmp_path).as_posix()
+             for f in json.loads(out)["findings"]}
+    assert found == {"pkg/warn.py", "pkg/custom.py", "other/bad.py"}
+    # The command line overrides the config.
+    assert audit(capsys, "--fail-on", "error", str(tmp_path / "pkg"))[0] == 1
+    assert audit(capsys, "--fail-on", "never", str(tmp_path / "pkg"))[0] == 0
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ('colour = "red"', "unknown [tool.kvtier.audit] key"),
+    ('fail-on = "fatal"', "unknown severity"),
+    ("block-containers = \"x\"", "must be a list of strings"),
+    ("max-file-size = -1", "non-negative integer"),
+])
+def test_bad_configuration_is_a_usage_error(tmp_path: Path, capsys, table, message) -> None:
+    write(tmp_path, "pyproject.toml", f"[tool.kvtier.audit]\n{table}\n")
+    write(tmp_path, "a.py", BAD)
+    rc, _, err = audit(capsys, str(tmp_path / "a.py"))
+    assert rc == 2 and message in err
+
+
+def test_broken_toml_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    write(tmp_path, "pyproject.toml", "[tool.kvtier.audit\n")
+    write(tmp_path, "a.py", BAD)
+    rc, _, err = audit(capsys, str(tmp_path / "a.py"))
+    assert rc == 2 and "cannot read configuration" in err
+
+
+def test_unparsable_binary_and_huge_files_are_reported_and_skipped(tmp_path: Path,
+                                                                    capsys) -> None:
+    write(tmp_path, "broken.py", "def f(:\n    x.block_hash is None\n")
+    (tmp_path / "blob.py").write_bytes(b"\x00\x01block_hash\x00" * 10)
+    write(tmp_path, "huge.py", BAD + "# block_hash\n" * 2000)
+    write(tmp_path, "bad.py", BAD)
+    write(tmp_path, "pyproject.toml", "[tool.kvtier.audit]\nmax-file-size = 10000\n")
+    rc, out, err = audit(capsys, "--format", "json", "--min-severity", "info", str(tmp_path))
+    data = json.loads(out)
+    by_file = {Path(f["path"]).name: f["code"] for f in data["findings"]}
+    assert by_file == {"broken.py": "KVT900", "blob.py": "KVT901", "huge.py": "KVT901",
+                       "bad.py": "KVT001"}
+    assert rc == 1 and data["files"] == 4
+    rc, out, err = audit(capsys, str(tmp_path))  # text: the parse error is a warning
+    assert "broken.py:1:7: KVT900 [warning]" in out and "2 skipped" in err
+
+
+def test_parallel_run_matches_serial(tmp_path: Path) -> None:
+    for i in range(40):
+        write(tmp_path, f"m{i:02d}.py", BAD if i % 3 else UNCLEAR)
+    serial = run([tmp_path], Settings(jobs=1))
+    parallel = run([tmp_path], Settings(jobs=2))
+    assert serial.findings == parallel.findings
+    assert len(serial.findings) == 40 and serial.parsed == 40
+
+
+def test_diff_suggests_rewrite_only_where_index_and_size_are_known(tmp_path: Path,
+                                                                     capsys) -> None:
+    bad = write(tmp_path, "bad.py", BAD)
+    rc, out, _ = audit(capsys, "--isolated", "--diff", str(bad))
+    assert rc == 1
+    assert f"--- a/{str(bad).lstrip('/')}" in out
+    assert "-        if blk.block_hash is not None:" in out
+    assert "+        if blk.block_hash_num_tokens == (i + 1) * block_size:" in out
+    no_size = write(tmp_path, "nosize.py", BAD.replace(", block_size: int", ""))
+    rc, out, _ = audit(capsys, "--isolated", "--diff", str(no_size))
+    assert rc == 1 and out == ""
+
+
+def test_diff_negated_truthiness(tmp_path: Path, capsys) -> None:
+    src = write(tmp_path, "neg.py", """
+        def f(blocks: list[KVCacheBlock], block_size: int) -> list[KVCacheBlock]:
+            out = []
+            for i, blk in enumerate(blocks):
+                if not blk.block_hash:
+                    out.append(blk)
+            return out
+    """)
+    _, out, _ = audit(capsys, "--isolated", "--diff", str(src))
+    assert "+        if blk.block_hash_num_tokens != (i + 1) * block_size:" in out
+
+
+def test_python_dash_m_and_kvtier_entry_point(tmp_path: Path) -> None:
+    bad = write(tmp_path, "bad.py", BAD)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    mod = subprocess.run([sys.executable, "-m", "audit", "--isolated", str(bad)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert mod.returncode == 1 and "KVT001" in mod.stdout
+    kvtier = Path(sys.executable).with_name("kvtier")
+    cli = subprocess.run([str(kvtier), "audit", "--isolated", str(bad)], capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 1 and cli.stdout == mod.stdout
+
+
+def test_runs_in_a_bare_python_without_site_packages(tmp_path: Path) -> None:
+    """-S -I: no site-packages, no user env; importing audit must pull nothing heavy."""
+    bad = write(tmp_path, "bad.py", BAD)
+    code = ("import sys; sys.path.insert(0, %r); from audit.cli import main; rc = main("
+            "['--isolated', %r]); heavy = [m for m in ('vllm', 'torch', 'connector', "
+            "'offload_tiers', 'msgspec') if m in sys.modules]; print('HEAVY', heavy); "
+            "sys.exit(rc)") % (str(REPO), str(bad))
+    proc = subprocess.run([sys.executable, "-S", "-I", "-c", code], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "KVT001" in proc.stdout and "HEAVY []" in proc.stdout
+
+
+def test_kvtier_passes_its_own_audit(capsys) -> None:
+    rc, out, _ = audit(capsys, "--config", str(REPO / "pyproject.toml"),
+                       str(REPO / "connector"), str(REPO / "offload_tiers"), str(REPO / "audit"))
+    assert rc == 0, out
+
+
+def test_pre_commit_hook_definition() -> None:
+    text = (REPO / ".pre-commit-hooks.yaml").read_text()
+    assert "id: kvtier-audit" in text and "entry: kvtier audit" in text
+    assert "types: [python]" in text
