@@ -1,0 +1,71 @@
+"""RedisTier on a real 3-master Redis Cluster started by the test on loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from offload_tiers.redis_tier import RedisTier
+from tests.support.redis_cluster import RedisClusterProcs
+from tests.tiers.faults import wait_until
+from tests.tiers.helpers import key, payload
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    procs = RedisClusterProcs(Path(tmp_path_factory.mktemp("cluster"))).start()
+    yield procs
+    procs.stop()
+
+
+def test_cluster_spreads_keys_and_round_trips(cluster: RedisClusterProcs,
+                                              key_prefix: str) -> None:
+    with RedisTier.from_url(cluster.url, prefix=key_prefix, strict=True) as t:
+        assert t.target.cluster
+        keys = [key(i) for i in range(300)]
+        items = [(k, payload(k, 3000)) for k in keys]
+        assert t.put_many(items) == 300
+        per_node = cluster.total_keys(f"{key_prefix}:*")
+        assert sum(per_node.values()) == 300 and all(n > 50 for n in per_node.values())
+        got = t.get_many(keys + [key(999)])
+        assert [bytes(g) for g in got[:-1]] == [p for _, p in items] and got[-1] is None
+        assert t.exists_many(keys[:5] + [key(999)]) == [True] * 5 + [False]
+        for k in keys[:10]:
+            assert t.submit_put(k, payload(k, 100))
+        assert t.flush(10)
+        assert [bytes(g) for g in t.get_many(keys[:10])] == [payload(k, 100) for k in keys[:10]]
+        assert t.delete_many(keys) == 300
+        assert sum(cluster.total_keys(f"{key_prefix}:*").values()) == 0
+        assert set(t.stats()["endpoints"]) == {f"127.0.0.1:{s.port}" for s in cluster.servers}
+
+
+def test_cluster_via_flag_on_plain_url(cluster: RedisClusterProcs, key_prefix: str) -> None:
+    url = f"redis://127.0.0.1:{cluster.servers[1].port}/0"
+    with RedisTier.from_url(url, prefix=key_prefix, cluster=True, strict=True) as t:
+        assert t.put_many([(key(1), b"flag")]) == 1 and bytes(t.get(key(1))) == b"flag"
+
+
+def test_cluster_node_paused_degrades_to_misses_for_its_slots(cluster: RedisClusterProcs,
+                                                              key_prefix: str) -> None:
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=0.5,
+                           backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
+    victim = cluster.servers[2]
+    try:
+        keys = [key(i) for i in range(60)]
+        assert t.put_many([(k, payload(k)) for k in keys]) == 60
+        victim.pause()
+        try:
+            got = t.get_many(keys)
+            assert 0 < sum(g is None for g in got) < 60  # only the paused node's share
+            assert all(bytes(g) == payload(k) for g, k in zip(got, keys, strict=True) if g)
+            assert not t.available
+        finally:
+            victim.resume()
+        assert wait_until(lambda: t.available)
+        assert all(g is not None for g in t.get_many(keys))
+    finally:
+        t.close(timeout=1)
