@@ -1,0 +1,252 @@
+"""``kvtier demo``: a real vLLM CPU engine with kvtier, a multi-turn workload, a hit table.
+
+Steps (each engine lifetime is its own child process, see ``connector.demo_engine``):
+1. build the tiny local model if absent (cached outside the repository);
+2. vLLM without kvtier: the workload on a fresh engine, then again after resetting the GPU
+   prefix cache — the reference outputs and the baseline recompute cost;
+3. vLLM with kvtier (``kv_connector="TieredOffloadingConnector"``): the same two passes —
+   after the reset the prefix comes back from kvtier's CPU tier;
+4. with Redis: a new engine process on the same Redis namespace runs the workload once
+   more — the prefix now comes from the Redis tier (the engine restart is real);
+5. a table: requests, prompt tokens, tokens from the GPU prefix cache / CPU tier / Redis
+   tier / recomputed, TTFT p50, outputs identical to vLLM without kvtier (yes/no).
+
+Redis: ``--redis-url``, else ``$KVTIER_REDIS_URL``, else a probe of redis://127.0.0.1:6379.
+Unreachable → the CPU tier alone, stated in the output. Each run uses its own key prefix
+and deletes its keys at the end. Exit status 0 only when every output is identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from connector.demo_report import Row, outputs_of, render_table, summarize
+from connector.demo_workload import Workload, kvtier_transfer_config
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379"
+FULL = Workload(conversations=4, turns=3, system_words=320, user_words=40, max_tokens=8)
+QUICK = Workload(conversations=3, turns=2, system_words=200, user_words=40, max_tokens=8)
+CPU_TIER_BYTES = 256 << 20
+
+
+@dataclass
+class RedisChoice:
+    """Which Redis the demo uses, or why none."""
+
+    url: str | None
+    shown: str
+    source: str
+    reachable: bool
+    reason: str
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _redact(url: str) -> str:
+    from offload_tiers.redis_url import redact_url
+
+    return redact_url(url)
+
+
+def choose_redis(cli_url: str | None) -> RedisChoice:
+    """``--redis-url`` > ``$KVTIER_REDIS_URL`` > probe of the default; ping to decide."""
+    if cli_url:
+        url, source = cli_url, "--redis-url"
+    elif os.environ.get("KVTIER_REDIS_URL"):
+        url, source = os.environ["KVTIER_REDIS_URL"], "KVTIER_REDIS_URL"
+    else:
+        url, source = DEFAULT_REDIS, "default probe"
+    shown = _redact(url)
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception as exc:  # any failure means "no Redis": the demo runs CPU-only
+        reason = f"{type(exc).__name__}: {_redact(str(exc))}"
+        return RedisChoice(None, shown, source, False, reason)
+    return RedisChoice(url, shown, source, True, "ping ok")
+
+
+def _cleanup_redis(url: str, prefix: str) -> int:
+    """Delete every key under this run's prefix; returns how many."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5.0)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.delete(*keys[i:i + 500])
+        return len(keys)
+    finally:
+        client.close()
+
+
+def _build_model(model: str) -> Path:
+    from connector import tiny_models
+
+    build = tiny_models.tiny_llama if model == "llama" else tiny_models.tiny_hybrid
+    name = "tiny-llama" if model == "llama" else "tiny-hybrid"
+    marker = tiny_models.cache_root() / name / "kvtier-build.json"
+    if not marker.exists():
+        _say(f"[demo] building the tiny {model} model in {tiny_models.cache_root()} "
+             "(first run only)...")
+    return build()
+
+
+def _spec(label: str, model: str, model_dir: Path, workload: Workload,
+          ktc: dict[str, Any] | None, phases: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"label": label, "model": model, "model_dir": str(model_dir),
+            "workload": asdict(workload), "kv_transfer_config": ktc, "phases": phases}
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every engine phase; return the JSON-ready result (table rows included)."""
+    from connector.demo_engine import run_engine
+
+    t_start = time.monotonic()
+    workload = QUICK if args.quick else FULL
+    choice = choose_redis(args.redis_url)
+    if choice.reachable:
+        _say(f"[demo] Redis tier: {choice.shown} (from {choice.source}), reachable")
+    else:
+        _say(f"[demo] Redis tier: none — {choice.shown} (from {choice.source}) is not "
+             f"reachable ({choice.reason}). Running the CPU tier alone.")
+    model_dir = _build_model(args.model)
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    run_id = uuid.uuid4().hex[:10]
+    prefix = f"kvtier-demo-{run_id}"
+    extra: dict[str, Any] = {"cpu_bytes": CPU_TIER_BYTES, "redis_url": choice.url,
+                             "redis_prefix": prefix}
+    ktc = kvtier_transfer_config(extra)
+    two = [{"name": "cold"}, {"name": "reset", "reset_before": True}]
+
+    _say("[demo] 1/3 vLLM without kvtier (reference outputs)")
+    base = run_engine(_spec("vllm-alone", args.model, model_dir, workload, None, two),
+                      log_dir=log_dir)
+    _say("[demo] 2/3 vLLM with kvtier: first run, then GPU prefix cache reset")
+    first = run_engine(_spec("kvtier", args.model, model_dir, workload, ktc, two),
+                       log_dir=log_dir)
+    restart = None
+    cleaned = 0
+    try:
+        if choice.reachable:
+            _say("[demo] 3/3 vLLM with kvtier: engine restarted (new process), same Redis")
+            restart = run_engine(
+                _spec("kvtier-restart", args.model, model_dir, workload, ktc,
+                      [{"name": "restart"}]), log_dir=log_dir)
+        else:
+            _say("[demo] 3/3 skipped: without Redis nothing outlives the engine process")
+    finally:
+        if choice.reachable and choice.url:
+            cleaned = _cleanup_redis(choice.url, prefix)
+
+    ref_cold, ref_reset = base["phases"]
+    rows: list[Row] = [
+        summarize("vLLM alone: fresh engine", ref_cold),
+        summarize("vLLM alone: GPU prefix cache reset", ref_reset, ref_reset),
+        summarize("kvtier: fresh engine", first["phases"][0], ref_cold),
+        summarize("kvtier: GPU prefix cache reset", first["phases"][1], ref_reset),
+    ]
+    rows[0].identical = True
+    rows[1].identical = outputs_of(ref_reset) == outputs_of(ref_cold)
+    if restart is not None:
+        # A restarted engine without kvtier is a fresh engine: compare with that.
+        rows.append(summarize("kvtier: engine restarted (new process)", restart["phases"][0],
+                              ref_cold))
+    kvtier_rows = rows[2:]
+    identical = all(r.identical for r in rows)
+    served = {r.label: r.cpu_tokens + r.redis_tokens for r in kvtier_rows}
+    mode = "cpu+redis" if choice.reachable else "cpu-only"
+    notes = []
+    if not choice.reachable:
+        notes.append(f"CPU tier only: no Redis reachable at {choice.shown} ({choice.reason}); "
+                     "the engine-restart phase needs Redis and was skipped.")
+    return {
+        "model": args.model,
+        "quick": bool(args.quick),
+        "mode": mode,
+        "redis": {"used": choice.reachable, "url": choice.shown, "source": choice.source,
+                  "detail": choice.reason, "key_prefix": prefix if choice.reachable else None,
+                  "keys_cleaned": cleaned},
+        "workload": asdict(workload),
+        "rows": [r.as_dict() for r in rows],
+        "outputs_identical": identical,
+        "kvtier_tier_tokens": served,
+        "startup_s": {"vllm-alone": base["startup_s"], "kvtier": first["startup_s"],
+                      "kvtier-restart": restart["startup_s"] if restart else None},
+        "elapsed_s": time.monotonic() - t_start,
+        "notes": notes,
+    }
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    rows = [Row(**r) for r in result["rows"]]
+    w = result["workload"]
+    print()
+    print(f"kvtier demo — tiny {result['model']} on vLLM (CPU), {w['conversations']} "
+          f"conversations x {w['turns']} turns, {w['system_words']}-token shared system "
+          f"prompt, greedy, {w['max_tokens']} new tokens per turn")
+    if result["mode"] == "cpu+redis":
+        print(f"tiers: CPU + Redis ({result['redis']['url']}, key prefix "
+              f"{result['redis']['key_prefix']}, {result['redis']['keys_cleaned']} keys "
+              "deleted afterwards)")
+    else:
+        print("tiers: CPU ONLY — " + result["notes"][0])
+    print()
+    print(render_table(rows))
+    print()
+    print("identical = greedy outputs equal vLLM's without kvtier: "
+          + ("yes, all" if result["outputs_identical"] else "NO — see the rows marked NO"))
+    print(f"total {result['elapsed_s']:.0f} s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier demo",
+        description="Run a real vLLM CPU engine with kvtier on a multi-turn shared-prefix "
+                    "workload, across a GPU prefix-cache reset and an engine restart.")
+    parser.add_argument("--model", choices=("llama", "hybrid"), default="llama",
+                        help="tiny Llama (one KV group) or tiny Mamba+attention hybrid "
+                             "(partial prefix entries)")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload")
+    parser.add_argument("--redis-url", default=None,
+                        help=f"Redis for the shared tier (default: $KVTIER_REDIS_URL, else "
+                             f"probe {DEFAULT_REDIS}); unreachable → CPU tier only")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                        help="also write the table and details as JSON")
+    parser.add_argument("--log-dir", default=None,
+                        help="keep engine logs here (default: a temporary directory)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from connector.demo_engine import EngineRunError
+
+    try:
+        result = run_demo(args)
+    except EngineRunError as exc:
+        _say(f"[demo] failed: {exc}")
+        return 1
+    _print_result(result)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    return 0 if result["outputs_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

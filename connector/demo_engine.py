@@ -1,0 +1,83 @@
+"""Parent side of the demo and the e2e benchmark: one engine lifetime = one child process.
+
+``run_engine(spec)`` writes the spec as JSON, starts ``python -m connector.demo_workload``,
+echoes the child's progress lines to stderr (with elapsed time), keeps everything else in
+a log file, and returns the child's JSON result. A separate process per engine lifetime
+makes an "engine restart" real and keeps each measurement's memory and timing clean.
+Does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from connector.demo_workload import CPU_ENGINE_ENV, PROGRESS_TAG
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class EngineRunError(RuntimeError):
+    """A child engine process failed; the message carries the tail of its log."""
+
+
+def _child_env(extra_paths: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in CPU_ENGINE_ENV.items():
+        env.setdefault(key, value)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    paths = [p for p in extra_paths if p]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: float = 600,
+               quiet: bool = False, extra_paths: list[str] | None = None) -> dict[str, Any]:
+    """Run one engine lifetime in a child process; return its result dict."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvtier-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in spec["label"]).strip("-")
+    spec_path = log_dir / f"{slug}.spec.json"
+    out_path = log_dir / f"{slug}.out.json"
+    log_path = log_dir / f"{slug}.log"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "connector.demo_workload", str(spec_path), str(out_path)]
+    t0 = time.monotonic()
+    tail: deque[str] = deque(maxlen=40)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=_child_env(extra_paths or []),
+                                cwd=str(REPO_ROOT))
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line.rstrip())
+                if line.startswith(PROGRESS_TAG) and not quiet:
+                    msg = line[len(PROGRESS_TAG):].strip()
+                    print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr,
+                          flush=True)
+                if time.monotonic() - t0 > timeout_s:
+                    proc.kill()
+                    break
+            rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+    if rc != 0 or not out_path.exists():
+        last = "\n".join(tail)
+        raise EngineRunError(
+            f"engine run {spec['label']!r} failed (exit {rc}); full log: {log_path}\n{last}")
+    return json.loads(out_path.read_text())
