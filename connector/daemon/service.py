@@ -93,11 +93,11 @@ class Daemon:
                 req.block_hashes, group=req.group_idx, unit=req.unit, publisher=req.publisher)
         return {m: r.as_dict() for m, r in result.items()}
 
-    def entry_counts(self) -> dict[tuple[str, str], int]:
-        """Entries by (medium, kind), recomputed at most once a second (it is a scan)."""
+    def entry_counts(self, max_age_s: float = 1.0) -> dict[tuple[str, str], int]:
+        """Entries by (medium, kind), recomputed when older than ``max_age_s`` (it is a scan)."""
         at, counts = self._counts_cache
         now = time.monotonic()
-        if now - at > 1.0:
+        if now - at >= max_age_s:
             with self.lock:
                 counts = self.ingestor.index.entry_counts()
             self._counts_cache = (now, counts)
@@ -130,7 +130,7 @@ class Daemon:
                 "block_size_conflicts": ing.classifier.conflicts,
                 "block_sizes": block_sizes,
             }
-        counts = self.entry_counts()
+        counts = self.entry_counts(max_age_s=0.0)
         index["by_medium_kind"] = {f"{m}/{k}": c for (m, k), c in sorted(counts.items())}
         return {"uptime_s": round(time.time() - self.started, 3), "pid": os.getpid(),
                 "rss_bytes": _rss_bytes(), "decode_errors": ing.decode_errors,

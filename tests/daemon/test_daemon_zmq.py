@@ -1,0 +1,201 @@
+"""vLLM's own ZmqEventPublisher -> a real ``kvtier daemon`` process over loopback ZMQ."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.daemon_proc import DaemonProcess
+from tests.support.ports import free_port
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+B = 16  # physical block size of group 0 in these tests
+
+
+def stored(hashes: list[int], parent: int | None, *, block_size: int = B, medium: str = "GPU",
+           group: int = 0, ntok: int | None = None, **kw: Any) -> Any:
+    n = block_size * len(hashes) if ntok is None else ntok
+    return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                 token_ids=list(range(n)), block_size=block_size, lora_id=None,
+                                 medium=medium, lora_name=None, group_idx=group, **kw)
+
+
+def removed(hashes: list[int], medium: str = "GPU", group: int = 0) -> Any:
+    return kv_events.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
+
+
+class DroppingSocket:
+    """Wraps vLLM's PUB socket and drops the sends of chosen sequence numbers (a real gap:
+    the batch is still in the publisher's replay buffer)."""
+
+    def __init__(self, sock: Any, drop: set[int]) -> None:
+        self._sock = sock
+        self.drop = drop
+
+    def send_multipart(self, frames: Any, *a: Any, **kw: Any) -> Any:
+        if int.from_bytes(frames[1], "big") in self.drop:
+            return None
+        return self._sock.send_multipart(frames, *a, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class Rig:
+    def __init__(self, replay: bool = True, bind_side: str = "vllm") -> None:
+        self.pub_port, self.replay_port = free_port(), free_port()
+        if bind_side == "vllm":  # vLLM binds ('*'), the daemon connects
+            vllm_ep = f"tcp://*:{self.pub_port}"
+        else:  # vLLM connects, the daemon binds
+            vllm_ep = f"tcp://127.0.0.1:{self.pub_port}"
+        spec = vllm_ep + (f",tcp://*:{self.replay_port}" if replay else "")
+        self.daemon = DaemonProcess("--endpoint", spec, "--no-replay-on-start",
+                                    "--replay-timeout", "3")
+        self.vllm_ep = vllm_ep
+        self.replay = replay
+        self.pub: Any = None
+        self.seq = 0
+
+    def start(self) -> Rig:
+        if self.vllm_ep.startswith("tcp://*"):
+            self.pub = self._publisher()
+            self.daemon.start()
+        else:
+            self.daemon.start()
+            self.pub = self._publisher()
+        return self
+
+    def _publisher(self) -> Any:
+        return kv_events.ZmqEventPublisher(
+            data_parallel_rank=0, endpoint=self.vllm_ep,
+            replay_endpoint=f"tcp://*:{self.replay_port}" if self.replay else None)
+
+    def publish(self, *events: Any) -> int:
+        self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=list(events)))
+        self.seq += 1
+        return self.seq
+
+    def settle(self) -> dict[str, Any]:
+        """Wait until every published batch is applied (directly or by replay)."""
+        return self.daemon.wait_for(
+            lambda s: s["sources"][0]["next_seq"] == self.seq and not s["sources"][0]["replaying"],
+            what=f"next_seq == {self.seq}")
+
+    def close(self) -> None:
+        if self.pub is not None:
+            self.pub.shutdown()
+        self.daemon.kill()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig().start()
+    yield r
+    r.close()
+
+
+def test_store_remove_promote_clear_over_real_zmq(rig: Rig) -> None:
+    d = rig.daemon
+    # Two full blocks, then a third chained on them; a repeat announcement of block 0.
+    rig.publish(stored([11, 12], None))
+    rig.publish(stored([13], 12), stored([11], None))
+    rig.settle()
+    assert d.lookup([11, 12, 13])["GPU"] == {"tokens": 48, "full_blocks": 3, "partial": False}
+    assert d.lookup([11, 12, 13])["CPU"]["tokens"] == 0
+
+    # Removing block 0 once leaves it resident (announced twice); a second removal drops it.
+    rig.publish(removed([11]))
+    rig.settle()
+    assert d.lookup([11, 12, 13])["GPU"]["tokens"] == 48
+    rig.publish(removed([11]))
+    rig.settle()
+    assert d.lookup([11, 12, 13])["GPU"]["tokens"] == 0
+    rig.publish(stored([11], None))
+
+    # A partial entry of 8 tokens (hash unit 8) inside block 3, then promotion to full.
+    rig.publish(stored([141], 13, block_size=8))
+    s = rig.settle()
+    fine = [1011, 11, 1012, 12, 1013, 13, 141, 142]  # unit-8 chain (odd hashes unknown)
+    assert d.lookup(fine, hash_block_size=8)["GPU"] == {
+        "tokens": 56, "full_blocks": 3, "partial": True}
+    assert d.lookup([11, 12, 13, 14])["GPU"] == {"tokens": 48, "full_blocks": 3,
+                                                 "partial": False}
+    assert s["index"]["by_medium_kind"]["GPU/PARTIAL"] == 1
+    rig.publish(removed([141]), stored([142], 13))
+    rig.settle()
+    assert d.lookup(fine, hash_block_size=8)["GPU"] == {
+        "tokens": 64, "full_blocks": 4, "partial": False}
+    assert d.lookup([11, 12, 13, 142])["GPU"]["tokens"] == 64
+
+    # Offloaded copy on CPU (LMCache spells it 'cpu'); 'any' combines.
+    rig.publish(stored([11, 12], None, medium="cpu"))
+    rig.settle()
+    res = d.lookup([11, 12, 13, 142])
+    assert res["CPU"]["tokens"] == 32 and res["any"]["tokens"] == 64
+
+    rig.publish(kv_events.AllBlocksCleared())
+    s = rig.settle()
+    res = d.lookup([11, 12, 13, 142])
+    assert all(v["tokens"] == 0 for v in res.values())
+    assert s["index"]["entries"] == 0
+    metrics = d.get("/metrics")
+    assert 'kvtier_daemon_events_total{publisher="tcp://*:' in metrics
+    assert "kvtier_daemon_gaps_total" in metrics
+
+
+def test_forced_gap_is_repaired_by_replay(rig: Rig) -> None:
+    d = rig.daemon
+    rig.publish(stored([1, 2], None))
+    rig.settle()
+    before = d.source()
+    rig.pub._pub = DroppingSocket(rig.pub._pub, drop={rig.seq, rig.seq + 1})
+    rig.publish(stored([3], 2))  # dropped on the PUB socket, kept in the replay buffer
+    rig.publish(stored([4], 3))  # dropped too
+    rig.publish(stored([5], 4))  # arrives: the daemon sees the gap and replays both
+    s = rig.settle()
+    src = s["sources"][0]
+    assert src["gaps"] == before["gaps"] + 1
+    assert src["repaired_batches"] >= before["repaired_batches"] + 2
+    assert src["missing_batches"] == before["missing_batches"]
+    assert d.lookup([1, 2, 3, 4, 5])["GPU"]["tokens"] == 5 * B
+
+
+def test_gap_without_replay_is_counted_unrepaired() -> None:
+    r = Rig(replay=False).start()
+    try:
+        d = r.daemon
+        r.publish(stored([1, 2], None))
+        r.daemon.wait_for(lambda s: s["sources"][0]["next_seq"] == 1, what="first batch")
+        r.pub._pub = DroppingSocket(r.pub._pub, drop={r.seq})
+        r.publish(stored([3], 2))
+        r.publish(stored([4], 3))
+        s = r.settle()
+        assert s["sources"][0]["missing_batches"] == 1
+        assert s["sources"][0]["gaps"] == 1
+        # Block 3 was lost: the prefix stops before it and never claims it.
+        assert d.lookup([1, 2, 3, 4])["GPU"]["tokens"] == 2 * B
+    finally:
+        r.close()
+
+
+def test_vllm_connects_daemon_binds_and_first_message_loss_is_replayed() -> None:
+    r = Rig(bind_side="daemon").start()
+    try:
+        r.publish(stored([21, 22], None))  # may be lost by the connecting PUB: replay fixes it
+        time.sleep(0.3)
+        r.publish(stored([23], 22))
+        s = r.settle()
+        assert s["sources"][0]["binds"] is True
+        assert r.daemon.lookup([21, 22, 23])["GPU"]["tokens"] == 3 * B
+    finally:
+        r.close()
+
+
+def test_sigterm_shuts_down_cleanly(rig: Rig) -> None:
+    rig.publish(stored([1], None))
+    rig.settle()
+    assert rig.daemon.terminate() == 0

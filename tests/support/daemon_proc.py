@@ -1,0 +1,110 @@
+"""A real ``kvtier daemon`` process on loopback ports that a test owns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.support.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class DaemonProcess:
+    """``python -m connector.daemon.cli ...`` with an HTTP port of its own."""
+
+    def __init__(self, *args: str, http_port: int | None = None) -> None:
+        self.http_port = http_port or free_port()
+        self.args = [*args, "--http", f"127.0.0.1:{self.http_port}"]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.output = b""
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "connector.daemon.cli", *self.args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read() if self.proc.stdout else b""
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: {out.decode()[-3000:]}")
+            try:
+                if self.get("/healthz")["status"] == "ok":
+                    return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError("daemon did not become healthy")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base + path, timeout=10) as resp:
+            body = resp.read()
+        return body.decode() if path == "/metrics" else json.loads(body)
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def lookup(self, hashes: list[Any], group: int = 0, **extra: Any) -> dict[str, Any]:
+        status, body = self.post("/lookup", {"block_hashes": hashes, "group_idx": group, **extra})
+        assert status == 200, body
+        return body
+
+    def stats(self) -> dict[str, Any]:
+        return self.get("/stats")
+
+    def source(self, i: int = 0) -> dict[str, Any]:
+        return self.stats()["sources"][i]
+
+    def wait_for(self, predicate: Any, timeout: float = 20.0, what: str = "condition") -> Any:
+        """Poll /stats until ``predicate(stats)`` is truthy; return that stats snapshot."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = self.stats()
+            if predicate(last):
+                return last
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last stats: {json.dumps(last)}")
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait; return the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.stdout:
+                self.output = self.proc.stdout.read()
+        return code
+
+    def rss_bytes(self) -> int:
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
