@@ -1,0 +1,126 @@
+"""Settings of ``TieredOffloadingConnector``: from ``kv_connector_extra_config`` and/or YAML.
+
+``kv_connector_extra_config`` may name a YAML file with ``config_file``; keys given inline
+override the file's. Unknown keys and bad values fail at engine start with a message that
+names the key and the fix. This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from offload_tiers.redis_url import redact_url
+
+_FIXES: dict[str, str] = {
+    "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
+    "redis_url": "use redis://host:port/db, rediss://... for TLS, or null for CPU tier only",
+    "redis_prefix": "use a short non-empty string without spaces, e.g. 'kvtier'",
+    "redis_ttl_s": "give seconds as a positive integer, or null for no expiry",
+    "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
+    "write_mode": "use 'through' (write Redis in the step) or 'back' (write-behind queue)",
+    "store_partial": "use true or false",
+    "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
+    "model_id": "use a string naming the model's identity (defaults to the model path)",
+    "debug_corrupt_loads": "use true only in tests; it corrupts every loaded block",
+    "config_file": "point to a readable YAML file with a mapping of these keys",
+}
+
+
+class ConnectorConfigError(ValueError):
+    """A setting is wrong; the message names the key and how to fix it."""
+
+
+class TieredConfig(BaseModel):
+    """Every setting of the connector, with its default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    redis_url: str | None = None
+    redis_prefix: str = "kvtier"
+    redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
+    redis_timeout_s: float = Field(default=0.25, gt=0)
+    write_mode: Literal["through", "back"] = "through"
+    store_partial: bool = True
+    tenant: str = ""
+    model_id: str | None = None
+    debug_corrupt_loads: bool = False
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
+            raise ValueError(f"unsupported Redis URL {redact_url(value)}")
+        return value
+
+    @field_validator("redis_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        if not value or any(c.isspace() for c in value):
+            raise ValueError("must be non-empty without whitespace")
+        return value
+
+    def describe(self) -> dict[str, Any]:
+        """Settings safe to log (the Redis password is redacted)."""
+        data = self.model_dump()
+        if self.redis_url:
+            data["redis_url"] = redact_url(self.redis_url)
+        return data
+
+
+def _load_yaml(path_value: Any) -> dict[str, Any]:
+    path = Path(str(path_value)).expanduser()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConnectorConfigError(
+            f"config_file: cannot read {path} ({exc.strerror}). Fix: {_FIXES['config_file']}"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConnectorConfigError(
+            f"config_file: {path} is not valid YAML ({exc}). Fix: {_FIXES['config_file']}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConnectorConfigError(
+            f"config_file: {path} must hold a mapping, got {type(data).__name__}. "
+            f"Fix: {_FIXES['config_file']}"
+        )
+    # A tier YAML may nest the connector's keys under "connector:".
+    nested = data.get("connector")
+    return dict(nested) if isinstance(nested, dict) else data
+
+
+def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
+    """Validate ``kv_connector_extra_config`` (plus its ``config_file``) into settings."""
+    inline = dict(extra_config or {})
+    merged: dict[str, Any] = {}
+    config_file = inline.pop("config_file", None)
+    if config_file:
+        merged.update(_load_yaml(config_file))
+    merged.update(inline)
+    try:
+        return TieredConfig(**merged)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "?"
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(sorted(TieredConfig.model_fields))
+                problems.append(f"{key}: unknown setting. Fix: remove it; known keys: {known}")
+                continue
+            fix = _FIXES.get(key, "see docs/connector.md")
+            problems.append(f"{key}: {err['msg']}. Fix: {fix}")
+        raise ConnectorConfigError(
+            "TieredOffloadingConnector: bad kv_connector_extra_config: " + "; ".join(problems)
+        ) from None

@@ -1,0 +1,114 @@
+"""The connector's counters: cumulative totals, per-interval deltas, and Prometheus export.
+
+Counters are plain integers bumped by the scheduler and worker halves (one process). vLLM
+collects a delta every step through ``get_kv_connector_stats``; ``snapshot()`` gives the
+cumulative totals at any time (what the demo and the benchmarks read). Redis degradation is
+visible as ``redis_available`` (0/1) plus the error and skip counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+COUNTER_NAMES: tuple[str, ...] = (
+    "lookups",  # requests the scheduler asked about
+    "lookup_tokens",  # tokens beyond the local GPU hit that were looked up
+    "hit_tokens_cpu",  # tokens served from the CPU tier
+    "hit_tokens_redis",  # tokens served from Redis
+    "hit_requests",  # requests with an external hit
+    "rounded_down_tokens",  # tokens present but not served (group alignment / hybrid rule)
+    "blocks_loaded_cpu",
+    "blocks_loaded_redis",
+    "bytes_loaded",  # bytes written into vLLM's KV cache by loads
+    "blocks_saved",
+    "partial_blocks_saved",
+    "promotions",  # PARTIAL entries superseded by their FULL block
+    "bytes_saved_cpu",  # bytes gathered into the CPU tier
+    "blocks_written_redis",
+    "bytes_written_redis",
+    "store_drops",  # saves that found no CPU slot, or a Redis write that failed/was dropped
+    "redis_write_failures",
+    "load_errors",  # blocks reported to vLLM as failed loads (then recomputed)
+    "redis_misses_at_fetch",  # Redis said present, but the value was gone or invalid
+    "redis_lookup_skips",  # lookups that skipped Redis because it was unavailable
+    "redis_unavailable_steps",  # steps that saw Redis unavailable
+    "events_emitted",
+)
+
+
+class ConnectorCounters:
+    """Thread-safe named counters with cumulative snapshots and deltas."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self._gauges: dict[str, int | float] = {"redis_available": 0, "redis_configured": 0}
+        self._last: dict[str, int] = dict(self._values)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        if amount:
+            with self._lock:
+                self._values[name] += amount
+
+    def set_gauge(self, name: str, value: int | float) -> None:
+        with self._lock:
+            self._gauges[name] = value
+
+    def snapshot(self) -> dict[str, int | float]:
+        """Cumulative totals plus gauges."""
+        with self._lock:
+            out: dict[str, int | float] = dict(self._values)
+            out.update(self._gauges)
+            return out
+
+    def take_delta(self) -> dict[str, int | float]:
+        """Counts since the last call (gauges as current values); empty when nothing moved."""
+        with self._lock:
+            delta = {k: v - self._last[k] for k, v in self._values.items() if v != self._last[k]}
+            self._last = dict(self._values)
+            if delta:
+                delta.update(self._gauges)
+            return delta
+
+
+def aggregate(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Sum counters, keep the latest gauge values."""
+    out = dict(a)
+    for key, value in b.items():
+        if key in COUNTER_NAMES:
+            out[key] = out.get(key, 0) + value
+        else:
+            out[key] = value
+    return out
+
+
+def hit_tokens(data: dict[str, Any]) -> int:
+    return int(data.get("hit_tokens_cpu", 0)) + int(data.get("hit_tokens_redis", 0))
+
+
+def prometheus_metrics(registry: Any = None, names: Iterable[str] = COUNTER_NAMES) -> dict:
+    """Create ``kvtier_connector_*`` Prometheus counters (and the availability gauge)."""
+    from prometheus_client import REGISTRY, Counter, Gauge
+
+    reg = registry if registry is not None else REGISTRY
+    metrics: dict[str, Any] = {}
+    for name in names:
+        metrics[name] = Counter(f"kvtier_connector_{name}", f"kvtier connector: {name}",
+                                registry=reg)
+    metrics["redis_available"] = Gauge("kvtier_connector_redis_available",
+                                       "1 when the Redis tier answers, else 0", registry=reg)
+    return metrics
+
+
+def observe(metrics: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Apply one delta (from ``take_delta``) to metrics from ``prometheus_metrics``."""
+    for key, value in delta.items():
+        metric = metrics.get(key)
+        if metric is None:
+            continue
+        if key == "redis_available":
+            metric.set(value)
+        elif value > 0:
+            metric.inc(value)

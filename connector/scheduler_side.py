@@ -1,0 +1,447 @@
+"""The scheduler half: what to load (the longest prefix the tiers supply) and what to store.
+
+Pure logic over small interfaces, so it is tested without vLLM:
+
+* a request exposes ``request_id``, ``block_hashes`` (one hash per hash unit, cumulative),
+  ``num_tokens``, ``all_token_ids`` and ``cache_salt``;
+* a block exposes ``block_id``, ``block_hash_num_tokens`` and ``is_null``.
+
+Rules (see docs/connector.md): a hit is a run of FULL attention blocks, optionally ended by
+one PARTIAL entry; every group must be restorable at the hit's end (attention blocks for
+every attention group, the recurrent state for every Mamba group) or the hit is rounded down
+to the longest end where it is. Fullness comes from ``block_hash_num_tokens`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from connector.connector_metadata import TIER_CPU, TIER_REDIS, LoadOp, SaveOp, StepPlan
+from connector.worker_side import MEDIUM_CPU, TierChange, TierRuntime
+from offload_tiers.keys import BlockKey, BlockKind, kind_for
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "attention"
+MAMBA = "mamba"
+_EVENT_INFO_MAX = 1 << 16
+
+
+class RequestLike(Protocol):
+    request_id: str
+    block_hashes: Sequence[bytes]
+    num_tokens: int
+    all_token_ids: Sequence[int]
+    cache_salt: str | None
+
+
+class BlockLike(Protocol):
+    block_id: int
+    block_hash_num_tokens: int | None
+    is_null: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group as the connector sees it."""
+
+    group: int
+    kind: str  # ATTENTION, MAMBA, or anything else (unsupported: no hits, no stores)
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class EventInfo:
+    """What a BlockStored announcement needs that the tiers do not keep."""
+
+    token_ids: tuple[int, ...]
+    parent_hash: bytes | None
+    block_size: int
+    kind: str
+
+
+@dataclass(slots=True)
+class _Need:
+    group: int
+    block_index: int
+    key: BlockKey
+
+
+@dataclass(slots=True)
+class _Lookup:
+    start: int
+    end: int
+    needs: list[_Need]
+    tiers: dict[BlockKey, str]
+    pins: dict[BlockKey, int]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Any
+    saved: set[tuple[int, int, int]] = field(default_factory=set)  # (group, index, tokens)
+    partial: dict[tuple[int, int], BlockKey] = field(default_factory=dict)
+
+
+class TieredScheduler:
+    """Plans loads and saves for one engine; all tier access goes through ``runtime``."""
+
+    def __init__(self, runtime: TierRuntime, groups: list[GroupSpec], hash_unit: int,
+                 fingerprint: Callable[[str], str],
+                 blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
+                 pool_block: Callable[[int], BlockLike]) -> None:
+        self.rt = runtime
+        self.groups = groups
+        self.hash_unit = hash_unit
+        self._fingerprint = fingerprint
+        self._blocks_of = blocks_of
+        self._pool_block = pool_block
+        self.attention = [g for g in groups if g.kind == ATTENTION]
+        self.mamba = [g for g in groups if g.kind == MAMBA]
+        self.supported = bool(self.attention) and all(
+            g.kind in (ATTENTION, MAMBA) for g in groups)
+        if not self.supported:
+            log.warning("kvtier: KV-cache groups %s include kinds it cannot restore; "
+                        "it will neither store nor serve blocks", [g.kind for g in groups])
+        for g in groups:
+            if g.block_size % hash_unit:
+                raise ValueError(f"group {g.group} block size {g.block_size} is not a multiple "
+                                 f"of the hash unit {hash_unit}")
+        self._pending: dict[str, _Lookup] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadOp] = []
+        self._hit_tiers: dict[str, dict[str, int]] = {}
+        self.event_info: OrderedDict[BlockKey, EventInfo] = OrderedDict()
+
+    # ------------------------------------------------------------------ keys
+    def tenant(self, request: RequestLike) -> str:
+        salt = getattr(request, "cache_salt", None) or ""
+        base = self.rt.config.tenant
+        return f"{base}/{salt}" if salt else base
+
+    def key(self, request: RequestLike, fp: str, group: GroupSpec, num_tokens: int) -> BlockKey:
+        """The key of the entry of ``group`` whose hash covers ``num_tokens`` tokens."""
+        index = (num_tokens - 1) // group.block_size
+        kind = kind_for(num_tokens, index, group.block_size)
+        assert kind is not None
+        block_hash = request.block_hashes[num_tokens // self.hash_unit - 1]
+        return BlockKey(fp, group.group, bytes(block_hash), num_tokens, kind)
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, request: RequestLike, num_computed: int) -> int:
+        """Tokens beyond ``num_computed`` that the tiers can restore for every group.
+
+        The hit's entries end up in the CPU tier (Redis values are fetched and validated
+        here) and pinned until the worker has loaded them, so a load cannot miss.
+        """
+        self._drop_pending(request.request_id)
+        cpu = self.rt.cpu
+        if not self.supported or cpu is None:
+            return 0
+        max_end = min(request.num_tokens - 1, len(request.block_hashes) * self.hash_unit)
+        if max_end - num_computed < self.hash_unit:
+            return 0
+        self.rt.counters.add("lookups")
+        self.rt.counters.add("lookup_tokens", request.num_tokens - num_computed)
+        fp = self._fingerprint(self.tenant(request))
+        unit = self.hash_unit
+        ends = list(range(num_computed + unit, max_end + 1, unit))
+        # Keys per candidate end: prefix keys (FULL attention blocks, cumulative) and end keys
+        # (the PARTIAL attention entry and every Mamba state, only for the end itself).
+        prefix: dict[int, list[_Need]] = {}
+        ending: dict[int, list[_Need]] = {}
+        for end in ends:
+            prefix[end] = [
+                _Need(g.group, end // g.block_size - 1, self.key(request, fp, g, end))
+                for g in self.attention if end % g.block_size == 0
+            ]
+            ending[end] = [
+                _Need(g.group, end // g.block_size, self.key(request, fp, g, end))
+                for g in self.attention if end % g.block_size != 0
+            ] + [
+                _Need(g.group, (end - 1) // g.block_size, self.key(request, fp, g, end))
+                for g in self.mamba
+            ]
+        tiers = self._locate(ends, prefix, ending)
+        for _attempt in range(3):
+            best, needs, present = self._best(ends, prefix, ending, tiers)
+            if best == 0:
+                if present:
+                    self.rt.counters.add("rounded_down_tokens", present - num_computed)
+                return 0
+            if not self._prefetch(needs, tiers):
+                continue  # a Redis value was bad or gone: it is a miss now; choose again
+            pins = self._pin(needs)
+            if pins is None:
+                continue
+            if present > best:
+                self.rt.counters.add("rounded_down_tokens", present - best)
+            self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers, pins)
+            return best - num_computed
+        return 0
+
+    @staticmethod
+    def _best(ends: list[int], prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
+              tiers: dict[BlockKey, str]) -> tuple[int, list[_Need], int]:
+        """The longest end every group can restore, its keys, and the longest end seen."""
+        best = present = 0
+        needs: list[_Need] = []
+        chain: list[_Need] = []
+        for end in ends:
+            if not all(n.key in tiers for n in prefix[end]):
+                break
+            chain.extend(prefix[end])
+            if any(n.key in tiers for n in prefix[end] + ending[end]):
+                present = end
+            if all(n.key in tiers for n in ending[end]):
+                best = end
+                needs = chain + ending[end]
+        return best, list(needs), present
+
+    def _prefetch(self, needs: list[_Need], tiers: dict[BlockKey, str]) -> bool:
+        """Bring the Redis-held keys of a hit into the CPU tier; False if any was bad."""
+        remote = [n for n in needs if tiers.get(n.key) == TIER_REDIS]
+        cpu = self.rt.cpu
+        if not remote:
+            return True
+        assert cpu is not None and self.rt.layout is not None
+        sizes = {g.group: g.nbytes for g in self.rt.layout.groups}
+        payloads = self.rt.redis.get_many([n.key for n in remote]) \
+            if self.rt.refresh_redis_gauge() else [None] * len(remote)
+        ok = True
+        for need, payload in zip(remote, payloads, strict=True):
+            if payload is None or memoryview(payload).nbytes != sizes.get(need.group):
+                tiers.pop(need.key, None)
+                self.rt.counters.add("redis_misses_at_fetch")
+                ok = False
+                continue
+            if cpu.contains(need.key) or cpu.put(need.key, payload):
+                self.rt.outbox.append(TierChange(need.key, MEDIUM_CPU, stored=True))
+            else:
+                tiers.pop(need.key, None)
+                self.rt.counters.add("store_drops")
+                ok = False
+        return ok
+
+    def _pin(self, needs: list[_Need]) -> dict[BlockKey, int] | None:
+        """Pin every key of a hit in the CPU tier (all or nothing): key -> slot."""
+        cpu = self.rt.cpu
+        assert cpu is not None
+        pins: dict[BlockKey, int] = {}
+        for need in needs:
+            slot = cpu.acquire(need.key)
+            if slot is None:
+                self._unpin(list(pins))
+                return None
+            pins[need.key] = slot
+        return pins
+
+    def _drop_pending(self, req_id: str) -> None:
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            self._unpin(list(pending.pins))
+
+    def _unpin(self, keys: list[BlockKey]) -> None:
+        cpu = self.rt.cpu
+        assert cpu is not None
+        for key in keys:
+            try:
+                cpu.release(key)
+            except KeyError:
+                log.warning("kvtier: %s was not pinned", key.name)
+
+    def _locate(self, ends: list[int], prefix: dict[int, list[_Need]],
+                ending: dict[int, list[_Need]]) -> dict[BlockKey, str]:
+        """Which tier holds each candidate key: CPU first, then Redis for the rest."""
+        cpu = self.rt.cpu
+        assert cpu is not None
+        ordered: list[BlockKey] = []
+        for end in ends:
+            ordered.extend(n.key for n in prefix[end])
+            ordered.extend(n.key for n in ending[end])
+        ordered = list(dict.fromkeys(ordered))
+        found = dict.fromkeys(
+            (k for k, ok in zip(ordered, cpu.contains_many(ordered), strict=True) if ok), TIER_CPU)
+        missing = [k for k in ordered if k not in found]
+        if missing and self.rt.redis is not None:
+            if not self.rt.refresh_redis_gauge():
+                self.rt.counters.add("redis_lookup_skips")
+            else:
+                # Only keys that could extend the run matter: stop after the first missing
+                # FULL prefix key in Redis.
+                for k, ok in zip(missing, self.rt.redis.exists_many(missing), strict=True):
+                    if ok:
+                        found[k] = TIER_REDIS
+        return found
+
+    # ------------------------------------------------------------------ allocation
+    def on_alloc(self, request: RequestLike, blocks: Sequence[Sequence[BlockLike]],
+                 num_external: int) -> None:
+        """vLLM allocated blocks; turn an accepted hit into load operations."""
+        req_id = request.request_id
+        self._tracked.setdefault(req_id, _Tracked(request))
+        pending = self._pending.pop(req_id, None)
+        if pending is None:
+            return
+        if num_external <= 0:
+            self._unpin(list(pending.pins))
+            return
+        end = pending.start + num_external
+        if end != pending.end:
+            log.warning("kvtier: vLLM accepted %d external tokens for %s, planned %d",
+                        num_external, req_id, pending.end - pending.start)
+        per_tier = {TIER_CPU: 0, TIER_REDIS: 0}
+        lead = self.attention[0]
+        ops: list[LoadOp] = []
+        unused: list[BlockKey] = []
+        for need in pending.needs:
+            if need.key.num_tokens > end:
+                unused.append(need.key)
+                continue
+            group_blocks = blocks[need.group]
+            block = group_blocks[need.block_index] \
+                if need.block_index < len(group_blocks) else None
+            if block is None or block.is_null:
+                raise RuntimeError(
+                    f"kvtier: vLLM allocated no block for group {need.group} index "
+                    f"{need.block_index} of {req_id}; refusing a partial restore")
+            tier = pending.tiers.get(need.key, TIER_CPU)
+            ops.append(LoadOp(req_id, need.group, block.block_id, need.key, tier,
+                              pending.pins[need.key]))
+            self._remember(request, need.key, self._group(need.group))
+            if need.group == lead.group:
+                start = max(need.block_index * lead.block_size, pending.start)
+                per_tier[tier] += min(need.key.num_tokens, end) - start
+        self._unpin(unused)
+        self._loads.extend(ops)
+        self.rt.counters.add("hit_requests")
+        self.rt.counters.add("hit_tokens_cpu", per_tier[TIER_CPU])
+        self.rt.counters.add("hit_tokens_redis", per_tier[TIER_REDIS])
+        self._hit_tiers[req_id] = per_tier
+
+    def hit_tiers(self, req_id: str) -> dict[str, int]:
+        """Tokens of ``req_id``'s last hit by tier (for vLLM's hit-source split)."""
+        return self._hit_tiers.pop(req_id, {})
+
+    def _group(self, group: int) -> GroupSpec:
+        return self.groups[group] if self.groups[group].group == group else next(
+            g for g in self.groups if g.group == group)
+
+    # ------------------------------------------------------------------ stores
+    def plan(self, computed_after: dict[str, int],
+             boundary_states: dict[str, list[tuple[int, int, int]]],
+             gone: set[str]) -> StepPlan:
+        """This step's loads and saves.
+
+        ``computed_after``: request id -> tokens computed once this step has run.
+        ``boundary_states``: vLLM's exact Mamba state hand-offs (group, block id, tokens).
+        ``gone``: requests finished or preempted this step (their hand-offs are dropped).
+        """
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        if not self.supported or self.rt.cpu is None:
+            return plan
+        for req_id, done in computed_after.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or req_id in gone:
+                continue
+            self._plan_attention(tracked, done, plan)
+        for req_id, entries in boundary_states.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or req_id in gone:
+                continue
+            self._plan_mamba(tracked, entries, computed_after.get(req_id, 0), plan)
+        return plan
+
+    def _plan_attention(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
+        request = tracked.request
+        per_group = self._blocks_of(request.request_id)
+        fp: str | None = None
+        for g in self.attention:
+            if g.group >= len(per_group):
+                continue
+            for index, block in enumerate(per_group[g.group]):
+                if block.is_null:
+                    continue
+                n = block.block_hash_num_tokens
+                if n is None or n > done:
+                    continue
+                kind = kind_for(n, index, g.block_size)
+                if (g.group, index, n) in tracked.saved:
+                    continue
+                tracked.saved.add((g.group, index, n))
+                if kind is BlockKind.PARTIAL and not self.rt.config.store_partial:
+                    continue
+                if n % self.hash_unit or n // self.hash_unit > len(request.block_hashes):
+                    continue
+                fp = fp or self._fingerprint(self.tenant(request))
+                key = self.key(request, fp, g, n)
+                supersedes = None
+                if kind is BlockKind.FULL:
+                    supersedes = tracked.partial.pop((g.group, index), None)
+                else:
+                    tracked.partial[(g.group, index)] = key
+                plan.saves.append(SaveOp(request.request_id, g.group, block.block_id, key,
+                                         supersedes))
+                self._remember(request, key, g)
+
+    def _plan_mamba(self, tracked: _Tracked, entries: list[tuple[int, int, int]], done: int,
+                    plan: StepPlan) -> None:
+        request = tracked.request
+        fp: str | None = None
+        for group_id, block_id, tokens in entries:
+            g = self._group(group_id)
+            if g.kind != MAMBA or tokens <= 0 or tokens % self.hash_unit:
+                continue
+            if tokens // self.hash_unit > len(request.block_hashes) or tokens > max(done, 0):
+                continue
+            block = self._pool_block(block_id)
+            n = block.block_hash_num_tokens
+            if block.is_null or (n is not None and n != tokens):
+                continue
+            kind = kind_for(tokens, (tokens - 1) // g.block_size, g.block_size)
+            if kind is BlockKind.PARTIAL and not self.rt.config.store_partial:
+                continue
+            fp = fp or self._fingerprint(self.tenant(request))
+            key = self.key(request, fp, g, tokens)
+            plan.saves.append(SaveOp(request.request_id, g.group, block_id, key))
+            self._remember(request, key, g)
+
+    def _remember(self, request: RequestLike, key: BlockKey, g: GroupSpec) -> None:
+        """Keep what the BlockStored events of ``key`` will need."""
+        if key in self.event_info:
+            self.event_info.move_to_end(key)
+            return
+        n = key.num_tokens
+        unit = self.hash_unit
+        if g.kind == MAMBA:
+            info = EventInfo((), None, 0, MAMBA)  # placeholder shape, as vLLM announces state
+        elif key.kind is BlockKind.FULL:
+            start = n - g.block_size
+            parent = bytes(request.block_hashes[start // unit - 1]) if start > 0 else None
+            info = EventInfo(tuple(request.all_token_ids[start:n]), parent, g.block_size,
+                             ATTENTION)
+        else:
+            start = n - unit
+            parent = bytes(request.block_hashes[start // unit - 1]) if start > 0 else None
+            info = EventInfo(tuple(request.all_token_ids[start:n]), parent, unit, ATTENTION)
+        self.event_info[key] = info
+        while len(self.event_info) > _EVENT_INFO_MAX:
+            self.event_info.popitem(last=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    def finished(self, req_id: str) -> None:
+        self._tracked.pop(req_id, None)
+        self._drop_pending(req_id)
+        self._hit_tiers.pop(req_id, None)
+
+    def preempted(self, req_id: str) -> None:
+        """A preempted request resumes with new blocks: forget what was saved for it."""
+        tracked = self._tracked.get(req_id)
+        if tracked is not None:
+            tracked.saved.clear()
+            tracked.partial.clear()
