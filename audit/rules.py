@@ -10,7 +10,9 @@ only when it is tested for presence and ``R`` resolves to a block. What the test
 from __future__ import annotations
 
 import ast
+import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from audit.model import RULES, Finding
@@ -52,9 +54,12 @@ class Checker:
     """Checks one parsed module; :meth:`run` returns its findings (unsuppressed)."""
 
     def __init__(self, path: str, tree: ast.Module, vocab: Vocabulary,
-                 bookkeeping: frozenset[str] = DEFAULT_BOOKKEEPING_CLASSES) -> None:
+                 bookkeeping: frozenset[str] = DEFAULT_BOOKKEEPING_CLASSES,
+                 hash_lines: Sequence[int] | None = None) -> None:
         self.path = path
         self.tree = tree
+        # Lines that mention block_hash: statements spanning none of them are skipped.
+        self.hash_lines = list(hash_lines) if hash_lines is not None else None
         self.vocab = vocab
         self.bookkeeping = bookkeeping
         self.findings: list[Finding] = []
@@ -70,15 +75,36 @@ class Checker:
             self._visit(child, root)
         return self.findings
 
+    def _relevant(self, node: ast.stmt) -> bool:
+        if self.hash_lines is None:
+            return True
+        i = bisect.bisect_left(self.hash_lines, node.lineno)
+        return i < len(self.hash_lines) and self.hash_lines[i] <= (node.end_lineno or
+                                                                   node.lineno)
+
     def _collect_producers(self, root: Resolver) -> None:
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns:
+        todo: list[ast.stmt] = list(self.tree.body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.ClassDef):
+                todo.extend(node.body)
+                continue
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                todo.extend(node.body)
+            else:
+                continue
+            if node.returns:
                 kind = root.annotation(node.returns)
                 if kind is not None and kind.kind in (BLOCK, BLOCKS, GROUPS, KVBLOCKS):
                     root.producers[node.name] = Kind(kind.kind, kind.confidence,
                                                      f"{node.name}() -> {kind.why[10:]}")
 
     def _visit(self, node: ast.AST, resolver: Resolver) -> None:
+        if isinstance(node, _SCOPES) and not self._relevant(node):
+            return  # no block_hash inside: nothing to resolve or report
+        if (isinstance(node, ast.stmt) and len(self._stack) == 1 and not resolver.aliases
+                and not self._relevant(node)):
+            return  # module-level statement without block_hash (and no module alias)
         if isinstance(node, _SCOPES):
             resolver = self._enter_scope(node, resolver)
         else:
