@@ -107,7 +107,8 @@ def test_json_sarif_github_statistics(tmp_path: Path, capsys) -> None:
 
     _, out, _ = audit(capsys, "--isolated", "--format", "github", str(tmp_path))
     lines = out.splitlines()
-    assert lines[0].startswith(f"::error file={bad},line=5,col=12,") and "title=KVT001::" in lines[0]
+    assert lines[0].startswith(f"::error file={bad},line=5,col=12,")
+    assert "title=KVT001::" in lines[0]
     assert lines[1].startswith("::warning ")
 
     _, out, _ = audit(capsys, "--isolated", "--statistics", str(tmp_path))
@@ -249,10 +250,10 @@ def test_python_dash_m_and_kvtier_entry_point(tmp_path: Path) -> None:
 def test_runs_in_a_bare_python_without_site_packages(tmp_path: Path) -> None:
     """-S -I: no site-packages, no user env; importing audit must pull nothing heavy."""
     bad = write(tmp_path, "bad.py", BAD)
-    code = ("import sys; sys.path.insert(0, %r); from audit.cli import main; rc = main("
-            "['--isolated', %r]); heavy = [m for m in ('vllm', 'torch', 'connector', "
-            "'offload_tiers', 'msgspec') if m in sys.modules]; print('HEAVY', heavy); "
-            "sys.exit(rc)") % (str(REPO), str(bad))
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from audit.cli import main; "
+            f"rc = main(['--isolated', {str(bad)!r}]); heavy = [m for m in ('vllm', 'torch', "
+            "'connector', 'offload_tiers', 'msgspec') if m in sys.modules]; "
+            "print('HEAVY', heavy); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-S", "-I", "-c", code], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
