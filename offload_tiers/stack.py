@@ -57,7 +57,7 @@ def chain_availability(keys: Sequence[BlockKey], present: Sequence[bool]) -> Tie
     """Longest usable prefix of ``keys`` given per-key presence (pure logic)."""
     tokens = full = 0
     for key, here in zip(keys, present, strict=True):
-        if not here:
+        if not here or key.num_tokens <= tokens:  # a miss, or not a chain (tokens must grow)
             break
         if key.kind is BlockKind.FULL:
             tokens, full = key.num_tokens, full + 1
@@ -92,6 +92,10 @@ class TierStack:
         self._n = dict.fromkeys(("puts", "cpu_hits", "redis_hits", "misses", "promotions",
                                  "demotions", "demotion_drops", "write_through",
                                  "write_through_drops"), 0)
+        # write-through pins at most a quarter of the CPU slots while Redis writes them
+        # (zero copy); beyond that the payload is copied, so puts are never starved.
+        self._wt_pin_limit = cpu.num_slots // 4
+        self._wt_pinned = 0
         self._user_on_evict = cpu.on_evict
         cpu.on_evict = self._on_evict
 
@@ -113,15 +117,27 @@ class TierStack:
 
     def _write_through(self, key: BlockKey, data: BytesLike, in_cpu: bool) -> None:
         assert self.redis is not None
-        slot = self.cpu.acquire(key) if in_cpu and not isinstance(data, bytes) else None
+        slot = None
+        if in_cpu and not isinstance(data, bytes):
+            with self._lock:
+                pin = self._wt_pinned < self._wt_pin_limit
+                self._wt_pinned += pin
+            slot = self.cpu.acquire(key) if pin else None
+            if pin and slot is None:
+                self._unpin_count()
         if slot is not None:  # zero copy: the slot stays pinned until Redis has it
             def done(_ok: bool, key: BlockKey = key) -> None:
                 self.cpu.release(key)
+                self._unpin_count()
 
             ok = self.redis.submit_put(key, self.cpu.view(slot), on_done=done)
         else:
             ok = self.redis.submit_put(key, data)
         self._bump("write_through" if ok else "write_through_drops")
+
+    def _unpin_count(self) -> None:
+        with self._lock:
+            self._wt_pinned -= 1
 
     def _demote(self, key: BlockKey, data: BytesLike) -> None:
         assert self.redis is not None

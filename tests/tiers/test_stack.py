@@ -38,6 +38,7 @@ def test_chain_availability_rules() -> None:
     assert chain_availability([key(0, partial=True), full[1]], [True, True]) == \
         TierAvailability(8, 0, True)  # nothing extends past a partial
     assert chain_availability([], []) == TierAvailability()
+    assert chain_availability([full[2], full[1]], [True, True]) == TierAvailability(48, 1, False)
     assert TierAvailability(56, 3, True).num_blocks == 4
 
 
@@ -53,7 +54,7 @@ def test_write_through_then_promotion_from_redis(redis_tier: RedisTier) -> None:
     assert s.cpu.contains(keys[0])
     st = s.stats()
     assert st["redis_hits"] == 1 and st["promotions"] == 1 and st["write_through"] == 5
-    assert st["cpu"]["pinned"] == 0  # zero-copy write-through pins released
+    assert st["cpu"]["pinned"] == 0  # write-through pins (if any) released
 
 
 def test_write_back_demotes_on_eviction_only(redis_tier: RedisTier) -> None:
@@ -179,3 +180,13 @@ def test_concurrent_readers_and_writers_no_torn_values(redis_tier: RedisTier) ->
 def test_bad_write_mode() -> None:
     with pytest.raises(ValueError, match="write_mode"):
         TierStack(CpuTier(SLOT, SLOT), None, "sideways")  # type: ignore[arg-type]
+
+
+def test_write_through_pins_are_bounded_so_puts_never_starve(redis_tier: RedisTier) -> None:
+    s = make(redis_tier, "through", slots=8)
+    keys = [key(i) for i in range(64)]
+    assert all(s.put(k, np.frombuffer(payload(k, SLOT), dtype=np.uint8)) for k in keys)
+    assert s.cpu.stats()["pinned"] <= 2
+    assert s.flush(10) and s.cpu.stats()["pinned"] == 0
+    got = redis_tier.get_many(keys)
+    assert all(bytes(g) == payload(k, SLOT) for g, k in zip(got, keys, strict=True))
