@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result.skipped:
             summary += f"; {len(result.skipped)} skipped"
         print(summary, file=sys.stderr)
+    if any(f.code == "KVT902" for f in result.findings):
+        print("kvtier audit: internal error on some files (KVT902 above)", file=sys.stderr)
+        return 2
     failing = settings.fail_on
     return 1 if failing is not None and any(f.severity >= failing for f in shown) else 0
 

@@ -68,9 +68,12 @@ def load(pyproject: Path | None) -> Settings:
             data = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{pyproject}: cannot read configuration: {exc}") from exc
-    table = data.get("tool", {}).get("kvtier", {}).get("audit", {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"{pyproject}: [tool.kvtier.audit] must be a table")
+    table: object = data
+    for key in ("tool", "kvtier", "audit"):
+        table = table.get(key, {}) if isinstance(table, dict) else None
+        if not isinstance(table, dict):
+            raise ConfigError(f"{pyproject}: [tool.kvtier.audit] must be a table "
+                              f"(`{key}` is not)")
     unknown = sorted(set(table) - KNOWN_KEYS)
     if unknown:
         raise ConfigError(f"{pyproject}: unknown [tool.kvtier.audit] key(s): "

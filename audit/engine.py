@@ -100,6 +100,10 @@ def audit_source(source: str | bytes, path: str = "<string>",
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # invalid escape sequences etc. are not ours
             tree = ast.parse(source, filename=path)
+    except (RecursionError, MemoryError) as exc:
+        rule = RULES["KVT900"]
+        return [Finding(path, 1, 1, rule.code, rule.severity,
+                        f"{rule.summary}: nested too deeply ({type(exc).__name__})", rule.fix)]
     except (SyntaxError, ValueError) as exc:
         line = getattr(exc, "lineno", None) or 1
         col = getattr(exc, "offset", None) or 1
@@ -111,7 +115,12 @@ def audit_source(source: str | bytes, path: str = "<string>",
     hash_lines = [i for i, line in enumerate(raw.splitlines(), 1) if TOKEN in line]
     if not hash_lines:
         return []
-    findings = Checker(path, tree, settings.vocab, settings.bookkeeping, hash_lines).run()
+    try:
+        findings = Checker(path, tree, settings.vocab, settings.bookkeeping, hash_lines).run()
+    except RecursionError:
+        rule = RULES["KVT900"]
+        return [Finding(path, 1, 1, rule.code, rule.severity,
+                        "file was not audited: nested too deeply to check", rule.fix)]
     if not findings:
         return findings
     text = raw.decode("utf-8", "replace")
@@ -161,7 +170,12 @@ def audit_file(path: str, settings: Settings, keep_source: bool = False) -> File
                                        f"{rule.summary}: binary content", rule.fix))
         return result
     result.parsed = True
-    result.findings = audit_source(data, path, settings)
+    try:
+        result.findings = audit_source(data, path, settings)
+    except Exception as exc:  # a bug of ours on this file: say so, keep auditing the rest
+        bug = RULES["KVT902"]
+        result.findings = [Finding(path, 1, 1, bug.code, bug.severity,
+                                   f"{bug.summary}: {type(exc).__name__}: {exc}", bug.fix)]
     if keep_source and result.findings:
         result.source = data.decode("utf-8", "replace")
     return result

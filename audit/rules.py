@@ -100,19 +100,25 @@ class Checker:
                                                      f"{node.name}() -> {kind.why[10:]}")
 
     def _visit(self, node: ast.AST, resolver: Resolver) -> None:
-        if isinstance(node, _SCOPES) and not self._relevant(node):
-            return  # no block_hash inside: nothing to resolve or report
-        if (isinstance(node, ast.stmt) and len(self._stack) == 1 and not resolver.aliases
-                and not self._relevant(node)):
-            return  # module-level statement without block_hash (and no module alias)
-        if isinstance(node, _SCOPES):
-            resolver = self._enter_scope(node, resolver)
-        else:
-            self._check(node, resolver)
-        self._stack.append(node)
-        for child in ast.iter_child_nodes(node):
-            self._visit(child, resolver)
-        self._stack.pop()
+        """Depth-first walk with an explicit work list (no recursion limit on deep code)."""
+        work: list[tuple[ast.AST | None, Resolver]] = [(node, resolver)]
+        while work:
+            current, scope = work.pop()
+            if current is None:  # leaving a node
+                self._stack.pop()
+                continue
+            if isinstance(current, _SCOPES) and not self._relevant(current):
+                continue  # no block_hash inside: nothing to resolve or report
+            if (isinstance(current, ast.stmt) and len(self._stack) == 1
+                    and not scope.aliases and not self._relevant(current)):
+                continue  # module-level statement without block_hash (and no module alias)
+            if isinstance(current, _SCOPES):
+                scope = self._enter_scope(current, scope)
+            else:
+                self._check(current, scope)
+            self._stack.append(current)
+            work.append((None, scope))
+            work.extend((child, scope) for child in reversed(list(ast.iter_child_nodes(current))))
 
     def _enter_scope(self, node: ast.AST, parent: Resolver) -> Resolver:
         if isinstance(node, ast.ClassDef):

@@ -270,3 +270,55 @@ def test_pre_commit_hook_definition() -> None:
     text = (REPO / ".pre-commit-hooks.yaml").read_text()
     assert "id: kvtier-audit" in text and "entry: kvtier audit" in text
     assert "types: [python]" in text
+
+
+def test_hostile_inputs_are_reported_not_crashes(tmp_path: Path, capsys) -> None:
+    head = "def f(blk: KVCacheBlock):\n    return "
+    write(tmp_path, "deep_expr.py", head + " + ".join(["1"] * 2500)
+          + " + (blk.block_hash is not None)\n")
+    write(tmp_path, "too_deep.py", head + " + ".join(["1"] * 20000) + " + blk.block_hash\n")
+    (tmp_path / "bad_utf8.py").write_bytes(b'x = "\xff\xfe"  # block_hash\n')
+    (tmp_path / "late_nul.py").write_bytes(b"a = 1\n" * 5000 + b"\x00 block_hash\n")
+    (tmp_path / "empty.py").write_bytes(b"")
+    rc, out, _ = audit(capsys, "--isolated", "--format", "json", "--min-severity", "info",
+                       str(tmp_path))
+    by_file = {Path(f["path"]).name: f["code"] for f in json.loads(out)["findings"]}
+    assert by_file == {"deep_expr.py": "KVT005", "too_deep.py": "KVT900",
+                       "bad_utf8.py": "KVT900", "late_nul.py": "KVT900"}
+    assert rc == 0  # warnings only
+
+
+@pytest.mark.parametrize("toml", ["[tool]\nkvtier = 1\n", "[tool.kvtier]\naudit = [1]\n"])
+def test_config_of_the_wrong_shape_is_a_usage_error(tmp_path: Path, capsys, toml) -> None:
+    write(tmp_path, "pyproject.toml", toml)
+    write(tmp_path, "a.py", BAD)
+    rc, _, err = audit(capsys, str(tmp_path / "a.py"))
+    assert rc == 2 and "must be a table" in err
+
+
+def test_internal_error_on_one_file_exits_2_and_audits_the_rest(tmp_path: Path, capsys,
+                                                                   monkeypatch) -> None:
+    from audit import rules
+
+    write(tmp_path, "a_bad.py", BAD)
+    write(tmp_path, "b_boom.py", BAD)
+    real_run = rules.Checker.run
+
+    def flaky_run(self):  # fault injection: the checker breaks on one file
+        if self.path.endswith("b_boom.py"):
+            raise KeyError("injected")
+        return real_run(self)
+
+    monkeypatch.setattr(rules.Checker, "run", flaky_run)
+    rc, out, err = audit(capsys, "--isolated", "--jobs", "1", str(tmp_path))
+    assert rc == 2
+    assert "a_bad.py:5:12: KVT001" in out
+    assert "b_boom.py:1:1: KVT902 [error]" in out and "KeyError" in out
+    assert "internal error" in err
+
+
+def test_vanished_file_is_skipped(tmp_path: Path) -> None:
+    from audit.engine import audit_file
+
+    result = audit_file(str(tmp_path / "gone.py"), Settings())
+    assert [f.code for f in result.findings] == ["KVT901"]
