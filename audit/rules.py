@@ -13,7 +13,7 @@ import ast
 import bisect
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from audit.model import RULES, Finding
 from audit.resolve import BLOCK, BLOCKS, GROUPS, KVBLOCKS, OTHER, Kind, Resolver, Vocabulary
@@ -67,6 +67,7 @@ class Checker:
 
     # ---------------------------------------------------------------- driving
     def run(self) -> list[Finding]:
+        self.vocab = self._with_import_aliases(self.vocab)
         root = Resolver(self.vocab)
         self._collect_producers(root)
         self._prebind(self.tree.body, root)
@@ -74,6 +75,25 @@ class Checker:
         for child in self.tree.body:
             self._visit(child, root)
         return self.findings
+
+    def _with_import_aliases(self, vocab: Vocabulary) -> Vocabulary:
+        """``from ... import KVCacheBlock as Blk``: ``Blk`` names a block type in this file."""
+        block, kvblocks = set(vocab.block_types), set(vocab.kvblocks_types)
+        todo: list[ast.stmt] = list(self.tree.body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.If | ast.Try):
+                todo.extend(node.body)
+                todo.extend(node.orelse)
+            elif isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.asname and alias.name in vocab.block_types:
+                        block.add(alias.asname)
+                    elif alias.asname and alias.name in vocab.kvblocks_types:
+                        kvblocks.add(alias.asname)
+        if len(block) == len(vocab.block_types) and len(kvblocks) == len(vocab.kvblocks_types):
+            return vocab
+        return replace(vocab, block_types=frozenset(block), kvblocks_types=frozenset(kvblocks))
 
     def _relevant(self, node: ast.stmt) -> bool:
         if self.hash_lines is None:

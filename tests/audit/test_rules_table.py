@@ -206,6 +206,16 @@ CASES: list[tuple[str, str, list[str]]] = [
         def is_full(blk: "KVCacheBlock | None") -> bool:
             return blk is not None and blk.block_hash is not None
      """, ["KVT004"]),
+    ("import-alias", """
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock as Blk
+
+        def f(blocks: list[Blk]) -> int:
+            return sum(b.block_hash is not None for b in blocks)
+     """, ["KVT001"]),
+    ("config-free-custom-container-is-unknown", """
+        def f(mgr) -> int:
+            return sum(b.block_hash is not None for b in mgr.my_block_list)
+     """, []),
     # ---- negatives: not a block ----
     ("event-annotated", """
         def f(event: BlockStored) -> int:
