@@ -1,0 +1,198 @@
+"""Hypothesis stateful test: classifier + index against a small reference model.
+
+A world of prompts hashed like vLLM (one chain hash per ``U`` tokens; a full block of
+``B`` tokens is named by the hash at its end). Several publishers announce full chunks,
+partial entries, repeats, out-of-order children, removals (known and unknown), clears and
+partial->full promotions, interleaved at random. After every step the index's refcounts
+equal the reference multiset and look-ups equal (configured block size) or never exceed
+(learned block size) the reference answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from connector.classify import BlockFacts, Classifier
+from connector.events import BlockRemoved, BlockStored
+from connector.index import ANY, KVIndex
+
+U = 8  # hash unit (prefix_match_unit)
+B = 32  # physical block size of group 0
+PROMPT_UNITS = 12  # prompts of 96 tokens: 3 blocks
+PUBS = ("pubA#dp0", "pubA#dp1", "pubB#dp0")
+MEDIA = ("GPU", "CPU", "STORAGE")
+
+
+def chain(prompt: int) -> list[int]:
+    """Unit chain hashes of a prompt: element k covers (k+1)*U tokens."""
+    out = []
+    for k in range(1, PROMPT_UNITS + 1):
+        digest = hashlib.blake2b(f"{prompt}:{k}".encode(), digest_size=8).digest()
+        out.append(int.from_bytes(digest, "big"))
+    return out
+
+
+PROMPTS = {p: chain(p) for p in range(4)}
+
+
+def hash_at(prompt: int, tokens: int) -> int:
+    return PROMPTS[prompt][tokens // U - 1]
+
+
+class IndexModel(RuleBasedStateMachine):
+    configured = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        facts = BlockFacts({0: B} if self.configured else None)
+        self.classifier = Classifier(facts)
+        self.index = KVIndex(facts)
+        self.ref: dict[tuple[str, str], Counter[int]] = {}
+        self.truth_kind: dict[int, str] = {}
+
+    def _apply(self, pub: str, event: object) -> None:
+        run = self.classifier.classify(pub, event)
+        assert run is not None
+        self.index.apply(run)
+
+    def _ref(self, pub: str, medium: str) -> Counter[int]:
+        return self.ref.setdefault((pub, medium), Counter())
+
+    @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
+          prompt=st.sampled_from(list(PROMPTS)), start=st.integers(0, 2),
+          nblocks=st.integers(1, 3))
+    def store_full(self, pub: str, medium: str, prompt: int, start: int, nblocks: int) -> None:
+        nblocks = min(nblocks, 3 - start)
+        hashes = [hash_at(prompt, (start + i + 1) * B) for i in range(nblocks)]
+        parent = hash_at(prompt, start * B) if start else None
+        self._apply(pub, BlockStored(hashes, parent, [0] * (B * nblocks), B, None, medium,
+                                     None, group_idx=0))
+        self._ref(pub, medium).update(hashes)
+        for h in hashes:
+            self.truth_kind[h] = "FULL"
+
+    @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
+          prompt=st.sampled_from(list(PROMPTS)), units=st.integers(1, PROMPT_UNITS))
+    def store_partial(self, pub: str, medium: str, prompt: int, units: int) -> None:
+        tokens = units * U
+        if tokens % B == 0:
+            tokens -= U
+        h = hash_at(prompt, tokens)
+        parent = hash_at(prompt, tokens - U) if tokens > U else None
+        self._apply(pub, BlockStored([h], parent, [0] * U, U, None, medium, None,
+                                     group_idx=0))
+        self._ref(pub, medium)[h] += 1
+        self.truth_kind[h] = "PARTIAL"
+
+    @precondition(lambda self: any(self.ref.values()))
+    @rule(data=st.data())
+    def remove_some(self, data: st.DataObject) -> None:
+        keys = sorted(k for k, c in self.ref.items() if c)
+        pub, medium = data.draw(st.sampled_from(keys))
+        c = self.ref[(pub, medium)]
+        hashes = data.draw(st.lists(st.sampled_from(sorted(c)), min_size=1, max_size=4,
+                                    unique=True))
+        self._apply(pub, BlockRemoved(hashes, medium, group_idx=0))
+        for h in hashes:
+            c[h] -= 1
+            if c[h] == 0:
+                del c[h]
+
+    @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
+          h=st.integers(1, 2**64 - 1))
+    def remove_unknown(self, pub: str, medium: str, h: int) -> None:
+        known = self._ref(pub, medium)
+        if h in known:
+            return
+        before = self.index.unknown_removals
+        self._apply(pub, BlockRemoved([h], medium, group_idx=0))
+        assert self.index.unknown_removals == before + 1
+
+    @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
+          prompt=st.sampled_from(list(PROMPTS)), block=st.integers(0, 2))
+    def promote(self, pub: str, medium: str, prompt: int, block: int) -> None:
+        """vLLM's partial->full promotion: BlockRemoved(partial) then BlockStored(full)."""
+        partial_tokens = block * B + B - U
+        hp = hash_at(prompt, partial_tokens)
+        c = self._ref(pub, medium)
+        if c[hp] == 0:
+            self.store_partial(pub, medium, prompt, partial_tokens // U)
+        self._apply(pub, BlockRemoved([hp], medium, group_idx=0))
+        c[hp] -= 1
+        if c[hp] == 0:
+            del c[hp]
+        self.store_full(pub, medium, prompt, block, 1)
+
+    @rule(pub=st.sampled_from(PUBS))
+    def clear(self, pub: str) -> None:
+        run = self.classifier.classify(pub, _cleared())
+        self.index.apply(run)
+        for key in [k for k in self.ref if k[0] == pub]:
+            del self.ref[key]
+
+    @invariant()
+    def refcounts_match(self) -> None:
+        for (pub, medium), c in self.ref.items():
+            for h, n in c.items():
+                assert self.index.refcount((pub, medium, 0, None), h) == n
+        total = sum(len(c) for c in self.ref.values())
+        assert self.index.n_entries == total
+
+    def _truth(self, prompt: int, media: tuple[str, ...]) -> tuple[int, int, bool]:
+        resident = set()
+        for (_pub, medium), c in self.ref.items():
+            if medium in media:
+                resident.update(c)
+        full = 0
+        while full < 3 and hash_at(prompt, (full + 1) * B) in resident:
+            full += 1
+        partial = 0
+        for t in range(full * B + U, min(full * B + B, PROMPT_UNITS * U + 1), U):
+            if hash_at(prompt, t) in resident and self.truth_kind.get(hash_at(prompt, t)) \
+                    == "PARTIAL":
+                partial = t
+        if partial:
+            return partial, full, True
+        return full * B, full, False
+
+    @invariant()
+    def lookups_match_reference(self) -> None:
+        for prompt in PROMPTS:
+            fine = self.index.lookup(PROMPTS[prompt], group=0, unit=U)
+            coarse = self.index.lookup([hash_at(prompt, (i + 1) * B) for i in range(3)],
+                                       group=0)
+            for medium in (*MEDIA, ANY):
+                media = MEDIA if medium == ANY else (medium,)
+                tokens, full, partial = self._truth(prompt, media)
+                got = fine[medium]
+                if self.configured:
+                    assert (got.tokens, got.full_blocks, got.partial) == (tokens, full, partial)
+                    assert coarse[medium].tokens == full * B
+                else:  # learned block size: may know less, never more
+                    assert got.tokens <= tokens and got.full_blocks <= full
+                    assert coarse[medium].tokens <= full * B
+                    if got.full_blocks:
+                        assert got.full_blocks * B <= full * B
+
+
+def _cleared() -> object:
+    from connector.events import AllBlocksCleared
+
+    return AllBlocksCleared()
+
+
+class LearnedIndexModel(IndexModel):
+    configured = False
+
+
+_settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestIndexModelConfigured = IndexModel.TestCase
+TestIndexModelConfigured.settings = _settings
+TestIndexModelLearned = LearnedIndexModel.TestCase
+TestIndexModelLearned.settings = _settings
