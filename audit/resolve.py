@@ -19,6 +19,7 @@ BLOCKS = "blocks"  # a sequence of KVCacheBlock
 GROUPS = "groups"  # a sequence of block sequences (per KV-cache group)
 KVBLOCKS = "kvblocks"  # a KVCacheBlocks object: ``.blocks`` is GROUPS
 REQMAP = "reqmap"  # request id -> block sequence (``req_to_blocks``)
+BLOCKMAP = "blockmap"  # key -> one block
 OTHER = "other"  # resolved to something that is not a block
 
 DEFAULT_BLOCK_TYPES = frozenset({"KVCacheBlock"})
@@ -86,6 +87,7 @@ class Resolver:
         self.class_name = class_name
         self.parent = parent
         self.names: dict[str, Kind] = {}
+        self.attrs: dict[str, Kind] = {}  # class scopes: ``self.<attr>`` annotations
         self.aliases: dict[str, tuple[ast.expr, Kind]] = {}  # h = blk.block_hash
         # Functions of this file annotated to return blocks: name -> kind.
         self.producers: dict[str, Kind] = parent.producers if parent else {}
@@ -109,6 +111,15 @@ class Resolver:
             scope = scope.parent
         return None
 
+    def self_attr(self, attr: str) -> Kind | None:
+        """Kind of ``self.<attr>`` from the nearest enclosing class's annotations."""
+        scope: Resolver | None = self
+        while scope is not None:
+            if scope.class_name is not None:
+                return scope.attrs.get(attr)
+            scope = scope.parent
+        return None
+
     def _in_class(self, names: frozenset[str]) -> bool:
         scope: Resolver | None = self
         while scope is not None:
@@ -127,6 +138,10 @@ class Resolver:
             return None
         if depth == -1:
             return Kind(KVBLOCKS, Confidence.HIGH, "annotated KVCacheBlocks")
+        if depth == -3:
+            return Kind(REQMAP, Confidence.HIGH, "annotated mapping of KVCacheBlock lists")
+        if depth == -4:
+            return Kind(BLOCKMAP, Confidence.HIGH, "annotated mapping of KVCacheBlock")
         if depth == -2:
             text = ast.unparse(node) if not isinstance(node, ast.Constant) else str(node.value)
             return Kind(OTHER, Confidence.HIGH, f"annotated {text}")
@@ -135,7 +150,8 @@ class Resolver:
                                                          "container of KVCacheBlock"))
 
     def _ann_depth(self, node: ast.expr) -> int | None:
-        """0 block, 1 blocks, 2 groups, -1 KVCacheBlocks, -2 another type, None unknown."""
+        """0 block, 1 blocks, 2 groups, -1 KVCacheBlocks, -2 another type, -3 mapping of
+        block lists, -4 mapping of blocks, None unknown."""
         if isinstance(node, ast.Constant):
             if not isinstance(node.value, str):
                 return None if node.value is not None else -2
@@ -168,7 +184,8 @@ class Resolver:
                 return inner + 1 if inner is not None and inner >= 0 else (
                     -2 if inner == -2 else None)
             if base in {"dict", "Dict", "Mapping", "MutableMapping", "defaultdict"}:
-                return -2
+                value = self._ann_depth(args[1]) if len(args) == 2 else None
+                return {0: -4, 1: -3}.get(value, -2) if value is not None else -2
             return -2 if base and base[:1].isupper() else None
         return None
 
@@ -177,8 +194,9 @@ class Resolver:
         for value in (a, b):
             if value is not None and value >= 0:
                 return value
-        if -1 in (a, b):
-            return -1
+        for special in (-1, -3, -4):
+            if special in (a, b):
+                return special
         return a if a is not None else b
 
     # ------------------------------------------------------------- expressions
@@ -226,6 +244,10 @@ class Resolver:
 
     def _attribute(self, node: ast.Attribute) -> Kind | None:
         attr = node.attr
+        if isinstance(node.value, ast.Name) and node.value.id == "self":
+            known = self.self_attr(attr)
+            if known is not None:
+                return known
         if attr == "blocks":
             owner = self.expr(node.value)
             if owner is not None and owner.kind == KVBLOCKS:
@@ -249,10 +271,10 @@ class Resolver:
         if owner is None:
             return None
         is_slice = isinstance(node.slice, ast.Slice)
-        step = {BLOCKS: BLOCK, GROUPS: BLOCKS, REQMAP: BLOCKS}.get(owner.kind)
+        step = {BLOCKS: BLOCK, GROUPS: BLOCKS, REQMAP: BLOCKS, BLOCKMAP: BLOCK}.get(owner.kind)
         if step is None:
             return None
-        if is_slice and owner.kind != REQMAP:
+        if is_slice and owner.kind not in (REQMAP, BLOCKMAP):
             return owner
         return Kind(step, owner.confidence, f"element of {owner.why}")
 
@@ -271,11 +293,15 @@ class Resolver:
             return Kind(BLOCKS, Confidence.MEDIUM, f"{name}(...)")
         if name in self.vocab.single:
             return Kind(BLOCK, Confidence.MEDIUM, f"{name}()")
-        if name == "get" and isinstance(func, ast.Attribute):
+        if name in {"get", "pop", "setdefault", "values"} and isinstance(func, ast.Attribute):
             owner = self.expr(func.value)
-            if owner is not None and owner.kind == REQMAP:
-                return Kind(BLOCKS, owner.confidence, "req_to_blocks.get(...)")
-            return None
+            if owner is None or owner.kind not in (REQMAP, BLOCKMAP):
+                return None
+            if name == "values":
+                kind = GROUPS if owner.kind == REQMAP else BLOCKS
+            else:
+                kind = BLOCKS if owner.kind == REQMAP else BLOCK
+            return Kind(kind, owner.confidence, f"{owner.why}.{name}(...)")
         if name in _SAME_KIND_CALLS and node.args:
             return self.expr(node.args[0])
         if isinstance(func, ast.Name) and name[:1].isupper() and name not in {"Optional"}:
@@ -311,6 +337,14 @@ class Resolver:
                 for elt, arg in zip(target.elts, iterable.args, strict=True):
                     self.bind_target(elt, arg)
                 return
+        if (isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Attribute)
+                and iterable.func.attr == "items" and isinstance(target, ast.Tuple)
+                and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name)):
+            owner = self.expr(iterable.func.value)
+            if owner is not None and owner.kind in (REQMAP, BLOCKMAP):
+                kind = BLOCKS if owner.kind == REQMAP else BLOCK
+                self.set(target.elts[1].id, Kind(kind, owner.confidence, f"{owner.why}.items()"))
+            return
         if isinstance(target, ast.Name):
             kind = self.element_of(iterable)
             if kind is not None:

@@ -142,7 +142,9 @@ class Checker:
 
     def _enter_scope(self, node: ast.AST, parent: Resolver) -> Resolver:
         if isinstance(node, ast.ClassDef):
-            return Resolver(self.vocab, class_name=node.name, parent=parent)
+            scope = Resolver(self.vocab, class_name=node.name, parent=parent)
+            self._collect_attrs(node, scope)
+            return scope
         scope = Resolver(self.vocab, parent=parent)
         args = node.args  # type: ignore[attr-defined]
         for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
@@ -154,6 +156,27 @@ class Checker:
         body = node.body if isinstance(node.body, list) else [node.body]
         self._prebind(body, scope)
         return scope
+
+    @staticmethod
+    def _collect_attrs(cls: ast.ClassDef, scope: Resolver) -> None:
+        """Class-body field annotations and ``self.x: T`` / ``self.x = KVCacheBlock(...)``."""
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                kind = scope.annotation(stmt.annotation)
+                if kind is not None:
+                    scope.attrs[stmt.target.id] = kind
+        for node in ast.walk(cls):
+            target, kind = None, None
+            if isinstance(node, ast.AnnAssign):
+                target, kind = node.target, scope.annotation(node.annotation)
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                    and isinstance(node.value, ast.Call):
+                target, kind = node.targets[0], scope.expr(node.value)
+            if (kind is not None and isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
+                old = scope.attrs.get(target.attr)
+                if old is None or kind.confidence > old.confidence:
+                    scope.attrs[target.attr] = kind
 
     def _bind_lambda(self, node: ast.Lambda, parent: Resolver, scope: Resolver) -> None:
         """``filter(lambda b: ..., blocks)``: ``b`` is an element of ``blocks``."""
@@ -426,13 +449,14 @@ class Checker:
         return UNCLEAR
 
     def _loop_vars(self, stmt: ast.AST) -> set[str]:
-        """Names bound by the innermost enclosing ``for`` (the index and the element)."""
+        """Names bound by the enclosing ``for`` loops of this function (indices, elements)."""
+        names: set[str] = set()
         for node in reversed(self._stack):
             if isinstance(node, ast.For | ast.AsyncFor):
-                return {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+                names |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
             if isinstance(node, _SCOPES):
                 break
-        return set()
+        return names
 
     def _is_hash_only(self, node: ast.AST, scope: Resolver) -> bool:
         if isinstance(node, ast.Attribute) and node.attr == HASH_ATTR:

@@ -216,6 +216,45 @@ CASES: list[tuple[str, str, list[str]]] = [
         def f(mgr) -> int:
             return sum(b.block_hash is not None for b in mgr.my_block_list)
      """, []),
+    ("self-attribute-annotated", """
+        class Sched:
+            def __init__(self) -> None:
+                self._pending: dict[str, list[KVCacheBlock]] = {}
+
+            def count(self, rid: str) -> int:
+                return sum(b.block_hash is not None for b in self._pending[rid])
+     """, ["KVT001"]),
+    ("dataclass-field-and-items", """
+        class State:
+            held: "dict[str, list[KVCacheBlock]]"
+
+            def ready(self) -> list[str]:
+                out = []
+                for rid, blocks in self.held.items():
+                    for blk in blocks:
+                        if blk.block_hash is None:
+                            out.append(rid)
+                return out
+     """, ["KVT002"]),
+    ("req-to-blocks-values", """
+        class Mgr:
+            def f(self) -> int:
+                n = 0
+                for blocks in self.req_to_blocks.values():
+                    n += sum(1 for b in blocks if b.block_hash)
+                return n
+     """, ["KVT001"]),
+    ("self-attribute-not-block", """
+        class Plan:
+            def __init__(self) -> None:
+                self.block: TransferSpec = TransferSpec()
+
+            def f(self) -> int:
+                n = 0
+                if self.block.block_hash is not None:
+                    n += 1
+                return n
+     """, []),
     # ---- negatives: not a block ----
     ("event-annotated", """
         def f(event: BlockStored) -> int:
@@ -385,3 +424,19 @@ def test_syntax_error_is_a_finding_not_a_crash() -> None:
     (finding,) = audit_source("def f(:\n    block_hash\n", "bad.py")
     assert finding.code == "KVT900"
     assert finding.line == 1
+
+
+def test_rewrite_inside_a_comprehension_uses_its_enumerate_index() -> None:
+    src = ("def f(blocks: list[KVCacheBlock], block_size: int) -> int:\n"
+           "    return sum(b.block_hash is not None for i, b in enumerate(blocks))\n")
+    (finding,) = audit_source(src)
+    assert finding.suggestion is not None
+    assert finding.suggestion[3] == "b.block_hash_num_tokens == (i + 1) * block_size"
+
+
+def test_no_rewrite_for_an_index_relative_to_a_slice() -> None:
+    src = ("def f(blocks: list[KVCacheBlock], k: int, block_size: int) -> int:\n"
+           "    return sum(b.block_hash is not None for i, b in enumerate(blocks[k:]))\n")
+    (finding,) = audit_source(src)
+    assert finding.code == "KVT001" and finding.suggestion is None
+    assert "(index + 1) * block_size" in finding.fix
