@@ -59,7 +59,12 @@ def _index_for(receiver: ast.expr, stack: list[ast.AST], func: ast.AST | None) -
     base = receiver.id if isinstance(receiver, ast.Name) else None
     if isinstance(receiver, ast.Subscript) and isinstance(receiver.slice, ast.Name):
         return receiver.slice.id
-    loops = [n for n in stack if isinstance(n, ast.For | ast.comprehension)]
+    loops: list[ast.For | ast.comprehension] = []
+    for node in stack:
+        if isinstance(node, ast.For):
+            loops.append(node)
+        elif isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp):
+            loops.extend(node.generators)  # the element is not below them in the tree
     for loop in reversed(loops):
         it, target = loop.iter, loop.target
         if (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
