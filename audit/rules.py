@@ -182,7 +182,8 @@ class Checker:
         """``filter(lambda b: ..., blocks)``: ``b`` is an element of ``blocks``."""
         call = self._stack[-1] if self._stack else None
         if not (isinstance(call, ast.Call) and call.args and call.args[0] is node
-                and _call_name(call) in {"filter", "map", "sorted", "min", "max"}
+                and _call_name(call) in {"filter", "map", "sorted", "min", "max", "takewhile",
+                                         "dropwhile"}
                 and len(call.args) >= 2 and node.args.args):
             return
         kind = parent.element_of(call.args[1])
@@ -324,7 +325,8 @@ class Checker:
         if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name):
             return parent.func.id == "bool" and cur in parent.args
         if isinstance(parent, ast.Lambda):  # filter(lambda b: b.block_hash, ...)
-            return i >= 1 and _call_name(stack[i - 1]) in {"filter", "any", "all"}
+            return i >= 1 and _call_name(stack[i - 1]) in {"filter", "any", "all", "takewhile",
+                                                           "dropwhile"}
         if isinstance(parent, ast.GeneratorExp | ast.ListComp) and parent.elt is cur:
             return i >= 1 and _call_name(stack[i - 1]) in {"any", "all", "filter"}
         return False
@@ -349,19 +351,22 @@ class Checker:
                 return COUNT
             if call in {"any", "all"}:
                 return DECIDE
+            if call == "next":
+                return INDEX
             elt = getattr(comp, "elt", None) or getattr(comp, "value", None)
             if elt is not None and self._is_hash_only(elt, scope):
                 return MEMBER
             return SELECT
         if isinstance(consumer, ast.GeneratorExp | ast.ListComp | ast.SetComp):
             call = _call_name(outer) if outer is not None else ""
-            return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE}.get(call, SELECT)
+            return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE,
+                    "next": INDEX}.get(call, SELECT)
         if isinstance(consumer, ast.Lambda):
             call = _call_name(outer) if outer is not None else ""
             if call == "map" and depth >= 2 and _call_name(stack[depth - 2]) == "sum":
                 return COUNT
-            return {"filter": SELECT, "map": SELECT, "any": DECIDE, "all": DECIDE}.get(
-                call, UNCLEAR)
+            return {"filter": SELECT, "map": SELECT, "any": DECIDE, "all": DECIDE,
+                    "takewhile": INDEX, "dropwhile": INDEX}.get(call, UNCLEAR)
         if isinstance(consumer, ast.Call):
             call = _call_name(consumer)
             return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE,

@@ -125,6 +125,35 @@ CASES: list[tuple[str, str, list[str]]] = [
         def f(blocks: list[KVCacheBlock]) -> int:
             return sum(map(lambda b: b.block_hash is not None, blocks))
      """, ["KVT001"]),
+    ("next-first-missing", """
+        def f(blocks: list[KVCacheBlock]) -> int:
+            return next((i for i, b in enumerate(blocks) if b.block_hash is None), len(blocks))
+     """, ["KVT003"]),
+    ("takewhile-prefix", """
+        import itertools
+
+        def f(blocks: list[KVCacheBlock]) -> int:
+            return len(list(itertools.takewhile(lambda b: b.block_hash is not None, blocks)))
+     """, ["KVT003"]),
+    ("break-then-count-after", """
+        def f(blocks: list[KVCacheBlock]) -> int:
+            num_cached = 0
+            for blk in blocks:
+                if blk.block_hash is None:
+                    break
+                num_cached += 1
+            return num_cached
+     """, ["KVT001"]),
+    ("elif-select", """
+        def f(blocks: list[KVCacheBlock]) -> list[int]:
+            out = []
+            for blk in blocks:
+                if blk.is_null:
+                    pass
+                elif blk.block_hash is None:
+                    out.append(blk.block_id)
+            return out
+     """, ["KVT002"]),
     ("walrus", """
         def f(blocks: list[KVCacheBlock]) -> int:
             num_full = 0
