@@ -80,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         result = run(paths, settings, keep_sources=args.diff)
+        if result.files == 0:
+            print("kvtier audit: no Python files found", file=sys.stderr)
     except cfg.ConfigError as exc:
         print(f"kvtier audit: {exc}", file=sys.stderr)
         return 2

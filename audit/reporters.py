@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import quote
 
 from audit.model import RULES, Finding, Severity
 
@@ -56,7 +58,7 @@ def sarif(findings: Sequence[Finding]) -> str:
             "level": _SARIF_LEVEL[f.severity],
             "message": {"text": f"{f.message}. Fix: {f.fix}" if f.fix else f.message},
             "locations": [{"physicalLocation": {
-                "artifactLocation": {"uri": f.path.replace("\\", "/").lstrip("./") or f.path},
+                "artifactLocation": _artifact(f.path),
                 "region": region}}],
         }
         if f.confidence:
@@ -69,6 +71,19 @@ def sarif(findings: Sequence[Finding]) -> str:
         "results": results,
     }]}
     return json.dumps(log, indent=2)
+
+
+def _artifact(path: str) -> dict[str, str]:
+    """A SARIF artifact location: relative to the working directory when possible."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            p = p.relative_to(Path.cwd())
+        except ValueError:
+            return {"uri": p.as_uri()}
+    text = p.as_posix()
+    return {"uri": quote(text[2:] if text.startswith("./") else text),
+            "uriBaseId": "%SRCROOT%"}
 
 
 def _gh_escape(value: str, prop: bool = False) -> str:

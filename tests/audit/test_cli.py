@@ -105,6 +105,20 @@ def test_json_sarif_github_statistics(tmp_path: Path, capsys) -> None:
         region = result["locations"][0]["physicalLocation"]["region"]
         assert region["startLine"] >= 1 and region["startColumn"] >= 1
 
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        _, out, _ = audit(capsys, "--isolated", "--format", "sarif", ".")
+    finally:
+        os.chdir(cwd)
+    uris = {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+            for r in json.loads(out)["runs"][0]["results"]}
+    assert uris == {"bad.py", "warn.py"}
+    outside = json.loads(audit(capsys, "--isolated", "--format", "sarif", str(bad))[1])
+    uri = outside["runs"][0]["results"][0]["locations"][0]["physicalLocation"][
+        "artifactLocation"]["uri"]
+    assert uri == bad.as_uri() or not uri.startswith("/")
+
     _, out, _ = audit(capsys, "--isolated", "--format", "github", str(tmp_path))
     lines = out.splitlines()
     assert lines[0].startswith(f"::error file={bad},line=5,col=12,")
@@ -322,3 +336,9 @@ def test_vanished_file_is_skipped(tmp_path: Path) -> None:
 
     result = audit_file(str(tmp_path / "gone.py"), Settings())
     assert [f.code for f in result.findings] == ["KVT901"]
+
+
+def test_empty_directory_says_so(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    rc, out, err = audit(capsys, "--isolated", str(tmp_path / "empty"))
+    assert rc == 0 and out == "" and "no Python files found" in err
