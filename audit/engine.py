@@ -9,7 +9,7 @@ import re
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -123,9 +123,22 @@ def audit_source(source: str | bytes, path: str = "<string>",
                         "file was not audited: nested too deeply to check", rule.fix)]
     if not findings:
         return findings
-    text = raw.decode("utf-8", "replace")
-    lines = text.splitlines()
-    return [f for f in findings if not _suppressed(f, lines)]
+    lines = raw.decode("utf-8", "replace").splitlines()
+    byte_lines = raw.splitlines()
+    return [_char_columns(f, byte_lines) for f in findings if not _suppressed(f, lines)]
+
+
+def _char_columns(finding: Finding, byte_lines: list[bytes]) -> Finding:
+    """ast columns count UTF-8 bytes; report characters, like ruff."""
+    def chars(line: int, col: int) -> int:
+        if not 0 < line <= len(byte_lines) or byte_lines[line - 1].isascii():
+            return col
+        return len(byte_lines[line - 1][: col - 1].decode("utf-8", "replace")) + 1
+
+    col, end_col = chars(finding.line, finding.col), chars(finding.end_line, finding.end_col)
+    if (col, end_col) == (finding.col, finding.end_col):
+        return finding
+    return replace(finding, col=col, end_col=end_col)
 
 
 def _suppressed(finding: Finding, lines: list[str]) -> bool:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from audit.fixes import suggest
 from audit.model import RULES, Finding
 from audit.resolve import BLOCK, BLOCKS, GROUPS, KVBLOCKS, OTHER, Kind, Resolver, Vocabulary
 
@@ -446,7 +447,7 @@ class Checker:
         for code in (COUNT, INDEX, SELECT, DECIDE):
             if code in signals:
                 return code
-        if any(self._uses_hash(n, cand, scope) for n in _flat(region)):
+        if any(self._is_hash_only(n, scope) for n in _flat(region)):
             return MEMBER
         if _TRANSFER_FUNC.search(func_name) and isinstance(stmt, ast.If) and stmt.body \
                 and isinstance(stmt.body[-1], ast.Continue | ast.Return):
@@ -468,29 +469,19 @@ class Checker:
             return True
         return isinstance(node, ast.Name) and scope.alias(node.id) is not None
 
-    def _uses_hash(self, node: ast.AST, cand: Candidate, scope: Resolver) -> bool:
-        if isinstance(node, ast.Attribute) and node.attr == HASH_ATTR:
-            return True
-        return isinstance(node, ast.Name) and scope.alias(node.id) is not None
-
     # -------------------------------------------------------------- reporting
     def _report(self, cand: Candidate, test: ast.expr, code: str, depth: int) -> None:
-        from audit.fixes import suggest  # local: keeps the hot path import-light
-
         rule = RULES[code]
         recv = ast.unparse(cand.receiver)
         index, block_size, replacement = suggest(cand, test, self._stack)
         fix = rule.fix.format(recv=recv, index=index or "index",
                               block_size=block_size or "block_size", code=code)
-        suggestion = None
-        if replacement is not None:
-            suggestion = replacement
         self.findings.append(Finding(
             path=self.path, line=test.lineno, col=test.col_offset + 1, code=code,
             severity=rule.severity, message=f"{rule.summary} (receiver `{recv}`)", fix=fix,
             confidence=cand.kind.confidence, why=cand.kind.why,
             end_line=test.end_lineno or test.lineno, end_col=(test.end_col_offset or 0) + 1,
-            suggestion=suggestion,
+            suggestion=replacement,
         ))
 
 

@@ -469,3 +469,12 @@ def test_no_rewrite_for_an_index_relative_to_a_slice() -> None:
     (finding,) = audit_source(src)
     assert finding.code == "KVT001" and finding.suggestion is None
     assert "(index + 1) * block_size" in finding.fix
+
+
+def test_columns_count_characters_not_bytes() -> None:
+    src = ("def f(blocks: list[KVCacheBlock]) -> int:\n"
+           "    x = 'éé'; return sum(b.block_hash is not None for b in blocks)\n")
+    plain = src.replace("'éé'", "'ee'")
+    (accented,) = audit_source(src)
+    (ascii_,) = audit_source(plain)
+    assert (accented.col, accented.end_col) == (ascii_.col, ascii_.end_col) == (30, 56)
