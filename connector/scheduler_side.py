@@ -142,11 +142,11 @@ class TieredScheduler:
         cpu = self.rt.cpu
         if not self.supported or cpu is None:
             return 0
+        self.rt.counters.add("lookups")
+        self.rt.counters.add("lookup_tokens", request.num_tokens - num_computed)
         max_end = min(request.num_tokens - 1, len(request.block_hashes) * self.hash_unit)
         if max_end - num_computed < self.hash_unit:
             return 0
-        self.rt.counters.add("lookups")
-        self.rt.counters.add("lookup_tokens", request.num_tokens - num_computed)
         fp = self._fingerprint(self.tenant(request))
         unit = self.hash_unit
         ends = list(range(num_computed + unit, max_end + 1, unit))

@@ -1,0 +1,51 @@
+"""Settings: defaults, YAML file, inline override, and errors that name key and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from connector.connector_config import ConnectorConfigError, load_config
+
+
+def test_defaults() -> None:
+    cfg = load_config(None)
+    assert cfg.redis_url is None and cfg.write_mode == "through" and cfg.store_partial
+
+
+def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
+    path = tmp_path / "tiered.yaml"
+    path.write_text("connector:\n  cpu_bytes: 2097152\n  write_mode: back\n  tenant: t1\n")
+    cfg = load_config({"config_file": str(path), "tenant": "t2"})
+    assert cfg.cpu_bytes == 2097152 and cfg.write_mode == "back" and cfg.tenant == "t2"
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"cpu_bytes": 10}, "cpu_bytes"),
+    ({"write_mode": "sideways"}, "write_mode"),
+    ({"redis_url": "http://x"}, "redis_url"),
+    ({"cpu_byte": 1 << 30}, "cpu_byte: unknown setting"),
+    ({"redis_ttl_s": 0}, "redis_ttl_s"),
+])
+def test_bad_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        load_config(extra)
+    assert needle in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_password_never_in_the_error() -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        load_config({"redis_url": "http://user:s3cret@host", "cpu_bytes": 1})
+    assert "s3cret" not in str(err.value)
+    cfg = load_config({"redis_url": "redis://user:s3cret@host:6379/0"})
+    assert "s3cret" not in str(cfg.describe())
+
+
+def test_unreadable_or_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConnectorConfigError, match="config_file"):
+        load_config({"config_file": str(tmp_path / "missing.yaml")})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConnectorConfigError, match="mapping"):
+        load_config({"config_file": str(bad)})

@@ -1,0 +1,174 @@
+"""The scheduler half's decisions, over a real CpuTier and small stand-ins for vLLM objects."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import pytest
+
+from connector.connector_config import TieredConfig
+from connector.connector_metadata import TIER_CPU
+from connector.kv_layout import GroupLayout, KVLayout, TensorSlice
+from connector.scheduler_side import ATTENTION, MAMBA, GroupSpec, TieredScheduler
+from connector.worker_side import TierRuntime
+from offload_tiers.keys import BlockKind
+
+UNIT = 32
+BS = 64
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_tokens: int
+    cache_salt: str | None = None
+    all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(range(self.num_tokens))
+        self.block_hashes = [f"h{i}".encode() for i in range(self.num_tokens // UNIT)]
+
+
+@dataclass
+class Blk:
+    block_id: int
+    block_hash_num_tokens: int | None = None
+    is_null: bool = False
+
+
+def _runtime(groups: list[GroupSpec], **cfg: object) -> TierRuntime:
+    rt = TierRuntime(TieredConfig(cpu_bytes=1 << 20, **cfg))
+    slices = tuple(GroupLayout(g.group, g.kind, g.block_size,
+                               (TensorSlice("l", 0, 0, (16,), "uint8", 1, 0, 16),))
+                   for g in groups)
+    rt.attach_cpu(KVLayout("cpu", 100, slices))
+    return rt
+
+
+def _sched(groups: list[GroupSpec], blocks: dict[str, list[list[Blk]]],
+           **cfg: object) -> TieredScheduler:
+    rt = _runtime(groups, **cfg)
+    return TieredScheduler(rt, groups, UNIT, lambda tenant: "ab" * 16,
+                           lambda rid: blocks[rid], lambda bid: Blk(bid))
+
+
+def _store(s: TieredScheduler, req: Req, group: int, tokens: int) -> None:
+    g = s.groups[group]
+    assert s.rt.cpu is not None
+    assert s.rt.cpu.put(s.key(req, "ab" * 16, g, tokens), bytes(16))
+
+
+LLAMA = [GroupSpec(0, ATTENTION, UNIT)]
+HYBRID = [GroupSpec(0, MAMBA, BS), GroupSpec(1, ATTENTION, BS)]
+
+
+def test_full_run_stops_at_first_missing_block_and_before_last_token() -> None:
+    s = _sched(LLAMA, {})
+    req = Req("r", 130)
+    for tokens in (32, 64, 128):
+        _store(s, req, 0, tokens)
+    assert s.lookup(req, 0) == 64  # block 3 (..96) is missing
+    _store(s, req, 0, 96)
+    assert s.lookup(req, 0) == 128
+    assert s.lookup(req, 64) == 64
+    short = Req("r", 128)  # the last token is always recomputed: at most 96
+    assert s.lookup(short, 0) == 96
+
+
+def test_pins_are_released_when_vllm_takes_nothing() -> None:
+    s = _sched(LLAMA, {})
+    req = Req("r", 100)
+    _store(s, req, 0, 32)
+    assert s.lookup(req, 0) == 32
+    assert s.rt.cpu is not None and s.rt.cpu.stats()["pinned"] == 1
+    s.on_alloc(req, [[Blk(5)]], 0)
+    assert s.rt.cpu.stats()["pinned"] == 0
+
+
+def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
+    s = _sched(HYBRID, {})
+    req = Req("r", 200)
+    _store(s, req, 1, 64)  # FULL attention block 0
+    _store(s, req, 1, 96)  # PARTIAL attention entry in block 1
+    assert s.lookup(req, 0) == 0  # no Mamba state anywhere: never a half restore
+    _store(s, req, 0, 64)
+    assert s.lookup(req, 0) == 64
+    _store(s, req, 0, 96)
+    assert s.lookup(req, 0) == 96
+    # A PARTIAL entry at 96 never stands in for the FULL block 1 (..128).
+    _store(s, req, 0, 128)
+    assert s.lookup(req, 0) == 96
+    _store(s, req, 1, 128)
+    assert s.lookup(req, 0) == 128
+
+
+def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
+    mamba_blocks = [Blk(0, is_null=True), Blk(11)]
+    attn_blocks = [Blk(20), Blk(21), Blk(22)]
+    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
+    req = Req("r", 200)
+    for group, tokens in ((1, 64), (1, 96), (0, 96)):
+        _store(s, req, group, tokens)
+    assert s.lookup(req, 0) == 96
+    s.on_alloc(req, [mamba_blocks, attn_blocks], 96)
+    plan = s.plan({"r": 100}, {}, set())
+    loads = {(op.group, op.block_id, op.key.num_tokens, op.key.kind) for op in plan.loads}
+    assert loads == {(1, 20, 64, BlockKind.FULL), (1, 21, 96, BlockKind.PARTIAL),
+                     (0, 11, 96, BlockKind.PARTIAL)}
+    assert all(op.tier == TIER_CPU and op.slot is not None for op in plan.loads)
+    assert s.rt.counters.snapshot()["hit_tokens_cpu"] == 96
+
+
+def test_stores_follow_block_hash_num_tokens_and_promote_partials() -> None:
+    blocks = {"r": [[], [Blk(20, 64), Blk(21, 96), Blk(22, None)]]}
+    s = _sched(HYBRID, blocks)
+    req = Req("r", 200)
+    s.on_alloc(req, blocks["r"], 0)
+    plan = s.plan({"r": 96}, {"r": [(0, 7, 96)]}, set())
+    saves = [(op.group, op.block_id, op.key.num_tokens, op.key.kind) for op in plan.saves]
+    assert saves == [(1, 20, 64, BlockKind.FULL), (1, 21, 96, BlockKind.PARTIAL),
+                     (0, 7, 96, BlockKind.PARTIAL)]
+    # Not computed yet: nothing; computed later: the FULL block supersedes the PARTIAL.
+    blocks["r"][1][1] = Blk(21, 128)
+    assert s.plan({"r": 100}, {}, set()).saves == []
+    promoted = s.plan({"r": 128}, {}, set()).saves
+    assert len(promoted) == 1 and promoted[0].key.kind is BlockKind.FULL
+    assert promoted[0].supersedes is not None
+    assert promoted[0].supersedes.kind is BlockKind.PARTIAL
+
+
+def test_store_partial_off_and_gone_requests() -> None:
+    blocks = {"r": [[], [Blk(20, 64), Blk(21, 96)]]}
+    s = _sched(HYBRID, blocks, store_partial=False)
+    req = Req("r", 200)
+    s.on_alloc(req, blocks["r"], 0)
+    assert s.plan({"r": 96}, {"r": [(0, 7, 96)]}, {"r"}).saves == []
+    saves = s.plan({"r": 96}, {"r": [(0, 7, 96)]}, set()).saves
+    assert [op.key.kind for op in saves] == [BlockKind.FULL]
+
+
+def test_tenants_get_their_own_keys() -> None:
+    rt = _runtime(LLAMA)
+    def fingerprint(tenant: str) -> str:
+        return hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()
+
+    s = TieredScheduler(rt, LLAMA, UNIT, fingerprint, lambda rid: [], lambda bid: Blk(bid))
+    a, b = Req("a", 100, cache_salt="alice"), Req("b", 100, cache_salt="bob")
+    assert rt.cpu is not None
+    rt.cpu.put(s.key(a, s._fingerprint(s.tenant(a)), LLAMA[0], 32), bytes(16))
+    assert s.lookup(a, 0) == 32
+    assert s.lookup(b, 0) == 0  # same tokens, same hashes, other tenant: a miss
+    assert s.tenant(a) == "/alice"
+
+
+def test_unsupported_groups_never_hit() -> None:
+    s = _sched([GroupSpec(0, "SlidingWindowSpec", UNIT)], {})
+    assert s.lookup(Req("r", 100), 0) == 0
+
+
+@pytest.mark.parametrize("bad", [48])
+def test_block_size_must_be_a_multiple_of_the_hash_unit(bad: int) -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        _sched([GroupSpec(0, ATTENTION, bad)], {})

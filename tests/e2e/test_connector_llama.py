@@ -1,0 +1,108 @@
+"""kvtier inside a real vLLM CPU engine with the tiny Llama (one KV-cache group).
+
+Four engine processes, each reused by several assertions: a baseline without kvtier, a
+first kvtier engine (CPU tier + Redis), a second kvtier engine on the same Redis (fresh CPU
+tier), and a kvtier engine with the test-only ``debug_corrupt_loads`` switch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from connector.tiny_models import prompt_words
+from tests.support.connector_runner import run_in_subprocess
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_A = prompt_words(11, 150)
+PROMPT_B = prompt_words(12, 150)
+A2 = PROMPT_A + " w5 w6"
+B2 = PROMPT_B + " w7"
+STEPS = [["generate", "A1", PROMPT_A], ["generate", "B1", PROMPT_B], ["reset"],
+         ["generate", "A2", A2], ["generate", "B2", B2]]
+
+
+def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+@pytest.fixture(scope="module")
+def prefix(redis_url: str) -> Iterator[str]:
+    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{name}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def extra(redis_url: str, prefix: str) -> dict[str, Any]:
+    return {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
+    return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": STEPS}))
+
+
+@pytest.fixture(scope="module")
+def first(tiny_llama_dir: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    return run_in_subprocess({"model": "llama", "extra": extra, "steps": STEPS})
+
+
+@pytest.fixture(scope="module")
+def second(first: dict[str, Any], extra: dict[str, Any], redis_url: str,
+           prefix: str) -> dict[str, Any]:
+    steps = [["generate", "A2", A2], ["corrupt_redis", redis_url, prefix],
+             ["generate", "B2", B2]]
+    return run_in_subprocess({"model": "llama", "extra": extra, "steps": steps})
+
+
+def test_cpu_tier_serves_prefix_after_reset_with_identical_output(
+        baseline: dict[str, dict[str, Any]], first: dict[str, Any]) -> None:
+    runs = by_name(first)
+    for name in ("A1", "B1", "A2", "B2"):
+        assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
+    # After reset_prefix_cache() vLLM's GPU cache is empty: the hit is kvtier's.
+    assert baseline["A2"]["num_cached_tokens"] == 0
+    assert runs["A2"]["delta"].get("hit_tokens_cpu", 0) == 128
+    assert runs["A2"]["num_cached_tokens"] == 128
+    assert runs["B2"]["delta"].get("hit_tokens_cpu", 0) == 128
+    assert first["stats"]["blocks_written_redis"] > 0
+    assert first["stats"]["load_errors"] == 0
+
+
+def test_second_engine_serves_prefix_from_redis(
+        baseline: dict[str, dict[str, Any]], second: dict[str, Any]) -> None:
+    a2 = by_name(second)["A2"]
+    assert a2["delta"].get("hit_tokens_redis", 0) == 128
+    assert a2["delta"].get("hit_tokens_cpu", 0) == 0
+    assert a2["token_ids"] == baseline["A2"]["token_ids"]
+
+
+def test_corrupt_or_foreign_redis_values_are_misses_with_correct_output(
+        baseline: dict[str, dict[str, Any]], second: dict[str, Any]) -> None:
+    runs = by_name(second)
+    damage = runs["corrupt_redis"]["result"]
+    assert damage["flipped"] > 0 and damage["swapped"] > 0
+    b2 = runs["B2"]
+    assert b2["delta"].get("hit_tokens_redis", 0) == 0
+    assert b2["token_ids"] == baseline["B2"]["token_ids"]
+    assert b2["num_cached_tokens"] == 0
+
+
+def test_negative_control_corrupted_loads_change_the_output(
+        baseline: dict[str, dict[str, Any]], tiny_llama_dir: Any) -> None:
+    steps = [["generate", "A1", PROMPT_A], ["reset"], ["generate", "A2", A2]]
+    runs = by_name(run_in_subprocess({
+        "model": "llama", "extra": {"cpu_bytes": 64 << 20, "debug_corrupt_loads": True},
+        "steps": steps}))
+    assert runs["A1"]["token_ids"] == baseline["A1"]["token_ids"]
+    assert runs["A2"]["delta"].get("hit_tokens_cpu", 0) == 128
+    assert runs["A2"]["token_ids"] != baseline["A2"]["token_ids"]

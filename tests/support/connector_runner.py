@@ -1,0 +1,147 @@
+"""Run one vLLM CPU engine (with or without kvtier) over a scripted workload; print JSON.
+
+Used by the connector's e2e tests to get a baseline without kvtier, a second engine process
+on the same Redis, and engines with test-only switches, each in its own process::
+
+    python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
+        "steps": [["generate", "name", "prompt"], ["reset"]], "max_tokens": 8}'
+
+The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from tests.support.vllm_engine import (
+    apply_cpu_engine_env,
+    hybrid_engine_kwargs,
+    kvtier_transfer_config,
+    llama_engine_kwargs,
+)
+
+
+def corrupt_redis(url: str, prefix: str) -> dict[str, int]:
+    """Damage every value under ``prefix``: flip payload bytes, or swap in another key's value."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    names = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+    flipped = swapped = 0
+    for i, name in enumerate(names):
+        value = client.get(name)
+        if value is None:
+            continue
+        if i % 2 == 0 or len(names) == 1:
+            data = bytearray(value)
+            data[-1] ^= 0xFF
+            data[len(data) // 2] ^= 0x5A
+            client.set(name, bytes(data))
+            flipped += 1
+        else:
+            other = client.get(names[i - 1])
+            if other is not None:
+                client.set(name, other)  # a valid value, but another block's (foreign)
+                swapped += 1
+    return {"flipped": flipped, "swapped": swapped}
+
+
+def multi_turn(generate: Any, reset: Any, first_prompt: str, turns: int,
+               hooks: dict[int, Any] | None = None) -> list[str]:
+    """A conversation: each turn's prompt is the last prompt, its answer and new words.
+
+    ``reset()`` empties vLLM's prefix cache before every turn, so any hit comes from kvtier.
+    ``hooks[i]()`` runs before turn ``i`` (fault injection).
+    """
+    from connector.tiny_models import prompt_words
+
+    prompt = first_prompt
+    texts = []
+    for turn in range(turns):
+        if hooks and turn in hooks:
+            hooks[turn]()
+        reset()
+        text = generate(f"turn{turn}", prompt)
+        texts.append(text)
+        prompt = f"{prompt}{text} {prompt_words(100 + turn, 21 + 10 * turn)}"
+    return texts
+
+
+def counters(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if not isinstance(v, dict)}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    apply_cpu_engine_env()
+    from vllm import LLM, SamplingParams
+
+    import connector.tiered_connector as tc
+    from connector.tiny_models import tiny_hybrid, tiny_llama
+
+    extra = spec.get("extra")
+    overrides: dict[str, Any] = {}
+    if extra is not None:
+        overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
+    if spec["model"] == "llama":
+        llm = LLM(**llama_engine_kwargs(tiny_llama(), **overrides))
+    else:
+        llm = LLM(**hybrid_engine_kwargs(tiny_hybrid(), **overrides))
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
+    outputs: list[dict[str, Any]] = []
+
+    def gen(name: str, prompt: str) -> str:
+        before = counters(tc.runtime_stats()) if extra is not None else {}
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        after = counters(tc.runtime_stats()) if extra is not None else {}
+        delta = {k: after[k] - before.get(k, 0) for k in after
+                 if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+        outputs.append({"name": name, "text": out.outputs[0].text,
+                        "token_ids": list(out.outputs[0].token_ids),
+                        "num_cached_tokens": out.num_cached_tokens, "delta": delta})
+        return out.outputs[0].text
+
+    for step in spec["steps"]:
+        if step[0] == "reset":
+            llm.reset_prefix_cache()
+            continue
+        if step[0] == "corrupt_redis":
+            outputs.append({"name": "corrupt_redis", "result": corrupt_redis(step[1], step[2])})
+            continue
+        if step[0] == "multi_turn":
+            _, first_prompt, turns = step
+            multi_turn(lambda name, prompt: gen(name, prompt), llm.reset_prefix_cache,
+                       first_prompt, int(turns))
+            continue
+        _, name, prompt = step
+        gen(name, prompt)
+    stats = counters(tc.runtime_stats()) if extra is not None else {}
+    return {"outputs": outputs, "stats": stats}
+
+
+def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
+    """Run ``spec`` in a fresh Python process (its own engine); the parsed RESULT."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "tests.support.connector_runner",
+                           json.dumps(spec)], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def main() -> None:
+    result = run(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
