@@ -21,6 +21,7 @@ KVBLOCKS = "kvblocks"  # a KVCacheBlocks object: ``.blocks`` is GROUPS
 REQMAP = "reqmap"  # request id -> block sequence (``req_to_blocks``)
 BLOCKMAP = "blockmap"  # key -> one block
 OTHER = "other"  # resolved to something that is not a block
+UNKNOWN = "unknown"  # a parameter without annotation: shadows outer names, naming decides
 
 DEFAULT_BLOCK_TYPES = frozenset({"KVCacheBlock"})
 DEFAULT_KVBLOCKS_TYPES = frozenset({"KVCacheBlocks"})
@@ -204,7 +205,7 @@ class Resolver:
         """Kind of an expression, from the strongest evidence available."""
         if isinstance(node, ast.Name):
             found = self.lookup(node.id)
-            if found is not None:
+            if found is not None and found.kind != UNKNOWN:
                 return found
             if node.id == "self" and self._in_class(self.vocab.block_types):
                 return Kind(BLOCK, Confidence.HIGH, "self in KVCacheBlock")
@@ -352,5 +353,5 @@ class Resolver:
 
     def set(self, name: str, kind: Kind) -> None:
         old = self.names.get(name)
-        if old is None or kind.confidence > old.confidence:
+        if old is None or old.kind == UNKNOWN or kind.confidence > old.confidence:
             self.names[name] = kind

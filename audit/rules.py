@@ -16,8 +16,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from audit.fixes import suggest
-from audit.model import RULES, Finding
-from audit.resolve import BLOCK, BLOCKS, GROUPS, KVBLOCKS, OTHER, Kind, Resolver, Vocabulary
+from audit.model import RULES, Confidence, Finding
+from audit.resolve import (
+    BLOCK,
+    BLOCKS,
+    GROUPS,
+    KVBLOCKS,
+    OTHER,
+    UNKNOWN,
+    Kind,
+    Resolver,
+    Vocabulary,
+)
 
 HASH_ATTR = "block_hash"
 NUM_TOKENS_ATTR = "block_hash_num_tokens"
@@ -150,8 +160,8 @@ class Checker:
         args = node.args  # type: ignore[attr-defined]
         for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
             kind = scope.annotation(arg.annotation)
-            if kind is not None:
-                scope.set(arg.arg, kind)
+            scope.set(arg.arg, kind if kind is not None else
+                      Kind(UNKNOWN, Confidence.LOW, "unannotated parameter"))
         if isinstance(node, ast.Lambda):
             self._bind_lambda(node, parent, scope)
         body = node.body if isinstance(node.body, list) else [node.body]
@@ -363,6 +373,10 @@ class Checker:
             return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE,
                     "next": INDEX}.get(call, SELECT)
         if isinstance(consumer, ast.Lambda):
+            named = _binding_name(outer)
+            if named:  # ``is_cached=lambda i: ...`` / ``is_full = lambda b: ...``
+                return MEMBER if _MEMBER_FUNC.search(named) else (
+                    DECIDE if _DECIDE_NAME.search(named) else UNCLEAR)
             call = _call_name(outer) if outer is not None else ""
             if call == "map" and depth >= 2 and _call_name(stack[depth - 2]) == "sum":
                 return COUNT
@@ -383,6 +397,8 @@ class Checker:
         if isinstance(consumer, ast.Assign | ast.AnnAssign):
             targets = consumer.targets if isinstance(consumer, ast.Assign) else [consumer.target]
             names = " ".join(_target_text(t) for t in targets)
+            if _MEMBER_FUNC.search(names):
+                return MEMBER
             if _DECIDE_NAME.search(names):
                 return DECIDE
             return UNCLEAR
@@ -441,13 +457,15 @@ class Checker:
                     signals.add(SELECT)
             elif isinstance(node, ast.Yield | ast.YieldFrom):
                 signals.add(SELECT)
+            elif isinstance(node, ast.Call) and _MEMBER_FUNC.search(_call_name(node)):
+                signals.add(MEMBER)  # evict / remove_cached / touch ... the cache entry
         if isinstance(stmt, ast.While) and COUNT not in signals and any(
                 isinstance(n, ast.AugAssign) for n in _flat(region)):
             signals.add(INDEX)
         for code in (COUNT, INDEX, SELECT, DECIDE):
             if code in signals:
                 return code
-        if any(self._is_hash_only(n, scope) for n in _flat(region)):
+        if MEMBER in signals or any(self._is_hash_only(n, scope) for n in _flat(region)):
             return MEMBER
         if _TRANSFER_FUNC.search(func_name) and isinstance(stmt, ast.If) and stmt.body \
                 and isinstance(stmt.body[-1], ast.Continue | ast.Return):
@@ -492,6 +510,15 @@ def _call_name(node: ast.AST | None) -> str:
             return node.func.id
         if isinstance(node.func, ast.Attribute):
             return node.func.attr
+    return ""
+
+
+def _binding_name(node: ast.AST | None) -> str:
+    """The name a value is bound to: a keyword argument or a single assignment target."""
+    if isinstance(node, ast.keyword):
+        return node.arg or ""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        return _target_text(node.targets[0])
     return ""
 
 

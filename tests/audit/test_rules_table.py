@@ -121,6 +121,10 @@ CASES: list[tuple[str, str, list[str]]] = [
         def f(blocks: list[KVCacheBlock]):
             return filter(lambda b: b.block_hash, blocks)
      """, ["KVT002"]),
+    ("filter-lambda-over-named-blocks", """
+        def f(blocks):
+            return list(filter(lambda b: b.block_hash is not None, blocks))
+     """, ["KVT002"]),
     ("sum-map-lambda", """
         def f(blocks: list[KVCacheBlock]) -> int:
             return sum(map(lambda b: b.block_hash is not None, blocks))
@@ -378,6 +382,36 @@ CASES: list[tuple[str, str, list[str]]] = [
     ("collect-hashes", """
         def hashes(blocks: list[KVCacheBlock]) -> list:
             return [b.block_hash for b in blocks if b.block_hash is not None]
+     """, ["KVT006"]),
+    ("lambda-keyword-is-cached", """
+        def f(blocks: list[KVCacheBlock]):
+            return plan(is_null=lambda i: blocks[i].is_null,
+                        is_cached=lambda i: blocks[i].block_hash is not None)
+     """, ["KVT006"]),
+    ("lambda-assigned-is-full", """
+        def f(blocks: list[KVCacheBlock]):
+            is_full = lambda blk: blk.block_hash is not None  # noqa: E731
+            return [b for b in blocks if is_full(b)]
+     """, ["KVT004"]),
+    ("lambda-param-shadows-outer-block", """
+        def f(blocks: list[KVCacheBlock], events):
+            for b in blocks:
+                pass
+            return list(filter(lambda b: b.block_hash is not None, events))
+     """, []),
+    ("evict-on-allocate", """
+        def allocate(pool, n: int) -> list[KVCacheBlock]:
+            blocks = pool.popleft_n(n)
+            for block in blocks:
+                if block.block_hash is not None:
+                    pool._evict_cached_block(block)
+                block.ref_cnt = 1
+            return blocks
+     """, ["KVT006"]),
+    ("has-cached-flag", """
+        def f(blk: KVCacheBlock) -> None:
+            is_cached = blk.block_hash is not None
+            use(is_cached)
      """, ["KVT006"]),
     # ---- suppression ----
     ("noqa-code", """
