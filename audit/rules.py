@@ -39,8 +39,8 @@ DEFAULT_BOOKKEEPING_CLASSES = frozenset({
     "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "BlockHashToBlockMap",
 })
 _MEMBER_FUNC = re.compile(r"writable|set_block_hash|reset_hash|insert_block_hash|"
-                          r"remove_cached|evict|touch|free_blocks|hash_to_block|is_cached|"
-                          r"cached_block", re.I)
+                          r"remove_cached|evict|touch|free_blocks|hash_to_block|"
+                          r"^_?(is|was|has)_(cached|hashed)$", re.I)
 _TRANSFER_FUNC = re.compile(r"load|store|save|recv|receive|send|transfer|offload|fetch|"
                             r"pull|push|select|pick|choose|prefetch|copy|sched", re.I)
 _DECIDE_NAME = re.compile(r"full|computed|complete|ready|loaded|filled|done|finished", re.I)

@@ -408,6 +408,14 @@ CASES: list[tuple[str, str, list[str]]] = [
                 block.ref_cnt = 1
             return blocks
      """, ["KVT006"]),
+    ("count-in-num-cached-blocks-is-error", """
+        def get_num_cached_blocks(blocks: list[KVCacheBlock]) -> int:
+            return sum(1 for b in blocks if b.block_hash is not None)
+     """, ["KVT001"]),
+    ("is-cached-function", """
+        def is_cached(block: KVCacheBlock) -> bool:
+            return block.block_hash is not None
+     """, ["KVT006"]),
     ("has-cached-flag", """
         def f(blk: KVCacheBlock) -> None:
             is_cached = blk.block_hash is not None
