@@ -1,0 +1,147 @@
+"""kvtier with the tiny hybrid (Mamba + attention, partial prefix entries) in a real engine.
+
+One engine in this process, reused by every assertion, over a multi-turn conversation that
+empties vLLM's prefix cache before each turn (so every hit is kvtier's). Its Redis is a
+server this module owns: killed (SIGKILL), restarted and paused (SIGSTOP) between turns.
+Outputs must equal a baseline engine without kvtier (its own process).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.tiny_models import prompt_words
+from tests.support.connector_runner import counters, multi_turn, run_in_subprocess
+from tests.support.redis_server import RedisServer
+from tests.support.vllm_engine import (
+    apply_cpu_engine_env,
+    hybrid_engine_kwargs,
+    kvtier_transfer_config,
+)
+
+pytestmark = pytest.mark.e2e
+
+FIRST_PROMPT = prompt_words(21, 100)
+TURNS = 6
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_hybrid_dir: Path) -> list[list[int]]:
+    result = run_in_subprocess({"model": "hybrid", "extra": None,
+                                "steps": [["multi_turn", FIRST_PROMPT, TURNS]]})
+    return [o["token_ids"] for o in result["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any]]:
+    """The kvtier engine's conversation, with Redis faults between turns."""
+    apply_cpu_engine_env()
+    from vllm import LLM, SamplingParams
+
+    import connector.tiered_connector as tc
+
+    events: list[Any] = []
+    original = tc.TieredOffloadingConnector.take_events
+
+    def recording(self: Any) -> Any:
+        out = list(original(self))
+        events.extend(out)
+        return out
+
+    tc.TieredOffloadingConnector.take_events = recording  # type: ignore[method-assign]
+    extra = {"cpu_bytes": 64 << 20, "redis_url": redis_srv.url, "redis_prefix": "hyb",
+             "redis_timeout_s": 0.2}
+    llm = LLM(**hybrid_engine_kwargs(tiny_hybrid_dir,
+                                     kv_transfer_config=kvtier_transfer_config(extra)))
+    engine_id = tc.engine_ids()[-1]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    per_turn: list[dict[str, Any]] = []
+    outputs: list[list[int]] = []
+
+    def generate(name: str, prompt: str) -> str:
+        before = counters(tc.runtime_stats(engine_id))
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        after = counters(tc.runtime_stats(engine_id))
+        per_turn.append({k: after[k] - before.get(k, 0) for k in after
+                         if isinstance(after[k], int)} | {
+                             "redis_available": after["redis_available"],
+                             "num_cached_tokens": out.num_cached_tokens})
+        outputs.append(list(out.outputs[0].token_ids))
+        return out.outputs[0].text
+
+    hooks = {2: redis_srv.kill, 3: redis_srv.start, 4: redis_srv.pause, 5: redis_srv.resume}
+    try:
+        multi_turn(generate, llm.reset_prefix_cache, FIRST_PROMPT, TURNS, hooks)
+        # Redis is back: kvtier notices (background probe with backoff) and writes again.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not tc.runtime_stats(engine_id)["redis_available"]:
+            time.sleep(0.2)
+        recovered = tc.runtime_stats(engine_id)["redis_available"]
+        cpu_keys = list(tc._RUNTIMES[engine_id].cpu.keys())
+        yield {"outputs": outputs, "per_turn": per_turn, "events": events,
+               "stats": tc.runtime_stats(engine_id), "recovered": recovered,
+               "cpu_keys": cpu_keys}
+    finally:
+        tc.TieredOffloadingConnector.take_events = original  # type: ignore[method-assign]
+        if redis_srv.proc is not None and redis_srv.proc.poll() is None:
+            redis_srv.resume()
+
+
+def test_outputs_equal_baseline_through_redis_faults(run: dict[str, Any],
+                                                     baseline: list[list[int]]) -> None:
+    assert run["outputs"] == baseline
+
+
+def test_partial_hits_served_with_mamba_state(run: dict[str, Any]) -> None:
+    hits = [t["hit_tokens_cpu"] + t["hit_tokens_redis"] for t in run["per_turn"]]
+    assert hits[0] == 0
+    assert all(h > 0 for h in hits[1:]), hits
+    # A hit that ends inside a 64-token block ends on a PARTIAL entry (never served as full).
+    assert any(h % 64 for h in hits), hits
+    assert run["stats"]["load_errors"] == 0
+
+
+def test_partial_entries_stored_as_partial(run: dict[str, Any]) -> None:
+    from offload_tiers.keys import BlockKind, kind_for
+
+    keys = run["cpu_keys"]
+    assert any(k.kind is BlockKind.PARTIAL for k in keys)
+    for key in keys:
+        assert key.kind is kind_for(key.num_tokens, (key.num_tokens - 1) // 64, 64)
+    assert run["stats"]["partial_blocks_saved"] > 0
+
+
+def test_events_shaped_as_vllm_shapes_them(run: dict[str, Any]) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [e for e in run["events"] if isinstance(e, BlockStored)]
+    attn = [e for e in stored if e.kv_cache_spec_kind == "full_attention"]
+    partial = [e for e in attn if e.block_size == 32]
+    full = [e for e in attn if e.block_size == 64]
+    assert partial and full
+    assert all(len(e.block_hashes) == 1 and len(e.token_ids) == 32 for e in partial)
+    assert all(len(e.token_ids) == 64 for e in full)
+    mamba = [e for e in stored if e.kv_cache_spec_kind == "mamba"]
+    assert mamba and all(e.token_ids == [] and e.block_size == 0 for e in mamba)
+    assert {e.medium for e in stored} == {"CPU", "STORAGE"}
+
+
+def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
+    turns = run["per_turn"]
+    assert turns[1]["blocks_written_redis"] > 0  # healthy
+    assert turns[2]["redis_available"] == 0  # killed before turn 2
+    assert turns[2]["store_drops"] + turns[2]["redis_lookup_skips"] > 0
+    assert turns[4]["redis_available"] == 0  # paused before turn 4
+    assert run["recovered"] == 1
