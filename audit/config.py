@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from audit.model import Severity
+from audit.purpose import DEFAULT_BOOKKEEPING_CLASSES
 from audit.resolve import (
     DEFAULT_BLOCK_TYPES,
     DEFAULT_CONTAINERS,
@@ -14,7 +15,6 @@ from audit.resolve import (
     DEFAULT_SINGLE,
     Vocabulary,
 )
-from audit.rules import DEFAULT_BOOKKEEPING_CLASSES
 
 DEFAULT_EXCLUDE_DIRS = frozenset({
     ".git", ".hg", ".svn", ".venv", "venv", "__pycache__", "node_modules", ".tox", ".nox",
