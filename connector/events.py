@@ -169,6 +169,9 @@ class _LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 # --------------------------------------------------------------------------------------
 
 
+_NIL = msgspec.Raw(b"\xc0")
+
+
 class _FastEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
@@ -183,7 +186,7 @@ class FastBlockStored(_FastEvent, tag="BlockStored"):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: msgspec.Raw | None = None
+    extra_keys: msgspec.Raw = _NIL  # raw msgpack (nil when absent)
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -278,7 +281,7 @@ class _FastLegacyBatchAdapter:
                     ev.block_hashes, ev.parent_block_hash,
                     msgspec.Raw(_encoder.encode(ev.token_ids)), ev.block_size, ev.lora_id,
                     ev.medium, ev.lora_name,
-                    None if ev.extra_keys is None else msgspec.Raw(_encoder.encode(ev.extra_keys)),
+                    msgspec.Raw(_encoder.encode(ev.extra_keys)),
                     ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window,
                     ev.locality, ev.ownership, ev.session_id,
                 ))

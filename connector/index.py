@@ -206,6 +206,22 @@ class KVIndex:
                 result[medium] = _walk(block_hashes, sources, u, b)
         return result
 
+    def describe(self, block_hashes: Sequence[Any], group: int = 0) -> list[dict[str, Any]]:
+        """Every resident entry of ``block_hashes`` in ``group``, with its facts (for /entries)."""
+        wanted = list(block_hashes)
+        out = []
+        for (pub, medium, g, own), d in self.res.items():
+            if g != group:
+                continue
+            for h in wanted:
+                c = d.get(h)
+                if c:
+                    nt, kind = self.facts.lookup((pub, g), h)
+                    out.append({"block_hash": h, "publisher": pub, "medium": medium,
+                                "ownership": own, "refcount": c, "num_tokens": nt,
+                                "kind": kind_name(kind)})
+        return out
+
     def entry_counts(self) -> dict[tuple[str, str], int]:
         """Resident entries by (medium, kind name) — an O(entries) scan, for /metrics."""
         counts: dict[tuple[str, str], int] = {}

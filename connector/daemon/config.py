@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["ConfigError", "DaemonConfig", "PublisherConfig", "load_config", "offset_endpoint"]
 
@@ -67,6 +74,32 @@ class PublisherConfig(BaseModel):
         return None if v is None else _check_endpoint(v, "replay_endpoint")
 
 
+class TokenHashingConfig(BaseModel):
+    """Lets POST /lookup take ``token_ids``: the engine's hash settings, copied exactly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algo: str = "sha256"  # vLLM's --prefix-caching-hash-algo
+    hash_block_size: int = Field(gt=0)  # block size, or prefix_match_unit on hybrid models
+    seed: str | None = None  # the engine's PYTHONHASHSEED, if it sets one
+
+    @field_validator("algo")
+    @classmethod
+    def _algo(cls, v: str) -> str:
+        from connector.token_hashing import ALGORITHMS
+
+        if v not in ALGORITHMS:
+            raise ValueError(f"unknown algo {v!r}; use one of {sorted(ALGORITHMS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _seed(self) -> TokenHashingConfig:
+        if self.algo.startswith("xxhash") and self.seed is None:
+            raise ValueError(f"{self.algo} needs 'seed' = the engine's PYTHONHASHSEED "
+                             "(vLLM seeds it randomly per process otherwise)")
+        return self
+
+
 class DaemonConfig(BaseModel):
     """Everything ``kvtier daemon`` can be told (see configs/daemon.yaml)."""
 
@@ -83,6 +116,7 @@ class DaemonConfig(BaseModel):
     hwm: int = Field(default=100_000, ge=0)
     clear_on_restart: list[str] = Field(default_factory=lambda: ["GPU", "CPU"])
     log_level: str = "INFO"
+    token_hashing: TokenHashingConfig | None = None
 
     @field_validator("http")
     @classmethod

@@ -36,14 +36,22 @@ def make_app(daemon: Daemon) -> web.Application:
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(daemon.stats())
 
-    async def lookup(request: web.Request) -> web.Response:
+    async def _parse(request: web.Request) -> LookupRequest:
         try:
             body: Any = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "body is not valid JSON")
+            raise ValueError("body is not valid JSON") from None
+        return LookupRequest(body, daemon.token_hasher)
+
+    async def lookup(request: web.Request) -> web.Response:
         try:
-            req = LookupRequest(body)
-            return web.json_response(daemon.lookup(req))
+            return web.json_response(daemon.lookup(await _parse(request)))
+        except ValueError as exc:
+            return _error(400, str(exc))
+
+    async def entries(request: web.Request) -> web.Response:
+        try:
+            return web.json_response({"entries": daemon.entries(await _parse(request))})
         except ValueError as exc:
             return _error(400, str(exc))
 
@@ -51,4 +59,5 @@ def make_app(daemon: Daemon) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/lookup", lookup)
+    app.router.add_post("/entries", entries)
     return app

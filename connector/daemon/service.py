@@ -16,6 +16,7 @@ from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
 from connector.daemon.subscriber import Subscriber
 from connector.events import MEDIUMS
+from connector.token_hashing import TokenHasher
 
 __all__ = ["Daemon", "LookupRequest"]
 
@@ -27,12 +28,21 @@ class LookupRequest:
 
     MAX_HASHES = 1_000_000
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: Any, hasher: TokenHasher | None = None) -> None:
         if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object with 'block_hashes'")
-        unknown = set(body) - {"block_hashes", "group_idx", "hash_block_size", "publisher"}
+            raise ValueError("body must be a JSON object with 'block_hashes' or 'token_ids'")
+        unknown = set(body) - {"block_hashes", "token_ids", "group_idx", "hash_block_size",
+                               "publisher"}
         if unknown:
             raise ValueError(f"unknown fields: {sorted(unknown)}")
+        self.group_idx = _int_field(body, "group_idx", 0, minimum=0)
+        pub = body.get("publisher")
+        if pub is not None and not isinstance(pub, str):
+            raise ValueError("'publisher' must be a string")
+        self.publisher = pub
+        if "token_ids" in body:
+            self._from_tokens(body, hasher)
+            return
         hashes = body.get("block_hashes")
         if not isinstance(hashes, list):
             raise ValueError("'block_hashes' must be a list of ints (or hex strings)")
@@ -52,13 +62,21 @@ class LookupRequest:
             else:
                 raise ValueError(f"block_hashes[{i}] must be an int or hex string")
         self.block_hashes = out
-        self.group_idx = _int_field(body, "group_idx", 0, minimum=0)
         unit = body.get("hash_block_size")
         self.unit = None if unit is None else _int_field(body, "hash_block_size", 0, minimum=1)
-        pub = body.get("publisher")
-        if pub is not None and not isinstance(pub, str):
-            raise ValueError("'publisher' must be a string")
-        self.publisher = pub
+
+    def _from_tokens(self, body: dict[str, Any], hasher: TokenHasher | None) -> None:
+        if hasher is None:
+            raise ValueError("look-up by 'token_ids' needs 'token_hashing' in the daemon config")
+        if "block_hashes" in body or "hash_block_size" in body:
+            raise ValueError("give either 'token_ids' or 'block_hashes', not both")
+        toks = body["token_ids"]
+        if (not isinstance(toks, list) or len(toks) > 16 * self.MAX_HASHES
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
+                           for t in toks)):
+            raise ValueError("'token_ids' must be a list of non-negative ints")
+        self.block_hashes = hasher.chain(toks)
+        self.unit = hasher.hash_block_size
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
@@ -77,6 +95,9 @@ class Daemon:
         self.ingestor = Ingestor(cfg.block_sizes, max_entries=cfg.max_entries)
         self.subscriber = Subscriber(cfg, self.ingestor, self.lock)
         self.started = time.time()
+        th = cfg.token_hashing
+        self.token_hasher = (TokenHasher(th.algo, th.hash_block_size, th.seed)
+                             if th is not None else None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_DaemonCollector(self))
         self._counts_cache: tuple[float, dict[tuple[str, str], int]] = (0.0, {})
@@ -92,6 +113,14 @@ class Daemon:
             result = self.ingestor.index.lookup(
                 req.block_hashes, group=req.group_idx, unit=req.unit, publisher=req.publisher)
         return {m: r.as_dict() for m, r in result.items()}
+
+    def entries(self, req: LookupRequest) -> list[dict[str, Any]]:
+        with self.lock:
+            out = self.ingestor.index.describe(req.block_hashes, group=req.group_idx)
+        for e in out:
+            if isinstance(e["block_hash"], bytes):
+                e["block_hash"] = e["block_hash"].hex()
+        return out
 
     def entry_counts(self, max_age_s: float = 1.0) -> dict[tuple[str, str], int]:
         """Entries by (medium, kind), recomputed when older than ``max_age_s`` (it is a scan)."""

@@ -38,6 +38,13 @@ def test_vllm_encoded_batch_decodes_with_ours() -> None:
     assert s1.token_ids == [] and s1.block_size == 0 and s1.medium == "cpu"
     assert isinstance(r, ours.BlockRemoved) and r.group_idx == 1 and r.ownership == "x"
     assert isinstance(c, ours.AllBlocksCleared)
+    fast = ours.BatchDecoder().decode(payload)  # the daemon's decoder, same payload
+    f0, f1, fr, fc = fast.events
+    assert f0.block_hashes == [1, 2**64 - 1] and ours.raw_array_len(f0.token_ids) == 64
+    assert msgspec.msgpack.decode(f0.extra_keys) == [["salt"], None]
+    assert f0.group_idx == 1 and f0.ownership == "tier-a" and f0.block_size == 32
+    assert ours.raw_array_len(f1.token_ids) == 0 and f1.medium == "cpu"
+    assert fr.block_hashes == [2**64 - 1] and type(fc).__name__ == "FastAllBlocksCleared"
 
 
 def test_hot_path_decoder_reads_token_counts_without_decoding_them() -> None:
