@@ -38,12 +38,15 @@ log = logging.getLogger(__name__)
 EvictCallback = Callable[[BlockKey, memoryview], None]
 
 
-@dataclass(slots=True)
 class _Entry:
-    slot: int
-    nbytes: int
-    committed: bool = False
-    pins: int = 0
+    __slots__ = ("key", "slot", "nbytes", "committed", "pins")
+
+    def __init__(self, key: BlockKey, slot: int, nbytes: int) -> None:
+        self.key = key
+        self.slot = slot
+        self.nbytes = nbytes
+        self.committed = False
+        self.pins = 0
 
 
 @dataclass(slots=True)
@@ -55,6 +58,24 @@ class _Counters:
     evictions: int = 0
     removals: int = 0
     evict_callback_errors: int = 0
+
+
+_Ik = tuple  # internal dict key: plain fields hash in C (BlockKey's enum field hashes in Python)
+
+
+def _ik(key: BlockKey) -> _Ik:
+    return (key.fingerprint, key.group, key.block_hash, key.num_tokens, int(key.kind))
+
+
+def _as_u8(data: BytesLike) -> np.ndarray:
+    """A flat uint8 view of ``data`` (no copy when it is contiguous)."""
+    if type(data) is np.ndarray and data.dtype == np.uint8 and data.ndim == 1 \
+            and data.flags.c_contiguous:
+        return data
+    try:
+        return np.frombuffer(data, dtype=np.uint8)
+    except (ValueError, TypeError):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
 def _cuda_available() -> bool:
@@ -105,11 +126,13 @@ class CpuTier:
         self.pinned_memory = want_pin
         self.on_evict = on_evict
         self._lock = threading.RLock()
-        self._entries: dict[BlockKey, _Entry] = {}
-        self._doomed: dict[BlockKey, _Entry] = {}  # removed while pinned
-        self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # committed and unpinned
+        self._entries: dict[_Ik, _Entry] = {}
+        self._doomed: dict[_Ik, _Entry] = {}  # removed while pinned
+        self._lru: OrderedDict[_Ik, None] = OrderedDict()  # committed and unpinned
         self._slot_len = [slot_bytes] * num_slots
+        self._rows = list(self.slab)  # one view per slot: cheaper than slab[slot, :n] per call
         self._free = list(range(num_slots - 1, -1, -1))
+        self._committed = 0
         self._c = _Counters()
 
     # ---------------------------------------------------------------- write path
@@ -123,57 +146,92 @@ class CpuTier:
         if not 0 <= n <= self.slot_bytes:
             raise ValueError(f"{n} bytes do not fit a slot of {self.slot_bytes}")
         with self._lock:
-            old = self._entries.get(key)
-            if old is not None:
-                if not old.committed or old.pins:
-                    self._c.rejected += 1
-                    return None
-                del self._entries[key]
-                self._lru.pop(key, None)
-                self._free.append(old.slot)
-            if key in self._doomed:
+            return self._reserve(_ik(key), key, n)
+
+    def _reserve(self, ik: _Ik, key: BlockKey, n: int) -> int | None:
+        old = self._entries.get(ik)
+        if old is not None:
+            if not old.committed or old.pins:
                 self._c.rejected += 1
                 return None
-            slot = self._take_slot()
-            if slot is None:
-                self._c.rejected += 1
-                return None
-            self._entries[key] = _Entry(slot, n)
-            self._slot_len[slot] = n
-            return slot
+            del self._entries[ik]
+            del self._lru[ik]
+            self._committed -= 1
+            self._free.append(old.slot)
+        if ik in self._doomed:
+            self._c.rejected += 1
+            return None
+        slot = self._take_slot()
+        if slot is None:
+            self._c.rejected += 1
+            return None
+        self._entries[ik] = _Entry(key, slot, n)
+        self._slot_len[slot] = n
+        return slot
 
     def commit(self, key: BlockKey) -> None:
         """Make a reserved entry visible to readers."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.committed:
-                raise KeyError(f"no reservation to commit for {key.name}")
-            entry.committed = True
-            self._lru[key] = None
-            self._c.puts += 1
+            self._commit(_ik(key))
+
+    def _commit(self, ik: _Ik) -> None:
+        entry = self._entries.get(ik)
+        if entry is None or entry.committed:
+            raise KeyError(f"no reservation to commit for block {ik[2].hex()}")
+        entry.committed = True
+        self._lru[ik] = None
+        self._committed += 1
+        self._c.puts += 1
 
     def abort(self, key: BlockKey) -> None:
         """Give back a reserved slot without publishing it."""
+        ik = _ik(key)
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entries.get(ik)
             if entry is None or entry.committed:
                 return
-            del self._entries[key]
+            del self._entries[ik]
             self._free.append(entry.slot)
+
+    #: payloads up to this size are copied while holding the lock (one lock round trip);
+    #: larger ones are copied outside it (reserve, copy, commit) so readers are not held up.
+    SMALL_COPY = 256 * 1024
 
     def put(self, key: BlockKey, data: BytesLike) -> bool:
         """Copy ``data`` into a slot and publish it. False when no slot can be had."""
-        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) \
-            else data.reshape(-1).view(np.uint8)
-        slot = self.reserve(key, src.nbytes)
+        src = _as_u8(data)
+        n = src.nbytes
+        if n > self.slot_bytes:
+            raise ValueError(f"{n} bytes do not fit a slot of {self.slot_bytes}")
+        ik = _ik(key)
+        if n <= self.SMALL_COPY:
+            with self._lock:
+                slot = self._reserve(ik, key, n)
+                if slot is None:
+                    return False
+                try:
+                    row = self._rows[slot]
+                    if n == self.slot_bytes:
+                        row[:] = src
+                    else:
+                        row[:n] = src
+                except BaseException:
+                    del self._entries[ik]
+                    self._free.append(slot)
+                    raise
+                self._commit(ik)
+                return True
+        with self._lock:
+            slot = self._reserve(ik, key, n)
         if slot is None:
             return False
         try:
-            np.copyto(self.slab[slot, :src.nbytes], src)
+            np.copyto(self.slab[slot, :n], src)
         except BaseException:
             self.abort(key)
             raise
-        self.commit(key)
+        with self._lock:
+            self._commit(ik)
         return True
 
     def promote(self, partial_key: BlockKey, full_key: BlockKey, data: BytesLike) -> bool:
@@ -190,52 +248,62 @@ class CpuTier:
             return None
         victim, _ = self._lru.popitem(last=False)
         entry = self._entries.pop(victim)
+        self._committed -= 1
         self._c.evictions += 1
         if self.on_evict is not None:
             try:
-                self.on_evict(victim, self.view(entry.slot))
+                self.on_evict(entry.key, self.view(entry.slot))
             except Exception:
                 self._c.evict_callback_errors += 1
-                log.exception("on_evict callback failed for %s", victim.name)
+                log.exception("on_evict callback failed for %s", entry.key.name)
         return entry.slot
 
     # ---------------------------------------------------------------- read path
     def contains(self, key: BlockKey) -> bool:
         """True when a committed entry for exactly this key is present (no LRU touch)."""
+        entry = self._entries.get(_ik(key))
+        return entry is not None and entry.committed
+
+    def contains_many(self, keys: Iterable[BlockKey]) -> list[bool]:
         with self._lock:
-            entry = self._entries.get(key)
-            return entry is not None and entry.committed
+            return [(e := self._entries.get(_ik(k))) is not None and e.committed for k in keys]
 
     def acquire(self, key: BlockKey) -> int | None:
         """Pin ``key``'s slot for a load (refcounted) and return it; None on a miss."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or not entry.committed:
-                self._c.misses += 1
-                return None
-            entry.pins += 1
-            if entry.pins == 1:
-                self._lru.pop(key, None)
-            self._c.hits += 1
-            return entry.slot
+            return self._acquire(_ik(key))
+
+    def _acquire(self, ik: _Ik) -> int | None:
+        entry = self._entries.get(ik)
+        if entry is None or not entry.committed:
+            self._c.misses += 1
+            return None
+        entry.pins += 1
+        if entry.pins == 1:
+            del self._lru[ik]
+        self._c.hits += 1
+        return entry.slot
 
     def release(self, key: BlockKey) -> None:
         """Unpin one ``acquire``; the entry becomes most recently used."""
         with self._lock:
-            entry = self._entries.get(key)
-            doomed = False
-            if entry is None or entry.pins == 0:
-                entry = self._doomed.get(key)
-                doomed = True
-            if entry is None or entry.pins == 0:
-                raise KeyError(f"{key.name} is not acquired")
-            entry.pins -= 1
-            if entry.pins == 0:
-                if doomed:
-                    del self._doomed[key]
-                    self._free.append(entry.slot)
-                else:
-                    self._lru[key] = None
+            self._release(_ik(key))
+
+    def _release(self, ik: _Ik) -> None:
+        entry = self._entries.get(ik)
+        doomed = False
+        if entry is None or entry.pins == 0:
+            entry = self._doomed.get(ik)
+            doomed = True
+        if entry is None or entry.pins == 0:
+            raise KeyError("block is not acquired")
+        entry.pins -= 1
+        if entry.pins == 0:
+            if doomed:
+                del self._doomed[ik]
+                self._free.append(entry.slot)
+            else:
+                self._lru[ik] = None
 
     def view(self, slot: int) -> memoryview:
         """Zero-copy view of a slot's stored bytes (valid while reserved or acquired)."""
@@ -243,25 +311,44 @@ class CpuTier:
 
     def get(self, key: BlockKey) -> bytes | None:
         """A copy of ``key``'s bytes, or None."""
-        slot = self.acquire(key)
-        if slot is None:
-            return None
+        ik = _ik(key)
+        with self._lock:
+            slot = self._acquire(ik)
+            if slot is None:
+                return None
+            if self._slot_len[slot] <= self.SMALL_COPY:
+                try:
+                    return self.slab[slot, : self._slot_len[slot]].tobytes()
+                finally:
+                    self._release(ik)
         try:
-            return bytes(self.view(slot))
+            return self.slab[slot, : self._slot_len[slot]].tobytes()
         finally:
             self.release(key)
 
     def read_into(self, key: BlockKey, out: BytesLike) -> int | None:
         """Copy ``key``'s bytes into ``out`` (no allocation); the byte count, or None."""
-        slot = self.acquire(key)
-        if slot is None:
-            return None
-        try:
+        dst = out if isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 \
+            else _as_u8(out)
+        ik = _ik(key)
+        with self._lock:
+            slot = self._acquire(ik)
+            if slot is None:
+                return None
             n = self._slot_len[slot]
-            dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) \
-                else out.reshape(-1).view(np.uint8)
-            if dst.nbytes < n:
-                raise ValueError(f"output buffer of {dst.nbytes} bytes < {n}")
+            if n <= self.SMALL_COPY or dst.nbytes < n:
+                try:
+                    if dst.nbytes < n:
+                        raise ValueError(f"output buffer of {dst.nbytes} bytes < {n}")
+                    if dst.nbytes == n:
+                        dst[:] = self._rows[slot] if n == self.slot_bytes \
+                            else self._rows[slot][:n]
+                    else:
+                        dst[:n] = self._rows[slot][:n]
+                    return n
+                finally:
+                    self._release(ik)
+        try:
             np.copyto(dst[:n], self.slab[slot, :n])
             return n
         finally:
@@ -270,42 +357,38 @@ class CpuTier:
     # ---------------------------------------------------------------- housekeeping
     def remove(self, key: BlockKey) -> bool:
         """Drop a committed entry now (a pinned slot is freed at its last release)."""
+        ik = _ik(key)
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entries.get(ik)
             if entry is None or not entry.committed:
                 return False
-            del self._entries[key]
+            del self._entries[ik]
+            self._committed -= 1
             self._c.removals += 1
             if entry.pins:
-                self._doomed[key] = entry
+                self._doomed[ik] = entry
             else:
-                self._lru.pop(key, None)
+                del self._lru[ik]
                 self._free.append(entry.slot)
             return True
 
     def keys(self) -> list[BlockKey]:
-        """Committed keys, least recently used first (a snapshot)."""
+        """Committed keys, least recently used first (pinned ones first; a snapshot)."""
         with self._lock:
-            pinned = [k for k, e in self._entries.items() if e.committed and e.pins]
-            return pinned + list(self._lru)
-
-    def contains_many(self, keys: Iterable[BlockKey]) -> list[bool]:
-        with self._lock:
-            return [(e := self._entries.get(k)) is not None and e.committed for k in keys]
+            pinned = [e.key for e in self._entries.values() if e.committed and e.pins]
+            return pinned + [self._entries[ik].key for ik in self._lru]
 
     def __len__(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._entries.values() if e.committed)
+        return self._committed
 
     def stats(self) -> dict[str, int | bool]:
         with self._lock:
-            committed = sum(1 for e in self._entries.values() if e.committed)
             pinned = sum(1 for e in self._entries.values() if e.pins) + len(self._doomed)
             return {
                 "num_slots": self.num_slots,
                 "slot_bytes": self.slot_bytes,
-                "entries": committed,
-                "reserved": len(self._entries) - committed,
+                "entries": self._committed,
+                "reserved": len(self._entries) - self._committed,
                 "pinned": pinned,
                 "free_slots": len(self._free),
                 "hits": self._c.hits,

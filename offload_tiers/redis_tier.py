@@ -121,6 +121,7 @@ class RedisTier:
         Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``, ``ssl_keyfile``).
         """
         target = parse_redis_url(url, cluster)
+        redis_kwargs.setdefault("socket_read_size", 1 << 20)  # fewer recv calls for big values
         if ssl_ca_certs is not None:
             redis_kwargs["ssl_ca_certs"] = ssl_ca_certs
         tier = cls(target, prefix=prefix, ttl_s=ttl_s, ttl_jitter=ttl_jitter,

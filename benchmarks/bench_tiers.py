@@ -1,0 +1,436 @@
+"""Side-by-side throughput of kvtier's tiers against their limits and peers.
+
+    python benchmarks/bench_tiers.py [--quick] [--json PATH] [--redis-url URL]
+
+Payloads are shaped like a real model's KV blocks: Llama-3-8B with 16-token blocks is
+32 layers x 2 (K, V) x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB per block across
+layers; and 64 KiB per-layer pages. In one run:
+
+* CPU tier put/get vs ``numpy.copyto`` of the same bytes (a plain memory copy: the limit);
+* Redis tier put_many/get_many vs raw redis-py pipelined SET/GET of the same payloads
+  (no header, no checksum), and vs ``redis-benchmark`` at the same value size;
+* LMCache's Redis storage backend on the same payloads, from its own venv
+  (``~/.cache/kvtier/lmcache-venv``); when it cannot run, the table says exactly why.
+
+Each measurement is the best of several repetitions, baseline and kvtier interleaved.
+Unless ``--redis-url`` is given, a private redis-server on a free loopback port is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from offload_tiers.cpu_tier import CpuTier  # noqa: E402
+from offload_tiers.keys import BlockKey, BlockKind, Namespace  # noqa: E402
+from offload_tiers.redis_tier import RedisTier  # noqa: E402
+
+MiB = 1 << 20
+SHAPES = {"block_2MiB": 2 * MiB, "page_64KiB": 64 * 1024}
+LMCACHE_VENV = Path(os.environ.get("KVTIER_LMCACHE_VENV",
+                                   Path.home() / ".cache/kvtier/lmcache-venv"))
+NS = Namespace(model="meta-llama/Meta-Llama-3-8B", dtype="bfloat16", kv_layout="nhd",
+               block_size=16)
+
+
+def keys_for(n: int, salt: str) -> list[BlockKey]:
+    return [BlockKey(NS.fingerprint, 0, f"{salt}-{i}".encode().ljust(16, b"."), 16 * (i + 1),
+                     BlockKind.FULL) for i in range(n)]
+
+
+def best(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------- CPU tier
+def bench_cpu(size: int, total: int, reps: int) -> dict:
+    n = max(4, total // size)
+    src = np.random.default_rng(1).integers(0, 256, (n, size), dtype=np.uint8)
+    dst = np.empty_like(src)
+    out = np.empty_like(src)
+    tier = CpuTier(n * size, size)
+    keys = keys_for(n, "cpu")
+    tier.slab[:] = 0
+    dst[:] = 0
+    out[:] = 0
+
+    def memcpy_put() -> None:
+        for i in range(n):
+            np.copyto(dst[i], src[i])
+
+    def tier_put() -> None:
+        for i in range(n):
+            tier.put(keys[i], src[i])
+
+    def memcpy_get() -> None:
+        for i in range(n):
+            np.copyto(out[i], dst[i])
+
+    def tier_get() -> None:
+        for i in range(n):
+            tier.read_into(keys[i], out[i])
+
+    def tier_get_bytes() -> None:
+        for i in range(n):
+            tier.get(keys[i])
+
+    res = {}
+    for fn in (memcpy_put, tier_put, memcpy_get, tier_get, tier_get_bytes):
+        fn()  # warm (page faults)
+    t = {name: [] for name in ("memcpy_put", "tier_put", "memcpy_get", "tier_get",
+                               "tier_get_bytes")}
+    for _ in range(reps):  # interleaved
+        t["memcpy_put"].append(best(memcpy_put, 1))
+        t["tier_put"].append(best(tier_put, 1))
+        t["memcpy_get"].append(best(memcpy_get, 1))
+        t["tier_get"].append(best(tier_get, 1))
+        t["tier_get_bytes"].append(best(tier_get_bytes, 1))
+    assert np.array_equal(out, src), "CPU tier returned wrong bytes"
+    for name, ts in t.items():
+        res[name + "_gbps"] = gbps(n * size, min(ts))
+    res.update(blocks=n, bytes=n * size)
+    return res
+
+
+# ---------------------------------------------------------------------------- Redis tier
+def bench_redis(url: str, size: int, total: int, reps: int) -> dict:
+    n = max(4, total // size)
+    batch = max(1, (32 * MiB) // size)
+    rng = np.random.default_rng(2)
+    payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    raw = redis.Redis.from_url(url, socket_timeout=60)
+    prefix = f"kvtier-bench-{os.getpid()}"
+    tier = RedisTier.from_url(url, prefix=prefix, socket_timeout_s=60, strict=True)
+    keys = keys_for(n, "redis")
+    raw_names = [f"{prefix}-raw:{i}".encode() for i in range(n)]
+    chunks = [range(i, min(n, i + batch)) for i in range(0, n, batch)]
+
+    def raw_put() -> None:
+        for chunk in chunks:
+            pipe = raw.pipeline(transaction=False)
+            for i in chunk:
+                pipe.set(raw_names[i], payloads[i])
+            pipe.execute()
+
+    def tier_put() -> None:
+        for chunk in chunks:
+            assert tier.put_many([(keys[i], payloads[i]) for i in chunk]) == len(chunk)
+
+    def raw_get() -> None:
+        for chunk in chunks:
+            pipe = raw.pipeline(transaction=False)
+            for i in chunk:
+                pipe.get(raw_names[i])
+            got = pipe.execute()
+            assert all(g is not None for g in got)
+
+    def tier_get() -> None:
+        for chunk in chunks:
+            got = tier.get_many([keys[i] for i in chunk])
+            assert all(g is not None for g in got), "Redis tier missed a block it stored"
+
+    t: dict[str, list[float]] = {k: [] for k in ("raw_put", "tier_put", "raw_get", "tier_get")}
+    try:
+        raw_put()
+        tier_put()
+        for _ in range(reps):
+            t["raw_put"].append(best(raw_put, 1))
+            t["tier_put"].append(best(tier_put, 1))
+            t["raw_get"].append(best(raw_get, 1))
+            t["tier_get"].append(best(tier_get, 1))
+        sample = tier.get(keys[0])
+        assert sample is not None and bytes(sample) == payloads[0]
+    finally:
+        tier.delete_many(keys)
+        for i in range(0, n, 512):
+            raw.delete(*raw_names[i:i + 512])
+        tier.close()
+    res = {name + "_gbps": gbps(n * size, min(ts)) for name, ts in t.items()}
+    res.update(blocks=n, bytes=n * size, batch=batch)
+    return res
+
+
+def bench_redis_benchmark(host: str, port: int, size: int, total: int) -> dict:
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return {"skipped": "redis-benchmark is not installed"}
+    n = max(16, min(20000, total // size))
+    cmd = [exe, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n),
+           "-c", "1", "-P", str(max(1, min(64, (32 * MiB) // size))), "--csv", "-q"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return {"skipped": f"redis-benchmark failed: {exc}"}
+    res: dict[str, object] = {"requests": n, "command": " ".join(cmd)}
+    for row in csv.reader(io.StringIO(proc.stdout)):
+        if len(row) >= 2 and row[0] in ("SET", "GET"):
+            rps = float(row[1])
+            res[row[0].lower() + "_gbps"] = rps * size / 1e9
+    return res
+
+
+# ---------------------------------------------------------------------------- LMCache
+LMCACHE_DRIVER = textwrap.dedent(r"""
+    import asyncio, json, sys, threading, time
+    size, n, reps, url = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    try:
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
+    except Exception as exc:
+        print(json.dumps({"skipped": f"import failed: {type(exc).__name__}: {exc}"}))
+        sys.exit(0)
+    # an LMCache chunk of 16 tokens, Llama-3-8B geometry: (layers, K/V, tokens, heads, dim)
+    layers = max(1, size // (2 * 16 * 8 * 128 * 2))
+    shape = (layers, 2, 16, 8, 128)
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=16, local_cpu=True,
+            max_local_cpu_size=(3 * n * size) / 2**30 + 0.5, remote_url=url)
+    meta = LMCacheMetadata("bench-llama", 1, 1, 0, 0, torch.bfloat16, shape, chunk_size=16)
+    backend = LocalCPUBackend(cfg, meta)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    conn = RedisConnector(url, loop, backend)
+    assert conn.full_chunk_size_bytes == size, (conn.full_chunk_size_bytes, size)
+    keys = [CacheEngineKey("bench-llama", 1, 0, 10_000 + i, torch.bfloat16) for i in range(n)]
+    objs = []
+    gen = torch.Generator().manual_seed(3)
+    for i in range(n):
+        obj = backend.allocate(conn.meta_shapes, conn.meta_dtypes, conn.meta_fmt)
+        flat = obj.tensor.view(torch.uint8).reshape(-1)
+        flat.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+        objs.append(obj)
+    batch = max(1, (32 << 20) // size)
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+    async def get_all(ks):
+        return await asyncio.gather(*(conn.get(k) for k in ks))
+    def put():
+        for i in range(0, n, batch):
+            run(conn.batched_put(keys[i:i + batch], objs[i:i + batch]))
+    def get():
+        for i in range(0, n, batch):
+            got = run(get_all(keys[i:i + batch]))
+            assert all(g is not None for g in got), "LMCache missed a stored chunk"
+            for g in got:
+                g.ref_count_down()
+    put()
+    first = run(conn.get(keys[0]))
+    verified = first is not None and bytes(first.byte_array) == bytes(objs[0].byte_array)
+    first.ref_count_down()
+    tp, tg = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter(); put(); tp.append(time.perf_counter() - t0)
+        t0 = time.perf_counter(); get(); tg.append(time.perf_counter() - t0)
+    import redis as redis_py
+    client = redis_py.Redis.from_url(url)
+    for k in keys:
+        client.delete(k.to_string() + "kv_bytes", k.to_string() + "metadata")
+    print(json.dumps({"put_gbps": n * size / min(tp) / 1e9, "get_gbps": n * size / min(tg) / 1e9,
+                      "verified": verified, "chunk_shape": list(shape), "chunks": n,
+                      "backend": "lmcache.v1 RedisConnector (redis.asyncio), LocalCPUBackend"}))
+""")
+
+
+def setup_lmcache_venv() -> None:
+    """Build LMCache's own venv; torch comes from this interpreter's env through a .pth file
+    (LMCache only needs *a* torch; its other pins stay inside its venv)."""
+    import torch  # noqa: PLC0415 - only for locating it
+
+    base = getattr(sys, "_base_executable", sys.executable)  # same Python as torch's env
+    subprocess.run([base, "-m", "venv", str(LMCACHE_VENV)], check=True)
+    site = next((LMCACHE_VENV / "lib").glob("python3*/site-packages"))
+    (site / "zz_kvtier_torch.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")
+    subprocess.run([str(LMCACHE_VENV / "bin" / "pip"), "install", "-q", "lmcache==0.5.6"],
+                   check=True, timeout=900)
+
+
+def bench_lmcache(url: str, size: int, total: int, reps: int, budget_s: float) -> dict:
+    python = LMCACHE_VENV / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"no LMCache venv at {LMCACHE_VENV} (see docs/tiers.md to build it)"}
+    probe = subprocess.run([str(python), "-c", "import lmcache, sys; print(lmcache.__file__)"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        return {"skipped": "LMCache venv exists but `import lmcache` fails: "
+                + (probe.stderr.strip().splitlines() or ["?"])[-1]}
+    n = max(4, total // size)
+    try:
+        proc = subprocess.run([str(python), "-c", LMCACHE_DRIVER, str(size), str(n), str(reps),
+                               url], capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"LMCache driver exceeded its {budget_s:.0f}s budget"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"skipped": f"LMCache driver failed (exit {proc.returncode}): {tail}"}
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------------------- server + main
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(workdir),
+                             "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, port
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("private redis-server did not start")
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
+    ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    ap.add_argument("--redis-url", help="benchmark this Redis instead of a private one")
+    ap.add_argument("--lmcache-budget-s", type=float, default=900.0)
+    ap.add_argument("--setup-lmcache", action="store_true",
+                    help=f"first build LMCache's venv at {LMCACHE_VENV} (pip, up to 15 min)")
+    args = ap.parse_args(argv)
+    if args.setup_lmcache:
+        setup_lmcache_venv()
+    cpu_total = (64 if args.quick else 512) * MiB
+    redis_total = (32 if args.quick else 256) * MiB
+    reps = 3 if args.quick else 5
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
+    server = None
+    if args.redis_url:
+        url = args.redis_url
+        parsed = redis.connection.parse_url(url)
+        host, port = parsed.get("host", "127.0.0.1"), int(parsed.get("port", 6379))
+    else:
+        server, port = start_private_redis(tmp)
+        host, url = "127.0.0.1", f"redis://127.0.0.1:{port}/0"
+    results: dict = {"config": {"quick": args.quick, "reps": reps, "cpu_total_bytes": cpu_total,
+                                "redis_total_bytes": redis_total, "redis": url,
+                                "cpus": os.cpu_count()}, "shapes": {}}
+    try:
+        for shape, size in SHAPES.items():
+            print(f"[{shape}] CPU tier ...", flush=True)
+            cpu = bench_cpu(size, cpu_total, reps)
+            print(f"[{shape}] Redis tier ...", flush=True)
+            red = bench_redis(url, size, redis_total, reps)
+            print(f"[{shape}] redis-benchmark ...", flush=True)
+            rb = bench_redis_benchmark(host, port, size, redis_total)
+            print(f"[{shape}] LMCache ...", flush=True)
+            lm = bench_lmcache(url, size, redis_total, reps, args.lmcache_budget_s / len(SHAPES))
+            results["shapes"][shape] = {"size": size, "cpu": cpu, "redis": red,
+                                        "redis_benchmark": rb, "lmcache": lm}
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    by_shape = {}
+    for shape, r in results["shapes"].items():
+        c, d = r["cpu"], r["redis"]
+        by_shape[shape] = {
+            "cpu_put_vs_memcpy": ratio(c["tier_put_gbps"], c["memcpy_put_gbps"]),
+            "cpu_get_vs_memcpy": ratio(c["tier_get_gbps"], c["memcpy_get_gbps"]),
+            "redis_put_vs_raw": ratio(d["tier_put_gbps"], d["raw_put_gbps"]),
+            "redis_get_vs_raw": ratio(d["tier_get_gbps"], d["raw_get_gbps"]),
+        }
+        lm = r["lmcache"]
+        if "put_gbps" in lm:
+            by_shape[shape]["redis_put_vs_lmcache"] = ratio(d["tier_put_gbps"], lm["put_gbps"])
+            by_shape[shape]["redis_get_vs_lmcache"] = ratio(d["tier_get_gbps"], lm["get_gbps"])
+    results["ratios_by_shape"] = by_shape
+    results["ratios"] = dict(by_shape["block_2MiB"])
+    results["ratios"]["worst_shape"] = {
+        k: min(v[k] for v in by_shape.values()) for k in by_shape["block_2MiB"]
+        if all(k in v for v in by_shape.values())}
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def print_table(results: dict) -> None:
+    rows = []
+    for shape, r in results["shapes"].items():
+        c, d, rb, lm = r["cpu"], r["redis"], r["redis_benchmark"], r["lmcache"]
+        rows += [
+            (shape, "CPU put", c["tier_put_gbps"], "numpy.copyto", c["memcpy_put_gbps"]),
+            (shape, "CPU get (read_into)", c["tier_get_gbps"], "numpy.copyto",
+             c["memcpy_get_gbps"]),
+            (shape, "CPU get (bytes)", c["tier_get_bytes_gbps"], "numpy.copyto",
+             c["memcpy_get_gbps"]),
+            (shape, "Redis put_many", d["tier_put_gbps"], "redis-py pipeline SET",
+             d["raw_put_gbps"]),
+            (shape, "Redis get_many", d["tier_get_gbps"], "redis-py pipeline GET",
+             d["raw_get_gbps"]),
+        ]
+        if "set_gbps" in rb:
+            rows.append((shape, "Redis put_many", d["tier_put_gbps"], "redis-benchmark SET",
+                         rb["set_gbps"]))
+            rows.append((shape, "Redis get_many", d["tier_get_gbps"], "redis-benchmark GET",
+                         rb["get_gbps"]))
+        if "put_gbps" in lm:
+            rows.append((shape, "Redis put_many", d["tier_put_gbps"], "LMCache Redis put",
+                         lm["put_gbps"]))
+            rows.append((shape, "Redis get_many", d["tier_get_gbps"], "LMCache Redis get",
+                         lm["get_gbps"]))
+    print()
+    print(f"{'shape':<11} {'kvtier':<20} {'GB/s':>7}   {'vs':<22} {'GB/s':>7}  {'ratio':>6}")
+    print("-" * 82)
+    for shape, name, mine, other_name, other in rows:
+        print(f"{shape:<11} {name:<20} {mine:7.2f}   {other_name:<22} {other:7.2f}  "
+              f"{ratio(mine, other):6.2f}")
+    for shape, r in results["shapes"].items():
+        for what in ("redis_benchmark", "lmcache"):
+            if "skipped" in r[what]:
+                print(f"{shape}: {what} not measured: {r[what]['skipped']}")
+    print("ratios:", json.dumps(results["ratios"]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
