@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fixes", action="store_true", help="text format: omit the fix lines")
     p.add_argument("--config", type=Path, help="pyproject.toml to read (default: nearest)")
     p.add_argument("--isolated", action="store_true", help="ignore every pyproject.toml")
+    p.add_argument("--select", help="comma-separated codes to report (default: all)")
+    p.add_argument("--ignore", help="comma-separated codes not to report")
     p.add_argument("--extend-block-containers", default="",
                    help="comma-separated extra names whose value is a list of blocks")
     p.add_argument("-j", "--jobs", type=int, help="worker processes (default: CPUs)")
@@ -58,6 +60,9 @@ def _settings(args: argparse.Namespace) -> cfg.Settings:
                       ("min_confidence", "min-confidence"), ("jobs", "jobs")):
         if getattr(args, flag) is not None:
             overlay[key] = getattr(args, flag)
+    for flag in ("select", "ignore"):
+        if getattr(args, flag):
+            overlay[flag] = [c for c in getattr(args, flag).split(",") if c.strip()]
     if args.extend_block_containers:
         extra = [n.strip() for n in args.extend_block_containers.split(",") if n.strip()]
         overlay["block-containers"] = sorted(settings.vocab.containers | set(extra))

@@ -23,6 +23,7 @@ DEFAULT_EXCLUDE_DIRS = frozenset({
 KNOWN_KEYS = frozenset({
     "include", "exclude", "fail-on", "min-severity", "min-confidence", "block-containers",
     "block-producers", "block-types", "bookkeeping-classes", "max-file-size", "jobs",
+    "select", "ignore", "per-file-ignores",
 })
 
 
@@ -43,6 +44,9 @@ class Settings:
     vocab: Vocabulary = field(default_factory=Vocabulary)
     bookkeeping: frozenset[str] = DEFAULT_BOOKKEEPING_CLASSES
     max_file_size: int = 2_000_000
+    select: frozenset[str] = frozenset()  # empty: every code
+    ignore: frozenset[str] = frozenset()
+    per_file_ignores: tuple[tuple[str, frozenset[str]], ...] = ()  # (glob, codes)
     jobs: int = 0  # 0: one per CPU
     source: Path | None = None  # the pyproject.toml the settings came from
 
@@ -108,6 +112,15 @@ def apply(settings: Settings, table: dict[str, object], origin: str) -> Settings
                                 kvblocks_types=DEFAULT_KVBLOCKS_TYPES)
             elif key == "bookkeeping-classes":
                 changes["bookkeeping"] = DEFAULT_BOOKKEEPING_CLASSES | set(_strings(key, value))
+            elif key in {"select", "ignore"}:
+                changes[key] = frozenset(_codes(key, value))
+            elif key == "per-file-ignores":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"per-file-ignores must be a table of glob = [codes], "
+                                      f"got {value!r}")
+                changes["per_file_ignores"] = tuple(
+                    (str(glob), frozenset(_codes(f"per-file-ignores.{glob}", codes)))
+                    for glob, codes in value.items())
             elif key in {"max-file-size", "jobs"}:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
@@ -115,6 +128,17 @@ def apply(settings: Settings, table: dict[str, object], origin: str) -> Settings
     except ValueError as exc:
         raise ConfigError(f"{origin}: {exc}") from None
     return replace(settings, vocab=vocab, **changes)
+
+
+def _codes(key: str, value: object) -> list[str]:
+    from audit.model import RULES
+
+    codes = [c.strip().upper() for c in _strings(key, value)]
+    unknown = [c for c in codes if c not in RULES]
+    if unknown:
+        raise ConfigError(f"{key}: unknown code(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(RULES))})")
+    return codes
 
 
 def _strings(key: str, value: object) -> list[str]:

@@ -224,8 +224,27 @@ def run(paths: Sequence[Path], settings: Settings, keep_sources: bool = False) -
         out.findings.extend(res.findings)
         if res.source is not None:
             out.sources[res.path] = res.source
+    out.findings = [f for f in out.findings if _selected(f, settings)]
     out.findings.sort(key=lambda f: (f.path, f.line, f.col, f.code))
     return out
+
+
+def _selected(finding: Finding, settings: Settings) -> bool:
+    """``select`` / ``ignore`` / ``per-file-ignores`` from the configuration or flags."""
+    if settings.select and finding.code not in settings.select:
+        return False
+    if finding.code in settings.ignore:
+        return False
+    if settings.per_file_ignores:
+        path = Path(finding.path)
+        try:
+            rel = path.resolve().relative_to(settings.root.resolve()).as_posix()
+        except ValueError:
+            rel = path.as_posix()
+        for glob, codes in settings.per_file_ignores:
+            if finding.code in codes and (fnmatch(rel, glob) or fnmatch(path.name, glob)):
+                return False
+    return True
 
 
 def _prefilter(files: list[str], settings: Settings) -> tuple[list[str], list[FileResult]]:

@@ -342,3 +342,25 @@ def test_empty_directory_says_so(tmp_path: Path, capsys) -> None:
     (tmp_path / "empty").mkdir()
     rc, out, err = audit(capsys, "--isolated", str(tmp_path / "empty"))
     assert rc == 0 and out == "" and "no Python files found" in err
+
+
+def test_select_ignore_and_per_file_ignores(tmp_path: Path, capsys) -> None:
+    write(tmp_path, "pkg/bad.py", BAD)
+    write(tmp_path, "pkg/warn.py", UNCLEAR)
+    write(tmp_path, "tests/test_x.py", BAD)
+
+    def codes(*argv: str) -> list[tuple[str, str]]:
+        out = audit(capsys, "--format", "json", *argv, str(tmp_path))[1]
+        return sorted((Path(f["path"]).name, f["code"]) for f in json.loads(out)["findings"])
+
+    write(tmp_path, "pyproject.toml", "[tool.kvtier.audit]\n")
+    everything = [("bad.py", "KVT001"), ("test_x.py", "KVT001"), ("warn.py", "KVT005")]
+    assert codes() == everything
+    assert codes("--select", "KVT005") == [("warn.py", "KVT005")]
+    assert codes("--ignore", "KVT005,KVT001") == []
+    write(tmp_path, "pyproject.toml", '[tool.kvtier.audit]\nignore = ["KVT005"]\n'
+          '[tool.kvtier.audit.per-file-ignores]\n"tests/*" = ["KVT001"]\n')
+    assert codes() == [("bad.py", "KVT001")]
+    write(tmp_path, "pyproject.toml", '[tool.kvtier.audit]\nselect = ["KVT999"]\n')
+    rc, _, err = audit(capsys, str(tmp_path))
+    assert rc == 2 and "unknown code(s) KVT999" in err
