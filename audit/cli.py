@@ -10,9 +10,9 @@ from pathlib import Path
 
 from audit import config as cfg
 from audit import reporters
-from audit.engine import default_targets, run
+from audit.engine import RunResult, default_targets, run
 from audit.fixes import unified_diff
-from audit.model import Severity
+from audit.model import Finding, Severity
 
 SEVERITIES = ("info", "warning", "error")
 
@@ -98,7 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
              and (f.confidence is None or f.confidence >= settings.min_confidence)]
     out = _render(args, shown, result)
     if args.output:
-        args.output.write_text(out + ("\n" if out else ""), encoding="utf-8")
+        try:
+            args.output.write_text(out + ("\n" if out else ""), encoding="utf-8")
+        except OSError as exc:
+            print(f"kvtier audit: cannot write {args.output}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 2
     elif out:
         print(out)
     if args.format == "text" and not args.statistics and not args.diff:
@@ -113,11 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failing is not None and any(f.severity >= failing for f in shown) else 0
 
 
-def _render(args: argparse.Namespace, shown: list, result) -> str:
+def _render(args: argparse.Namespace, shown: list[Finding], result: RunResult) -> str:
     if args.statistics:
         return reporters.statistics(shown)
     if args.diff:
-        by_path: dict[str, list] = {}
+        by_path: dict[str, list[Finding]] = {}
         for f in shown:
             by_path.setdefault(f.path, []).append(f)
         return "".join(unified_diff(p, result.sources[p], fs) for p, fs in by_path.items()

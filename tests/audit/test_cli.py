@@ -137,6 +137,8 @@ def test_output_file(tmp_path: Path, capsys) -> None:
     rc, out, _ = audit(capsys, "--isolated", "--format", "json", "-o", str(report), str(bad))
     assert rc == 1 and out == ""
     assert json.loads(report.read_text())["counts"] == {"KVT001": 1}
+    rc, _, err = audit(capsys, "--isolated", "-o", str(tmp_path / "no" / "dir.txt"), str(bad))
+    assert rc == 2 and "cannot write" in err
 
 
 def test_pyproject_configuration(tmp_path: Path, capsys) -> None:
