@@ -4,6 +4,7 @@ value, degrades to misses and recovers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -29,6 +30,16 @@ def _assert_clean(traffic: Traffic) -> None:
     assert traffic.wrong == []
 
 
+def _figures(name: str, traffic: Traffic, tier: RedisTier, **extra: float) -> None:
+    """Printed for docs/reliability-tiers.md (run with -s)."""
+    s = tier.stats()
+    fields = dict(ops=traffic.ops, hits=traffic.hits, wrong=len(traffic.wrong),
+                  exceptions=len(traffic.exceptions), errors=s["errors"],
+                  put_failures=s["put_failures"], dropped=s["dropped"] + s["dropped_unavailable"],
+                  corrupt=s["corrupt"], **{k: round(v, 3) for k, v in extra.items()})
+    print(f"\nFIGURES {name}: " + " ".join(f"{k}={v}" for k, v in fields.items()))
+
+
 def test_sigkill_and_restart_mid_traffic(redis_server: RedisServer, tier: RedisTier) -> None:
     traffic = Traffic(tier).start()
     assert wait_until(lambda: traffic.hits > 20)
@@ -38,11 +49,16 @@ def test_sigkill_and_restart_mid_traffic(redis_server: RedisServer, tier: RedisT
     assert wait_until(lambda: traffic.ops > ops_down + 10)  # callers keep going while it is down
     assert tier.get(key(1)) is None
     hits_down = traffic.hits
+    ops_during_outage = traffic.ops - ops_down
     redis_server.start()  # same port, empty (no persistence)
+    t0 = time.monotonic()
     assert wait_until(lambda: tier.available)
+    recovery = time.monotonic() - t0
     assert wait_until(lambda: traffic.hits > hits_down + 20)
     traffic.stop()
     _assert_clean(traffic)
+    _figures("sigkill+restart", traffic, tier, ops_during_outage=ops_during_outage,
+             recovery_s=recovery)
     s = tier.stats()
     assert s["unavailable_events"] >= 1 and s["recoveries"] >= 1 and s["errors"] >= 1
 
@@ -58,13 +74,17 @@ def test_sigstop_longer_than_timeout(redis_server: RedisServer, tier: RedisTier)
         assert wait_until(lambda: traffic.ops > ops_down + 10)
         assert tier.get(key(1000)) is None  # a miss, not a hang or an exception
         assert "Timeout" in tier.last_error
+        ops_during_outage = traffic.ops - ops_down
     finally:
         redis_server.resume()
+    t0 = time.monotonic()
     assert wait_until(lambda: tier.available)
+    recovery = time.monotonic() - t0
     assert wait_until(lambda: tier.get(key(1000)) is not None)
     assert bytes(tier.get(key(1000))) == payload(key(1000))
     traffic.stop()
     _assert_clean(traffic)
+    _figures("sigstop", traffic, tier, ops_during_outage=ops_during_outage, recovery_s=recovery)
 
 
 def test_write_behind_drops_instead_of_blocking(redis_server: RedisServer,
@@ -99,11 +119,15 @@ def test_proxy_latency_resets_and_blackhole(redis_server: RedisServer, key_prefi
         proxy.mode = "refuse"
         assert wait_until(lambda: proxy.connections > 3)
         proxy.mode = "forward"
+        t0 = time.monotonic()
         assert wait_until(lambda: t.available)
+        recovery = time.monotonic() - t0
         hits = traffic.hits
         assert wait_until(lambda: traffic.hits > hits + 10)
         traffic.stop()
         _assert_clean(traffic)
+        _figures("proxy latency+5 resets+blackhole+refuse", traffic, t, recovery_s=recovery,
+                 connections=proxy.connections)
     finally:
         t.close(timeout=1)
         proxy.stop()

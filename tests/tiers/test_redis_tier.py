@@ -183,3 +183,31 @@ def test_noeviction_full_server_fails_stores_without_raising(tmp_path, key_prefi
             assert s["put_failures"] == 100 - stored and s["available"]  # OOM is per command
     finally:
         server.stop()
+
+
+def test_concurrent_threads_share_the_tier_without_torn_values(tier: RedisTier) -> None:
+    import threading
+
+    keys = [key(i) for i in range(40)]
+    wrong: list[str] = []
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for n in range(30):
+                batch = keys[(n + seed) % 30:(n + seed) % 30 + 10]
+                tier.put_many([(k, payload(k, 20_000)) for k in batch[:5]])
+                tier.submit_put(batch[5], payload(batch[5], 20_000))
+                for k, got in zip(batch, tier.get_many(batch), strict=True):
+                    if got is not None and bytes(got) != payload(k, 20_000):
+                        wrong.append(k.name)
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == [] and wrong == []
+    assert tier.flush(10) and tier.stats()["corrupt"] == 0
