@@ -1,0 +1,75 @@
+"""WriteBehind queue logic (pure: an in-memory sink stands in for Redis)."""
+
+from __future__ import annotations
+
+import threading
+
+from offload_tiers.write_behind import Item, WriteBehind
+
+
+def test_bounded_by_count_and_bytes_drops_and_reports() -> None:
+    gate = threading.Event()
+    written: list[str] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        gate.wait(10)
+        written.extend(i.key for i in batch)
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=3, max_bytes=1000, batch_items=1)
+    done: dict[str, bool] = {}
+
+    def item(name: str, n: int = 10) -> Item:
+        return Item(name, b"x" * n, n, lambda ok, name=name: done.__setitem__(name, ok))
+
+    assert wb.submit(item("a"))
+    while wb.depth:  # the writer took "a" and waits on the gate
+        pass
+    assert wb.submit(item("b")) and wb.submit(item("c")) and wb.submit(item("d"))
+    assert not wb.submit(item("e"))  # 3 queued: full by count
+    assert done["e"] is False and wb.dropped == 1
+    gate.set()
+    assert wb.flush(10)
+    assert written == ["a", "b", "c", "d"] and all(done[k] for k in "abcd")
+    gate.clear()
+    assert wb.submit(item("f", 600))
+    while wb.depth:  # the writer holds "f"
+        pass
+    assert wb.submit(item("g", 600))  # an empty queue always takes one item
+    assert not wb.submit(item("h", 600))  # 600 + 600 > 1000 bytes: dropped
+    assert done["h"] is False and wb.dropped == 2
+    gate.set()
+    assert wb.flush(10) and done["g"]
+    wb.close()
+
+
+def test_failing_sink_reports_false_and_keeps_running() -> None:
+    calls = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return [False] * len(batch)
+
+    wb = WriteBehind(sink, max_items=10, max_bytes=10_000)
+    results: list[bool] = []
+    wb.submit(Item("a", b"x", 1, results.append))
+    assert wb.flush(5)
+    wb.submit(Item("b", b"x", 1, results.append))
+    assert wb.flush(5)
+    assert results == [False, False] and wb.failed == 2 and wb.written == 0
+    wb.close()
+
+
+def test_close_drops_what_it_cannot_write() -> None:
+    gate = threading.Event()
+    wb = WriteBehind(lambda b: (gate.wait(10), [True] * len(b))[1], max_items=10,
+                     max_bytes=10_000, batch_items=1)
+    results: list[bool] = []
+    for name in "abc":
+        wb.submit(Item(name, b"x", 1, results.append))
+    wb.close(timeout=0.2)  # the sink is stuck: queued items are dropped, reported False
+    assert results.count(False) >= 2
+    gate.set()
+    assert not wb.submit(Item("z", b"x", 1, results.append))
