@@ -95,16 +95,21 @@ def _cleanup_redis(url: str, prefix: str) -> int:
         client.close()
 
 
-def _build_model(model: str) -> Path:
+def model_path(model: str) -> Path:
+    """The tiny model's checkpoint, built first if absent (without importing torch if not)."""
     from connector import tiny_models
 
-    build = tiny_models.tiny_llama if model == "llama" else tiny_models.tiny_hybrid
     name = "tiny-llama" if model == "llama" else "tiny-hybrid"
-    marker = tiny_models.cache_root() / name / "kvtier-build.json"
-    if not marker.exists():
-        _say(f"[demo] building the tiny {model} model in {tiny_models.cache_root()} "
-             "(first run only)...")
-    return build()
+    path = tiny_models.cache_root() / name
+    marker = path / "kvtier-build.json"
+    try:
+        if json.loads(marker.read_text()).get("version") == tiny_models.BUILD_VERSION:
+            return path
+    except (OSError, ValueError):
+        pass
+    _say(f"[demo] building the tiny {model} model in {tiny_models.cache_root()} "
+         "(first run only)...")
+    return tiny_models.tiny_llama() if model == "llama" else tiny_models.tiny_hybrid()
 
 
 def _spec(label: str, model: str, model_dir: Path, workload: Workload,
@@ -125,7 +130,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     else:
         _say(f"[demo] Redis tier: none — {choice.shown} (from {choice.source}) is not "
              f"reachable ({choice.reason}). Running the CPU tier alone.")
-    model_dir = _build_model(args.model)
+    model_dir = model_path(args.model)
     log_dir = Path(args.log_dir) if args.log_dir else None
     run_id = uuid.uuid4().hex[:10]
     prefix = f"kvtier-demo-{run_id}"

@@ -4,7 +4,7 @@ Sources, all read from outside the connector:
 - vLLM's own counters: ``prompt_tokens``, ``prompt_tokens_by_source`` (local compute /
   local cache hit / external KV transfer) and ``prompt_tokens_cached_by_source`` (device,
   host, disk, ...), counted by the scheduler at admission;
-- kvtier's Prometheus counters ``kvtier_connector_hit_tokens_{cpu,redis}`` for the split
+- kvtier's counters ``vllm:kvtier_hit_tokens_{cpu,redis}`` (its prom metrics) for the split
   between its two tiers. A connector without them (vLLM's native one) is split by vLLM's
   ``cached_by_source`` label instead (``host`` = CPU tier).
 Does not import vLLM.
@@ -18,8 +18,8 @@ from typing import Any
 
 _BY = "vllm:prompt_tokens_by_source[source={}]"
 _CACHED_BY = "vllm:prompt_tokens_cached_by_source[source={}]"
-KVTIER_CPU = "kvtier_connector_hit_tokens_cpu"
-KVTIER_REDIS = "kvtier_connector_hit_tokens_redis"
+KVTIER_CPU = "vllm:kvtier_hit_tokens_cpu"
+KVTIER_REDIS = "vllm:kvtier_hit_tokens_redis"
 
 
 @dataclass

@@ -111,6 +111,7 @@ class PhaseResult:
     requests: list[RequestRecord] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time (engine + connector run in-process)
     reset_ok: bool | None = None
 
     def ttft_p50_ms(self) -> float:
@@ -175,7 +176,7 @@ def run_workload(llm: Any, workload: Workload, name: str) -> PhaseResult:
     ]
     result = PhaseResult(name=name)
     before = snapshot_counters(llm)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for turn in range(workload.turns):
         for conv in range(workload.conversations):
             user = tokenizer.encode(" ".join(workload.user_turn(conv, turn)),
@@ -190,6 +191,7 @@ def run_workload(llm: Any, workload: Workload, name: str) -> PhaseResult:
                 cached_tokens=int(out.num_cached_tokens or 0), ttft_s=ttft, output=answer))
             history[conv] = prompt + answer
     result.wall_s = time.perf_counter() - t0
+    result.cpu_s = time.process_time() - c0
     result.counters = counter_delta(before, snapshot_counters(llm))
     return result
 

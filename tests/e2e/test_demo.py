@@ -1,0 +1,103 @@
+"""``kvtier demo --quick --json``: real vLLM CPU engines (child processes), real Redis.
+
+Asserts from the demo's JSON, never from timing: outputs equal vLLM's without kvtier, the
+pass after the GPU prefix-cache reset (and the restarted engine) got its prefix from a
+kvtier tier, and with no Redis the demo says "CPU tier only" and is still correct.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+_SCRIPT = Path(sys.executable).with_name("kvtier")
+# The installed console script, as a user runs it; the module when it is not installed.
+KVTIER = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "connector.cli"]
+
+
+def _run_demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "demo.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("KVTIER_REDIS_URL", None)
+    proc = subprocess.run(
+        [*KVTIER, "demo", "--quick", "--json", str(out),
+         "--log-dir", str(tmp_path / "logs"), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
+    )
+    assert out.exists(), f"demo wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return proc, json.loads(out.read_text())
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(data: dict) -> dict[str, dict]:
+    return {row["label"]: row for row in data["rows"]}
+
+
+def test_demo_with_redis_serves_prefix_from_tiers(tmp_path: Path, redis_url: str) -> None:
+    proc, data = _run_demo(tmp_path, "--redis-url", redis_url)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert data["mode"] == "cpu+redis"
+    assert data["redis"]["used"] is True
+    assert data["outputs_identical"] is True
+    rows = _rows(data)
+    assert all(row["identical"] is True for row in data["rows"])
+
+    reset = rows["kvtier: GPU prefix cache reset"]
+    assert reset["cpu_tokens"] + reset["redis_tokens"] > 0
+    restart = rows["kvtier: engine restarted (new process)"]
+    assert restart["redis_tokens"] > 0, "a new engine process must find the prefix in Redis"
+    assert restart["cpu_tokens"] == 0, "the CPU tier cannot survive a process restart"
+    # kvtier recomputes less than vLLM alone after the same reset.
+    assert reset["recomputed_tokens"] < rows["vLLM alone: GPU prefix cache reset"][
+        "recomputed_tokens"]
+    for row in data["rows"]:
+        assert row["gpu_tokens"] + row["cpu_tokens"] + row["redis_tokens"] + row[
+            "other_external_tokens"] + row["recomputed_tokens"] == row["prompt_tokens"]
+
+    # The run's Redis keys were cleaned up.
+    prefix = data["redis"]["key_prefix"]
+    assert prefix and prefix.startswith("kvtier-demo-")
+    client = redis.Redis.from_url(redis_url)
+    assert list(client.scan_iter(match=f"{prefix}:*", count=1000)) == []
+    assert "CPU + Redis" in proc.stdout
+
+
+def test_demo_without_redis_runs_cpu_tier_alone(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{_closed_port()}"
+    proc, data = _run_demo(tmp_path, "--redis-url", url)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert data["mode"] == "cpu-only"
+    assert data["redis"]["used"] is False
+    assert "CPU ONLY" in proc.stdout and url in proc.stdout
+    assert "Running the CPU tier alone" in proc.stderr
+    assert data["outputs_identical"] is True
+    rows = _rows(data)
+    reset = rows["kvtier: GPU prefix cache reset"]
+    assert reset["cpu_tokens"] > 0 and reset["redis_tokens"] == 0
+    assert "kvtier: engine restarted (new process)" not in rows
+    assert any("CPU tier only" in note for note in data["notes"])
+
+
+def test_demo_rejects_unknown_model(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*KVTIER, "demo", "--model", "gpt5"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "invalid choice" in proc.stderr
