@@ -8,23 +8,26 @@ FULL vs PARTIAL is decided from the group's *physical block size* ``B`` (configu
 learned from full announcements: a multi-hash store, or two different single-hash sizes),
 never from the presence of a hash:
 
-* ``num_tokens`` known  -> ``kind_for(num_tokens, ...)``: FULL iff it ends on a block boundary;
-* ``num_tokens`` unknown (parent never seen) -> from the announcement's shape:
-  ``block_size == B`` FULL, ``block_size < B`` PARTIAL;
+* ``num_tokens`` known  -> FULL iff it ends on a block boundary (``offload_tiers.keys.kind_for``);
+* ``num_tokens`` unknown (parent not seen) -> from the announcement's shape:
+  ``block_size == B`` FULL, ``block_size < B`` (one hash) PARTIAL;
 * ``B`` unknown and a single-hash store -> PENDING (never counted) until ``B`` is learned;
-* ``token_ids == []`` or ``block_size == 0`` -> PLACEHOLDER (never counted as a prefix).
+* ``token_ids == []`` or ``block_size == 0`` -> PLACEHOLDER (never counted as a prefix);
+* any other size (contradicts ``B``) -> PENDING for good, counted in ``conflicts``.
+
+``num_tokens`` of a store is its parent's plus ``block_size`` per hash; the parent's comes
+from the index (:class:`PositionSource`). A store whose parent is unknown is remembered
+(bounded) and gets its positions when the parent shows up (out-of-order arrival).
 
 To keep the hot path free of per-hash objects, :meth:`Classifier.classify` returns one
-:class:`Run` per event (hashes + arithmetic progression of ``num_tokens``);
+:class:`Run` per event (hashes + an arithmetic progression of ``num_tokens``);
 :meth:`Run.entries` expands it into :class:`Entry` tuples for callers who want them.
-Facts about hashes (``num_tokens`` and kind, packed into one int) live in :class:`BlockFacts`,
-which the index reads at look-up time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, Protocol
 
 from connector.events import normalize_medium, raw_array_len
 from offload_tiers.keys import BlockKind
@@ -37,11 +40,14 @@ __all__ = [
     "PLACEHOLDER",
     "REMOVE",
     "STORE",
-    "BlockFacts",
     "Classifier",
     "Entry",
+    "GroupSizes",
+    "PositionSource",
     "Run",
     "kind_name",
+    "pack",
+    "unpack",
 ]
 
 # Kinds as small ints (BlockKind values) + PENDING for "not decidable yet".
@@ -50,6 +56,7 @@ FULL = int(BlockKind.FULL)
 PARTIAL = int(BlockKind.PARTIAL)
 PLACEHOLDER = int(BlockKind.PLACEHOLDER)
 _KIND_NAMES = {PENDING: "PENDING", FULL: "FULL", PARTIAL: "PARTIAL", PLACEHOLDER: "PLACEHOLDER"}
+_RANK = {PENDING: 0, PLACEHOLDER: 1, PARTIAL: 2, FULL: 3}
 
 STORE, REMOVE, CLEAR = 1, 2, 3
 
@@ -61,6 +68,26 @@ PG = tuple[Publisher, int]  # (publisher, group)
 def kind_name(kind: int) -> str:
     """``"FULL"``, ``"PARTIAL"``, ``"PLACEHOLDER"`` or ``"PENDING"``."""
     return _KIND_NAMES[kind]
+
+
+def pack(num_tokens: int, kind: int) -> int:
+    """One int per entry: ``num_tokens * 4 + kind`` (``num_tokens`` 0 = unknown)."""
+    return num_tokens * 4 + kind
+
+
+def unpack(packed: int) -> tuple[int | None, int]:
+    """``(num_tokens or None, kind)``."""
+    return (packed >> 2) or None, packed & 3
+
+
+def merge(old: int, new: int) -> int:
+    """Facts of a hash announced again: a known position wins (it decides the kind);
+    between unknown positions the most specific shape wins (FULL > PARTIAL > PLACEHOLDER)."""
+    if new >> 2:
+        return new
+    if old >> 2:
+        return old
+    return new if _RANK[new & 3] > _RANK[old & 3] else old
 
 
 def as_block_kind(kind: int) -> BlockKind | None:
@@ -85,8 +112,7 @@ class Run(NamedTuple):
     """One event's effect on the index: ``op`` applied to ``hashes`` under ``key``.
 
     For STORE, hash ``i`` covers ``first_tokens + i * step`` tokens when ``first_tokens``
-    is non-zero (0 = unknown). ``kind`` is the kind the classifier decided for this run;
-    the authoritative per-hash fact is in :class:`BlockFacts`.
+    is non-zero (0 = unknown), and every hash has kind ``kind``.
     """
 
     op: int
@@ -108,6 +134,48 @@ class Run(NamedTuple):
             parent = h
 
 
+class PositionSource(Protocol):
+    """What the classifier asks the index: positions of resident hashes, and rewrites."""
+
+    def position_of(self, pg: PG, block_hash: Any) -> int:
+        """``num_tokens`` of a resident hash of (publisher, group), 0 when unknown."""
+        ...
+
+    def rewrite(self, pg: PG, fn: Callable[[Any, int], int | None]) -> None:
+        """Replace the packed facts of resident entries of (publisher, group) by ``fn``."""
+        ...
+
+    def rewrite_hashes(self, pg: PG, updates: Mapping[Any, int]) -> None:
+        """Set the packed facts of these resident hashes (merging with what is known)."""
+        ...
+
+
+class GroupSizes:
+    """Physical block size per (publisher, group): configured per group, or learned."""
+
+    __slots__ = ("configured", "learned")
+
+    def __init__(self, configured: Mapping[int, int] | None = None) -> None:
+        self.configured: dict[int, int] = dict(configured or {})
+        for g, b in self.configured.items():
+            if b <= 0:
+                raise ValueError(f"block size of group {g} must be positive, got {b}")
+        self.learned: dict[PG, int] = {}
+
+    def block_size(self, pg: PG) -> int | None:
+        b = self.configured.get(pg[1])
+        return b if b is not None else self.learned.get(pg)
+
+    def group_block_size(self, group: int, publisher: Publisher | None = None) -> int | None:
+        """Block size of ``group`` for look-ups: configured, else learned by a publisher."""
+        if group in self.configured:
+            return self.configured[group]
+        for (pub, g), b in self.learned.items():
+            if g == group and (publisher is None or pub == publisher):
+                return b
+        return None
+
+
 _OPS: dict[type, int] = {}
 
 
@@ -126,105 +194,43 @@ def _op_of(event: Any) -> int:
     return op
 
 
-class BlockFacts:
-    """What each hash covers, per (publisher, group): ``num_tokens * 4 + kind`` in one int.
-
-    Also holds each group's physical block size (configured or learned), the single-hash
-    stores whose kind waits for that size (PENDING), and stores whose parent was not seen yet
-    (orphans, resolved when the parent's ``num_tokens`` becomes known). Everything is
-    bounded: ``max_pending`` caps pending and orphan records per (publisher, group).
-    """
-
-    __slots__ = ("by_pg", "sizes", "configured", "pending", "orphans", "single_sizes",
-                 "max_pending", "dropped_pending")
-
-    def __init__(self, block_sizes: Mapping[int, int] | None = None,
-                 max_pending: int = 65536) -> None:
-        self.by_pg: dict[PG, dict[Any, int]] = {}
-        self.sizes: dict[PG, int] = {}
-        self.configured: dict[int, int] = dict(block_sizes or {})
-        for g, b in self.configured.items():
-            if b <= 0:
-                raise ValueError(f"block size of group {g} must be positive, got {b}")
-        self.pending: dict[PG, dict[Any, int]] = {}
-        self.orphans: dict[PG, dict[Any, list[tuple[list[Any], int, bool]]]] = {}
-        self.single_sizes: dict[PG, int] = {}
-        self.max_pending = max_pending
-        self.dropped_pending = 0
-
-    def facts(self, pg: PG) -> dict[Any, int]:
-        """The (mutable) hash -> packed fact map of one (publisher, group)."""
-        fd = self.by_pg.get(pg)
-        if fd is None:
-            fd = self.by_pg[pg] = {}
-        return fd
-
-    def block_size(self, pg: PG) -> int | None:
-        """Physical block size of a (publisher, group), if configured or learned."""
-        b = self.sizes.get(pg)
-        return b if b is not None else self.configured.get(pg[1])
-
-    def group_block_size(self, group: int, publisher: Publisher | None = None) -> int | None:
-        """Block size of ``group`` for look-ups: configured, else learned by any publisher."""
-        if group in self.configured:
-            return self.configured[group]
-        for (pub, g), b in self.sizes.items():
-            if g == group and (publisher is None or pub == publisher):
-                return b
-        return None
-
-    def lookup(self, pg: PG, block_hash: Any) -> tuple[int | None, int]:
-        """``(num_tokens or None, kind)`` of a hash; ``(None, PENDING)`` if never announced."""
-        f = self.by_pg.get(pg, {}).get(block_hash)
-        if f is None:
-            return None, PENDING
-        return (f >> 2) or None, f & 3
-
-    def forget_publisher(self, publisher: Publisher) -> None:
-        """Drop facts of a publisher (its entries were cleared)."""
-        for table in (self.by_pg, self.pending, self.orphans):
-            for pg in [k for k in table if k[0] == publisher]:
-                del table[pg]
-
-    def prune(self, pg: PG, live: Iterable[Any]) -> int:
-        """Keep only facts of hashes in ``live`` (plus pending/orphan parents); return dropped."""
-        fd = self.by_pg.get(pg)
-        if not fd:
-            return 0
-        keep = set(live)
-        orph = self.orphans.get(pg)
-        if orph:
-            keep.update(orph)
-        new = {h: f for h, f in fd.items() if h in keep}
-        dropped = len(fd) - len(new)
-        self.by_pg[pg] = new
-        pend = self.pending.get(pg)
-        if pend:
-            self.pending[pg] = {h: x for h, x in pend.items() if h in keep}
-        return dropped
-
-
 class Classifier:
-    """Turns decoded events into :class:`Run` updates and keeps :class:`BlockFacts` current.
+    """Turns decoded events into :class:`Run` updates.
 
-    Accepts both the public structs (:mod:`connector.events`) and the hot-path ones.
+    Accepts both the public structs (:mod:`connector.events`) and the hot-path ones. Holds
+    the bounded bookkeeping for undecidable entries: single-hash stores waiting for their
+    group's block size (``pending``) and stores waiting for their parent (``orphans``).
     """
 
-    __slots__ = ("facts", "invalid_events", "conflicts", "_medium_cache")
+    __slots__ = ("sizes", "positions", "max_pending", "pending", "orphans", "single_sizes",
+                 "invalid_events", "conflicts", "dropped_pending", "_medium_cache")
 
-    def __init__(self, facts: BlockFacts | None = None) -> None:
-        self.facts = facts if facts is not None else BlockFacts()
+    def __init__(self, sizes: GroupSizes | None = None, positions: PositionSource | None = None,
+                 max_pending: int = 65536) -> None:
+        self.sizes = sizes if sizes is not None else GroupSizes()
+        self.positions = positions
+        self.max_pending = max_pending
+        self.pending: dict[PG, dict[Any, int]] = {}
+        self.orphans: dict[PG, dict[Any, list[tuple[list[Any], int]]]] = {}
+        self.single_sizes: dict[PG, int] = {}
         self.invalid_events = 0
         self.conflicts = 0
+        self.dropped_pending = 0
         self._medium_cache: dict[str | None, str] = {}
 
     def _medium(self, raw: str | None) -> str:
         m = self._medium_cache.get(raw)
         if m is None:
-            if len(self._medium_cache) > 64:
-                return normalize_medium(raw)
-            m = self._medium_cache[raw] = normalize_medium(raw)
+            m = normalize_medium(raw)
+            if len(self._medium_cache) < 64:
+                self._medium_cache[raw] = m
         return m
+
+    def forget_publisher(self, publisher: Publisher) -> None:
+        """Drop pending/orphan bookkeeping of a cleared publisher (sizes are kept)."""
+        for table in (self.pending, self.orphans):
+            for pg in [k for k in table if k[0] == publisher]:
+                del table[pg]
 
     def classify(self, publisher: Publisher, event: Any) -> Run | None:
         """One event -> one run, or ``None`` (invalid: counted in ``invalid_events``)."""
@@ -242,6 +248,7 @@ class Classifier:
             return Run(REMOVE, (publisher, self._medium(event.medium), g, event.ownership),
                        hashes, None, 0, 0, PENDING)
         if op == CLEAR:
+            self.forget_publisher(publisher)
             return Run(CLEAR, (publisher, "", 0, None), [], None, 0, 0, PENDING)
         self.invalid_events += 1
         return None
@@ -262,124 +269,97 @@ class Classifier:
             return None
         key = (publisher, self._medium(ev.medium), group, ev.ownership)
         parent = ev.parent_block_hash
-        pg = (publisher, group)
-        facts = self.facts
-        fd = facts.by_pg.get(pg)
-        if fd is None:
-            fd = facts.facts(pg)
-
         if x == 0 or ntok == 0:
-            _merge_unknown(fd, hashes, PLACEHOLDER)
             return Run(STORE, key, hashes, parent, 0, 0, PLACEHOLDER)
         if ntok < x * n:
             self.invalid_events += 1
             return None
         contiguous = ntok == x * n  # null/masked blocks skipped => positions unknown
-
-        b = facts.sizes.get(pg)
+        pg = (publisher, group)
+        b = self.sizes.block_size(pg)
         if b is None:
             b = self._learn(pg, x, n)
 
         if parent is None:
             parent_nt = 0
-            known = True
+            known = contiguous
         else:
-            pf = fd.get(parent)
-            parent_nt = pf >> 2 if pf is not None else 0
-            known = parent_nt > 0
+            parent_nt = self.positions.position_of(pg, parent) if self.positions else 0
+            known = contiguous and parent_nt > 0
 
         if b is None:  # single hash, size not decidable yet
-            nt = parent_nt + x if (known and contiguous) else 0
-            h = hashes[0]
-            old = fd.get(h)
-            if old is None or old & 3 == PENDING:
-                fd[h] = nt * 4 + PENDING
-                self._add_pending(pg, h, x)
+            self._add_pending(pg, hashes[0], x)
             if not known:
                 self._add_orphan(pg, parent, hashes, x, contiguous)
-            return Run(STORE, key, hashes, parent, nt, 0, PENDING)
+            return Run(STORE, key, hashes, parent, parent_nt + x if known else 0, 0, PENDING)
 
         if x == b:
-            if known and contiguous:
+            if known:
                 first = parent_nt + b
-                base = first * 4 + FULL
-                fd.update(zip(hashes, range(base, base + n * b * 4, b * 4), strict=True))
-                if facts.orphans.get(pg):
+                if self.orphans.get(pg):
                     self._resolve_orphans(pg, hashes, first, b)
                 return Run(STORE, key, hashes, parent, first, b, FULL)
-            _merge_unknown(fd, hashes, FULL)
-            if not known:
-                self._add_orphan(pg, parent, hashes, x, contiguous)
+            self._add_orphan(pg, parent, hashes, x, contiguous)
             return Run(STORE, key, hashes, parent, 0, 0, FULL)
 
         if x < b and n == 1:
-            h = hashes[0]
-            if known and contiguous:
+            if known:
                 nt = parent_nt + x
-                kind = FULL if nt % b == 0 else PARTIAL
-                fd[h] = nt * 4 + kind
-                if facts.orphans.get(pg):
+                if self.orphans.get(pg):
                     self._resolve_orphans(pg, hashes, nt, x)
-                return Run(STORE, key, hashes, parent, nt, 0, kind)
-            _merge_unknown(fd, hashes, PARTIAL)
-            if not known:
-                self._add_orphan(pg, parent, hashes, x, contiguous)
+                return Run(STORE, key, hashes, parent, nt, 0, FULL if nt % b == 0 else PARTIAL)
+            self._add_orphan(pg, parent, hashes, x, contiguous)
             return Run(STORE, key, hashes, parent, 0, 0, PARTIAL)
 
-        # A size that contradicts the group's block size: never counted.
-        self.conflicts += 1
-        _merge_unknown(fd, hashes, PENDING)
+        self.conflicts += 1  # a size that contradicts the group's block size: never counted
         return Run(STORE, key, hashes, parent, 0, 0, PENDING)
 
     # -- learning the block size ---------------------------------------------------------
 
     def _learn(self, pg: PG, x: int, n: int) -> int | None:
-        facts = self.facts
-        b = facts.configured.get(pg[1])
-        if b is None:
-            if n >= 2:
-                b = x
-            else:
-                seen = facts.single_sizes.get(pg)
-                if seen is None:
-                    facts.single_sizes[pg] = x
-                    return None
-                if seen == x:
-                    return None
-                b = max(seen, x)  # partial stores carry the hash unit, full ones the block size
-        facts.sizes[pg] = b
+        if n >= 2:
+            b = x
+        else:
+            seen = self.single_sizes.get(pg)
+            if seen is None:
+                self.single_sizes[pg] = x
+                return None
+            if seen == x:
+                return None
+            b = max(seen, x)  # partial stores carry the hash unit, full ones the block size
+        self.sizes.learned[pg] = b
         self._resolve_pending(pg, b)
         return b
 
     def _add_pending(self, pg: PG, h: Any, x: int) -> None:
-        pend = self.facts.pending.get(pg)
+        pend = self.pending.get(pg)
         if pend is None:
-            pend = self.facts.pending[pg] = {}
-        if len(pend) >= self.facts.max_pending:
-            self.facts.dropped_pending += 1
+            pend = self.pending[pg] = {}
+        if len(pend) >= self.max_pending:
+            self.dropped_pending += 1  # stays PENDING: never counted, never wrong
             return
         pend[h] = x
 
     def _resolve_pending(self, pg: PG, b: int) -> None:
-        pend = self.facts.pending.pop(pg, None)
-        if not pend:
+        pend = self.pending.pop(pg, None)
+        if not pend or self.positions is None:
             return
-        fd = self.facts.facts(pg)
-        for h, x in pend.items():
-            f = fd.get(h)
-            if f is None or f & 3 != PENDING:
-                continue
-            nt = f >> 2
+
+        def fix(h: Any, packed: int) -> int | None:
+            if packed & 3 != PENDING or h not in pend:
+                return None
+            x = pend[h]
+            nt = packed >> 2
             if nt:
-                kind = FULL if nt % b == 0 else PARTIAL
-            elif x == b:
-                kind = FULL
-            elif x < b:
-                kind = PARTIAL
-            else:
-                self.conflicts += 1
-                continue
-            fd[h] = nt * 4 + kind
+                return pack(nt, FULL if nt % b == 0 else PARTIAL)
+            if x == b:
+                return pack(0, FULL)
+            if x < b:
+                return pack(0, PARTIAL)
+            self.conflicts += 1
+            return None
+
+        self.positions.rewrite(pg, fix)
 
     # -- out-of-order arrival --------------------------------------------------------------
 
@@ -387,50 +367,47 @@ class Classifier:
                     contiguous: bool) -> None:
         if parent is None or not contiguous:
             return
-        orph = self.facts.orphans.get(pg)
+        orph = self.orphans.get(pg)
         if orph is None:
-            orph = self.facts.orphans[pg] = {}
-        if len(orph) >= self.facts.max_pending:
-            self.facts.dropped_pending += 1
+            orph = self.orphans[pg] = {}
+        if len(orph) >= self.max_pending:
+            self.dropped_pending += 1
             return
-        orph.setdefault(parent, []).append((hashes, x, contiguous))
+        orph.setdefault(parent, []).append((hashes, x))
 
     def _resolve_orphans(self, pg: PG, hashes: list[Any], first: int, step: int) -> None:
         """Hashes with known ``num_tokens`` arrived: give their waiting children positions."""
-        orph = self.facts.orphans[pg]
-        fd = self.facts.facts(pg)
-        b = self.facts.block_size(pg)
+        orph = self.orphans[pg]
+        if orph.keys().isdisjoint(hashes):
+            return
+        b = self.sizes.block_size(pg)
+        updates: dict[Any, int] = {}
         work = [(h, first + i * step) for i, h in enumerate(hashes) if h in orph]
         while work:
             parent, parent_nt = work.pop()
-            for child_hashes, x, _ in orph.pop(parent, ()):
+            for child_hashes, x in orph.pop(parent, ()):
                 for i, h in enumerate(child_hashes):
                     nt = parent_nt + (i + 1) * x
                     if b is None:
                         kind = PENDING
-                    elif x == b or nt % b == 0:
+                    elif x == b or x < b and len(child_hashes) == 1:
                         kind = FULL if nt % b == 0 else PARTIAL
                     else:
-                        kind = PARTIAL
-                    old = fd.get(h)
-                    if old is not None and old & 3 == PENDING and kind != PENDING:
-                        self.facts.pending.get(pg, {}).pop(h, None)
-                    fd[h] = nt * 4 + kind
+                        continue  # conflicting size: stays PENDING
+                    updates[h] = pack(nt, kind)
                     if h in orph:
                         work.append((h, nt))
+        if updates and self.positions is not None:
+            self.positions.rewrite_hashes(pg, updates)
 
 
-_RANK = {PENDING: 0, PLACEHOLDER: 1, PARTIAL: 2, FULL: 3}
-
-
-def _merge_unknown(fd: dict[Any, int], hashes: list[Any], kind: int) -> None:
-    """Record ``kind`` for hashes of unknown position, never erasing a known position.
-
-    Among unknown-position facts the most specific shape wins: a FULL-shaped announcement
-    (``block_size == B``) proves a block boundary; a partial-shaped one does not disprove it.
-    """
-    rank = _RANK[kind]
-    for h in hashes:
-        old = fd.get(h)
-        if old is None or (old >> 2 == 0 and _RANK[old & 3] < rank):
-            fd[h] = kind
+def classify_all(classifier: Classifier, publisher: Publisher,
+                 events: list[Any], apply: Callable[[Run], None]) -> int:
+    """Classify and apply events in order (a store's parent may be in the same batch)."""
+    n = 0
+    for ev in events:
+        run = classifier.classify(publisher, ev)
+        if run is not None:
+            apply(run)
+            n += 1
+    return n

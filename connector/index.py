@@ -4,20 +4,23 @@ Residency is reference-counted per (publisher incl. DP rank, medium, group, owne
 hash stays resident until its last announcement there is removed; a removal of an unknown
 hash is harmless (counted); ``AllBlocksCleared`` drops everything of that publisher.
 
+Each residency key maps hash -> packed facts (``num_tokens * 4 + kind``, see
+:func:`connector.classify.pack`); counts above one live in a small side table, so the common
+case (announced once, removed once) costs one dict entry and the bulk paths stay in C.
+Facts live exactly as long as the entry: memory is bounded by ``max_entries``; stores
+beyond it are dropped and counted, which can only make look-ups answer *less*.
+
 Look-up answers the longest cached prefix of a chain of block hashes (as vLLM computes
 them), per medium and over all media: FULL entries count whole; a PARTIAL entry can only
 end a prefix and counts only its own ``num_tokens``; nothing extends past a partial;
 PLACEHOLDER and PENDING entries never count.
-
-Memory is bounded by ``max_entries`` (distinct resident (residency key, hash) pairs); stores
-beyond it are dropped and counted, which can only make look-ups answer *less*, never a
-wrong block. Facts of hashes no longer resident anywhere are pruned on an amortised sweep.
 """
 
 from __future__ import annotations
 
-from collections import _count_elements  # type: ignore[attr-defined]  # C fast path
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from connector.classify import (
@@ -25,20 +28,21 @@ from connector.classify import (
     FULL,
     PARTIAL,
     PENDING,
+    PG,
     REMOVE,
     STORE,
-    BlockFacts,
+    GroupSizes,
     Publisher,
     ResidencyKey,
     Run,
     kind_name,
+    merge,
 )
 from connector.events import MEDIUMS
 
 __all__ = ["ANY", "KVIndex", "PrefixMatch"]
 
 ANY = "any"
-_FACTS_SWEEP_FLOOR = 4096
 
 
 class PrefixMatch(NamedTuple):
@@ -59,22 +63,23 @@ _EMPTY = PrefixMatch(0, 0, False)
 class KVIndex:
     """Refcounted residency + longest-prefix look-up. Not thread-safe: one writer."""
 
-    __slots__ = ("facts", "max_entries", "res", "n_entries", "dropped_capacity",
-                 "unknown_removals", "stores", "removals", "clears", "_sweep_at")
+    __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "n_entries",
+                 "dropped_capacity", "unknown_removals", "stores", "removals", "clears")
 
-    def __init__(self, facts: BlockFacts, max_entries: int = 10_000_000) -> None:
+    def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000) -> None:
         if max_entries <= 0:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
-        self.facts = facts
+        self.sizes = sizes if sizes is not None else GroupSizes()
         self.max_entries = max_entries
         self.res: dict[ResidencyKey, dict[Any, int]] = {}
+        self.extra: dict[ResidencyKey, dict[Any, int]] = {}  # refcount - 1, when > 0
+        self.by_pg: dict[PG, list[ResidencyKey]] = {}
         self.n_entries = 0
         self.dropped_capacity = 0
         self.unknown_removals = 0
         self.stores = 0  # hash announcements applied
         self.removals = 0  # hash removals applied (known)
         self.clears = 0
-        self._sweep_at: dict[tuple[Publisher, int], int] = {}
 
     # -- updates -------------------------------------------------------------------------
 
@@ -82,66 +87,108 @@ class KVIndex:
         """Apply one classified run."""
         op = run.op
         if op == STORE:
-            self.store(run.key, run.hashes)
+            self.store(run)
         elif op == REMOVE:
             self.remove(run.key, run.hashes)
         elif op == CLEAR:
             self.clear(run.key[0])
 
-    def apply_all(self, runs: Iterable[Run | None]) -> None:
-        for run in runs:
-            if run is not None:
-                self.apply(run)
-
-    def store(self, key: ResidencyKey, hashes: Sequence[Any]) -> None:
-        """One more announcement of each hash under ``key``."""
+    def _dict(self, key: ResidencyKey) -> dict[Any, int]:
         d = self.res.get(key)
         if d is None:
             d = self.res[key] = {}
+            self.by_pg.setdefault((key[0], key[2]), []).append(key)
+        return d
+
+    def store(self, run: Run) -> None:
+        """One more announcement of each hash of a STORE run, with its facts."""
+        key, hashes = run.key, run.hashes
+        d = self.res.get(key)
+        if d is None:
+            d = self._dict(key)
         n = len(hashes)
-        before = len(d)
-        if self.n_entries + n <= self.max_entries:
-            _count_elements(d, hashes)
-            self.n_entries += len(d) - before
-        else:
-            for h in hashes:
-                c = d.get(h)
-                if c is not None:
-                    d[h] = c + 1
-                elif self.n_entries < self.max_entries:
-                    d[h] = 1
+        self.stores += n
+        first = run.first_tokens
+        if n == 1:
+            h = hashes[0]
+            packed = first * 4 + run.kind
+            old = d.get(h)
+            if old is None:
+                if self.n_entries < self.max_entries:
+                    d[h] = packed
                     self.n_entries += 1
                 else:
                     self.dropped_capacity += 1
-        self.stores += n
-        pg = (key[0], key[2])
-        fd = self.facts.by_pg.get(pg)
-        if fd is not None and len(fd) > self._sweep_at.get(pg, _FACTS_SWEEP_FLOOR):
-            self._sweep(pg)
+            else:
+                self._again(key, h, old, packed, d)
+            return
+        if first:
+            step4 = run.step * 4
+            base = first * 4 + run.kind
+            values: Iterable[int] = range(base, base + n * step4, step4)
+        else:
+            values = repeat(run.kind, n)
+        if self.n_entries + n <= self.max_entries and d.keys().isdisjoint(hashes):
+            before = len(d)
+            d.update(zip(hashes, values, strict=True))
+            added = len(d) - before
+            self.n_entries += added
+            if added != n:  # the same hash twice in one event: count it twice
+                ex = self.extra.setdefault(key, {})
+                for h, c in Counter(hashes).items():
+                    if c > 1:
+                        ex[h] = ex.get(h, 0) + c - 1
+            return
+        for h, packed in zip(hashes, values, strict=True):
+            old = d.get(h)
+            if old is None:
+                if self.n_entries < self.max_entries:
+                    d[h] = packed
+                    self.n_entries += 1
+                else:
+                    self.dropped_capacity += 1
+            else:
+                self._again(key, h, old, packed, d)
 
-    def remove(self, key: ResidencyKey, hashes: Iterable[Any]) -> None:
+    def _again(self, key: ResidencyKey, h: Any, old: int, packed: int,
+               d: dict[Any, int]) -> None:
+        ex = self.extra.get(key)
+        if ex is None:
+            ex = self.extra[key] = {}
+        ex[h] = ex.get(h, 0) + 1
+        if old != packed:
+            d[h] = merge(old, packed)
+
+    def remove(self, key: ResidencyKey, hashes: Sequence[Any]) -> None:
         """Drop one announcement of each hash under ``key``; unknown hashes are counted."""
+        n = len(hashes)
         d = self.res.get(key)
         if d is None:
-            n = len(hashes) if isinstance(hashes, Sequence) else sum(1 for _ in hashes)
             self.unknown_removals += n
             return
-        unknown = 0
-        gone = 0
-        get = d.get
-        for h in hashes:
-            c = get(h)
-            if c is None:
-                unknown += 1
-            elif c == 1:
-                del d[h]
-                gone += 1
-            else:
-                d[h] = c - 1
-        self.unknown_removals += unknown
+        ex = self.extra.get(key)
+        if not ex or ex.keys().isdisjoint(hashes):
+            # C-speed bulk path: pop each; misses return None (packed facts never are).
+            missing = list(map(d.pop, hashes, repeat(None, n))).count(None)
+            gone = n - missing
+        else:
+            missing = gone = 0
+            for h in hashes:
+                c = ex.get(h)
+                if c:
+                    if c == 1:
+                        del ex[h]
+                    else:
+                        ex[h] = c - 1
+                elif d.pop(h, None) is None:
+                    missing += 1
+                else:
+                    gone += 1
+            if not ex:
+                del self.extra[key]
+        self.unknown_removals += missing
+        self.removals += n - missing
         self.n_entries -= gone
-        if isinstance(hashes, Sequence):
-            self.removals += len(hashes) - unknown
 
     def clear(self, publisher: Publisher, mediums: Iterable[str] | None = None) -> int:
         """Drop every entry of ``publisher`` (optionally only on ``mediums``); return count."""
@@ -150,38 +197,62 @@ class KVIndex:
         for key in [k for k in self.res if k[0] == publisher]:
             if wanted is None or key[1] in wanted:
                 dropped += len(self.res.pop(key))
+                self.extra.pop(key, None)
+                pg = (key[0], key[2])
+                self.by_pg[pg].remove(key)
+                if not self.by_pg[pg]:
+                    del self.by_pg[pg]
         self.n_entries -= dropped
         self.clears += 1
-        if wanted is None:
-            self.facts.forget_publisher(publisher)
         return dropped
 
-    def _sweep(self, pg: tuple[Publisher, int]) -> None:
-        live: set[Any] = set()
-        for key, d in self.res.items():
-            if key[0] == pg[0] and key[2] == pg[1]:
-                live.update(d)
-        self.facts.prune(pg, live)
-        self._sweep_at[pg] = max(_FACTS_SWEEP_FLOOR, 2 * len(self.facts.by_pg.get(pg, ())))
+    # -- PositionSource (what the classifier asks) ----------------------------------------
+
+    def position_of(self, pg: PG, block_hash: Any) -> int:
+        """``num_tokens`` of a resident hash of (publisher, group); 0 when unknown."""
+        for key in self.by_pg.get(pg, ()):
+            f = self.res[key].get(block_hash)
+            if f is not None and f >> 2:
+                return f >> 2
+        return 0
+
+    def rewrite(self, pg: PG, fn: Callable[[Any, int], int | None]) -> None:
+        """Replace facts of resident entries of (publisher, group) where ``fn`` says so."""
+        for key in self.by_pg.get(pg, ()):
+            d = self.res[key]
+            for h, f in list(d.items()):
+                new = fn(h, f)
+                if new is not None:
+                    d[h] = new
+
+    def rewrite_hashes(self, pg: PG, updates: Mapping[Any, int]) -> None:
+        """Merge known facts into resident entries of (publisher, group)."""
+        for key in self.by_pg.get(pg, ()):
+            d = self.res[key]
+            for h, f in updates.items():
+                old = d.get(h)
+                if old is not None:
+                    d[h] = merge(old, f)
 
     # -- queries -------------------------------------------------------------------------
 
     def refcount(self, key: ResidencyKey, block_hash: Any) -> int:
         d = self.res.get(key)
-        return d.get(block_hash, 0) if d else 0
+        if not d or block_hash not in d:
+            return 0
+        return 1 + self.extra.get(key, {}).get(block_hash, 0)
+
+    def facts(self, key: ResidencyKey, block_hash: Any) -> int | None:
+        """Packed facts of a resident entry, or ``None``."""
+        d = self.res.get(key)
+        return d.get(block_hash) if d else None
 
     def _sources(self, medium: str | None, group: int,
-                 publisher: Publisher | None) -> list[tuple[dict[Any, int], dict[Any, int]]]:
-        out = []
-        for key, d in self.res.items():
-            if key[2] != group or not d:
-                continue
-            if medium is not None and key[1] != medium:
-                continue
-            if publisher is not None and key[0] != publisher:
-                continue
-            out.append((d, self.facts.by_pg.get((key[0], group), {})))
-        return out
+                 publisher: Publisher | None) -> list[dict[Any, int]]:
+        return [d for key, d in self.res.items()
+                if key[2] == group and d
+                and (medium is None or key[1] == medium)
+                and (publisher is None or key[0] == publisher)]
 
     def lookup(self, block_hashes: Sequence[Any], group: int = 0, unit: int | None = None,
                publisher: Publisher | None = None,
@@ -192,7 +263,7 @@ class KVIndex:
         group's block size). Pass ``unit`` = vLLM's hash block size (``prefix_match_unit``)
         with the request's fine-grained ``block_hashes`` to let partial entries end a prefix.
         """
-        b = self.facts.group_block_size(group, publisher)
+        b = self.sizes.group_block_size(group, publisher)
         result = {m: _EMPTY for m in mediums}
         result[ANY] = _EMPTY
         if b is None or not block_hashes:
@@ -207,39 +278,31 @@ class KVIndex:
         return result
 
     def describe(self, block_hashes: Sequence[Any], group: int = 0) -> list[dict[str, Any]]:
-        """Every resident entry of ``block_hashes`` in ``group``, with its facts (for /entries)."""
-        wanted = list(block_hashes)
+        """Every resident entry of ``block_hashes`` in ``group``, with its facts (/entries)."""
         out = []
-        for (pub, medium, g, own), d in self.res.items():
-            if g != group:
+        for key, d in self.res.items():
+            if key[2] != group:
                 continue
-            for h in wanted:
-                c = d.get(h)
-                if c:
-                    nt, kind = self.facts.lookup((pub, g), h)
-                    out.append({"block_hash": h, "publisher": pub, "medium": medium,
-                                "ownership": own, "refcount": c, "num_tokens": nt,
-                                "kind": kind_name(kind)})
+            for h in block_hashes:
+                f = d.get(h)
+                if f is not None:
+                    out.append({"block_hash": h, "publisher": key[0], "medium": key[1],
+                                "ownership": key[3], "refcount": self.refcount(key, h),
+                                "num_tokens": (f >> 2) or None, "kind": kind_name(f & 3)})
         return out
 
     def entry_counts(self) -> dict[tuple[str, str], int]:
         """Resident entries by (medium, kind name) — an O(entries) scan, for /metrics."""
         counts: dict[tuple[str, str], int] = {}
-        for (pub, medium, group, _own), d in self.res.items():
-            fd = self.facts.by_pg.get((pub, group), {})
-            per_kind = [0, 0, 0, 0]
-            for h in d:
-                f = fd.get(h)
-                per_kind[PENDING if f is None else f & 3] += 1
-            for kind, c in enumerate(per_kind):
-                if c:
-                    k = (medium, kind_name(kind))
-                    counts[k] = counts.get(k, 0) + c
+        for (_pub, medium, _group, _own), d in self.res.items():
+            per_kind = Counter(f & 3 for f in d.values())
+            for kind, c in per_kind.items():
+                k = (medium, kind_name(kind))
+                counts[k] = counts.get(k, 0) + c
         return counts
 
 
-def _walk(chain: Sequence[Any], sources: list[tuple[dict[Any, int], dict[Any, int]]],
-          u: int, b: int) -> PrefixMatch:
+def _walk(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -> PrefixMatch:
     prefix = 0
     full = 0
     best_partial = 0
@@ -250,20 +313,19 @@ def _walk(chain: Sequence[Any], sources: list[tuple[dict[Any, int], dict[Any, in
         if end > limit:
             break
         kind = PENDING
-        for d, fd in sources:
-            if h in d:
-                f = fd.get(h)
-                if f is None:
-                    continue
-                nt = f >> 2
-                if nt and nt != end:  # recorded position disagrees with the chain: ignore
-                    continue
-                k = f & 3
-                if k == FULL:
-                    kind = FULL
-                    break
-                if k == PARTIAL:
-                    kind = PARTIAL
+        for d in sources:
+            f = d.get(h)
+            if f is None:
+                continue
+            nt = f >> 2
+            if nt and nt != end:  # recorded position disagrees with the chain: ignore
+                continue
+            k = f & 3
+            if k == FULL:
+                kind = FULL
+                break
+            if k == PARTIAL:
+                kind = PARTIAL
         if kind == FULL and end == limit:
             prefix = end
             full += 1

@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from connector.classify import CLEAR, REMOVE, STORE, BlockFacts, Classifier
+from connector.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes
 from connector.events import BatchDecoder, DecodeError
 from connector.index import KVIndex
 
@@ -38,9 +38,9 @@ class Ingestor:
     def __init__(self, block_sizes: dict[int, int] | None = None,
                  max_entries: int = 10_000_000, max_pending: int = 65536) -> None:
         self.decoder = BatchDecoder()
-        self.facts = BlockFacts(block_sizes, max_pending=max_pending)
-        self.classifier = Classifier(self.facts)
-        self.index = KVIndex(self.facts, max_entries=max_entries)
+        self.sizes = GroupSizes(block_sizes)
+        self.index = KVIndex(self.sizes, max_entries=max_entries)
+        self.classifier = Classifier(self.sizes, self.index, max_pending=max_pending)
         self.publishers: dict[str, PublisherStats] = {}
         self._names: dict[tuple[str, int], str] = {}
         self.decode_errors = 0
@@ -77,7 +77,7 @@ class Ingestor:
                 continue
             op = run.op
             if op == STORE:
-                index.store(run.key, run.hashes)
+                index.store(run)
                 n_store += 1
             elif op == REMOVE:
                 index.remove(run.key, run.hashes)

@@ -147,14 +147,15 @@ class Daemon:
                 "replay_endpoint": s.replay_endpoint, "next_seq": s.expected,
                 "replaying": s.replaying, **{k: v for k, v in vars(s.counters).items()},
             } for s in self.subscriber.sources]
-            block_sizes = {f"{p}/{g}": b for (p, g), b in ing.facts.sizes.items()}
+            block_sizes = {f"{p}/{g}": b for (p, g), b in ing.sizes.learned.items()}
+            block_sizes.update({f"*/{g}": b for g, b in ing.sizes.configured.items()})
             index = {
                 "entries": idx.n_entries, "max_entries": idx.max_entries,
                 "hash_stores": idx.stores, "hash_removals": idx.removals,
                 "unknown_removals": idx.unknown_removals,
                 "dropped_capacity": idx.dropped_capacity, "clears": idx.clears,
-                "facts": sum(len(d) for d in ing.facts.by_pg.values()),
-                "pending": sum(len(d) for d in ing.facts.pending.values()),
+                "pending": sum(len(d) for d in ing.classifier.pending.values()),
+                "orphans": sum(len(d) for d in ing.classifier.orphans.values()),
                 "invalid_events": ing.classifier.invalid_events,
                 "block_size_conflicts": ing.classifier.conflicts,
                 "block_sizes": block_sizes,

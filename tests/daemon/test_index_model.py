@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from connector.classify import BlockFacts, Classifier
+from connector.classify import Classifier, GroupSizes
 from connector.events import BlockRemoved, BlockStored
 from connector.index import ANY, KVIndex
 
@@ -49,9 +49,9 @@ class IndexModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        facts = BlockFacts({0: B} if self.configured else None)
-        self.classifier = Classifier(facts)
-        self.index = KVIndex(facts)
+        sizes = GroupSizes({0: B} if self.configured else None)
+        self.index = KVIndex(sizes)
+        self.classifier = Classifier(sizes, self.index)
         self.ref: dict[tuple[str, str], Counter[int]] = {}
         self.truth_kind: dict[int, str] = {}
 
