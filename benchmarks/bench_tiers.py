@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,7 +121,8 @@ def bench_cpu(size: int, total: int, reps: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- Redis tier
-def bench_redis(url: str, size: int, total: int, reps: int) -> dict:
+def bench_redis(url: str, size: int, total: int, reps: int,
+                lmcache: LMCacheRunner | None = None) -> dict:
     n = max(4, total // size)
     batch = max(1, (32 * MiB) // size)
     rng = np.random.default_rng(2)
@@ -160,11 +162,15 @@ def bench_redis(url: str, size: int, total: int, reps: int) -> dict:
     try:
         raw_put()
         tier_put()
-        for _ in range(reps):
+        for _ in range(reps):  # interleaved: each contender sees the same machine load
             t["raw_put"].append(best(raw_put, 1))
             t["tier_put"].append(best(tier_put, 1))
+            if lmcache is not None and (dt := lmcache.timed("put")) is not None:
+                t.setdefault("lmcache_put", []).append(dt)
             t["raw_get"].append(best(raw_get, 1))
             t["tier_get"].append(best(tier_get, 1))
+            if lmcache is not None and (dt := lmcache.timed("get")) is not None:
+                t.setdefault("lmcache_get", []).append(dt)
         sample = tier.get(keys[0])
         assert sample is not None and bytes(sample) == payloads[0]
     finally:
@@ -247,17 +253,19 @@ LMCACHE_DRIVER = textwrap.dedent(r"""
     first = run(conn.get(keys[0]))
     verified = first is not None and bytes(first.byte_array) == bytes(objs[0].byte_array)
     first.ref_count_down()
-    tp, tg = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter(); put(); tp.append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); get(); tg.append(time.perf_counter() - t0)
+    print(json.dumps({"ready": True, "verified": verified, "chunk_shape": list(shape)}),
+          flush=True)
+    for line in sys.stdin:  # one timed pass per command, so the caller can interleave
+        cmd = line.strip()
+        if cmd not in ("put", "get"):
+            break
+        t0 = time.perf_counter()
+        put() if cmd == "put" else get()
+        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
     import redis as redis_py
     client = redis_py.Redis.from_url(url)
     for k in keys:
         client.delete(k.to_string() + "kv_bytes", k.to_string() + "metadata")
-    print(json.dumps({"put_gbps": n * size / min(tp) / 1e9, "get_gbps": n * size / min(tg) / 1e9,
-                      "verified": verified, "chunk_shape": list(shape), "chunks": n,
-                      "backend": "lmcache.v1 RedisConnector (redis.asyncio), LocalCPUBackend"}))
 """)
 
 
@@ -274,26 +282,76 @@ def setup_lmcache_venv() -> None:
                    check=True, timeout=900)
 
 
-def bench_lmcache(url: str, size: int, total: int, reps: int, budget_s: float) -> dict:
-    python = LMCACHE_VENV / "bin" / "python"
-    if not python.exists():
-        return {"skipped": f"no LMCache venv at {LMCACHE_VENV} (see docs/tiers.md to build it)"}
-    probe = subprocess.run([str(python), "-c", "import lmcache, sys; print(lmcache.__file__)"],
-                           capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
-        return {"skipped": "LMCache venv exists but `import lmcache` fails: "
-                + (probe.stderr.strip().splitlines() or ["?"])[-1]}
-    n = max(4, total // size)
-    try:
-        proc = subprocess.run([str(python), "-c", LMCACHE_DRIVER, str(size), str(n), str(reps),
-                               url], capture_output=True, text=True, timeout=budget_s)
-    except subprocess.TimeoutExpired:
-        return {"skipped": f"LMCache driver exceeded its {budget_s:.0f}s budget"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"skipped": f"LMCache driver failed (exit {proc.returncode}): {tail}"}
-    return json.loads(lines[-1])
+class LMCacheRunner:
+    """LMCache's RedisConnector in its own venv, driven one timed pass at a time (so its
+    passes interleave with kvtier's and raw redis-py's on this shared machine)."""
+
+    def __init__(self, url: str, size: int, n: int, budget_s: float) -> None:
+        self.skipped: str | None = None
+        self.info: dict = {}
+        self.proc: subprocess.Popen | None = None
+        self._err = tempfile.TemporaryFile()
+        python = LMCACHE_VENV / "bin" / "python"
+        if not python.exists():
+            self.skipped = (f"no LMCache venv at {LMCACHE_VENV}; build it with "
+                            "`python benchmarks/bench_tiers.py --setup-lmcache`")
+            return
+        self.proc = subprocess.Popen(
+            [str(python), "-c", LMCACHE_DRIVER, str(size), str(n), "0", url],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self._deadline = time.monotonic() + budget_s
+        self._watchdog = threading.Timer(budget_s, self.proc.kill)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        msg = self._read()
+        if msg is not None and "skipped" in msg:
+            self.skipped = msg["skipped"]
+        elif msg is None or not msg.get("ready"):
+            self.skipped = self.skipped or self._failure("did not start")
+        else:
+            self.info = {k: v for k, v in msg.items() if k != "ready"}
+
+    def _failure(self, what: str) -> str:
+        self._err.seek(0)
+        lines = [ln for ln in self._err.read().decode(errors="replace").splitlines()
+                 if ln.strip() and "INFO" not in ln]
+        tail = lines[-1] if lines else "no error output"
+        if time.monotonic() > self._deadline:
+            return f"LMCache driver exceeded its time budget ({what})"
+        return f"LMCache driver {what}: {tail}"
+
+    def _read(self) -> dict | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    def timed(self, cmd: str) -> float | None:
+        if self.skipped or self.proc is None or self.proc.stdin is None:
+            return None
+        try:
+            self.proc.stdin.write(cmd + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.skipped = self._failure(f"died before {cmd}")
+            return None
+        msg = self._read()
+        if msg is None or "seconds" not in msg:
+            self.skipped = self._failure(f"failed during {cmd}")
+            return None
+        return float(msg["seconds"])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.write("quit\n")
+                    self.proc.stdin.close()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+            self._watchdog.cancel()
 
 
 # ---------------------------------------------------------------------------- server + main
@@ -356,11 +414,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{shape}] CPU tier ...", flush=True)
             cpu = bench_cpu(size, cpu_total, reps)
             print(f"[{shape}] Redis tier ...", flush=True)
-            red = bench_redis(url, size, redis_total, reps)
+            lmc = LMCacheRunner(url, size, max(4, redis_total // size),
+                                args.lmcache_budget_s / len(SHAPES))
+            try:
+                red = bench_redis(url, size, redis_total, reps, lmc)
+            finally:
+                lmc.close()
+            lm = dict(lmc.info)
+            if "lmcache_put_gbps" in red and "lmcache_get_gbps" in red and not lmc.skipped:
+                lm.update(put_gbps=red.pop("lmcache_put_gbps"),
+                          get_gbps=red.pop("lmcache_get_gbps"),
+                          backend="lmcache.v1 RedisConnector (redis.asyncio) + LocalCPUBackend")
+            else:
+                red.pop("lmcache_put_gbps", None)
+                red.pop("lmcache_get_gbps", None)
+                lm = {"skipped": lmc.skipped or "LMCache produced no timings"}
             print(f"[{shape}] redis-benchmark ...", flush=True)
             rb = bench_redis_benchmark(host, port, size, redis_total)
-            print(f"[{shape}] LMCache ...", flush=True)
-            lm = bench_lmcache(url, size, redis_total, reps, args.lmcache_budget_s / len(SHAPES))
             results["shapes"][shape] = {"size": size, "cpu": cpu, "redis": red,
                                         "redis_benchmark": rb, "lmcache": lm}
     finally:
