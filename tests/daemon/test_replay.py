@@ -1,0 +1,195 @@
+"""Gap repair under stress, replay failures, duplicates and publisher restarts — real
+sockets and a real daemon process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from connector import events as ev
+from tests.daemon.test_daemon_zmq import DroppingSocket, Rig, stored
+from tests.support.daemon_proc import DaemonProcess
+from tests.support.ports import free_port
+
+B = 16
+
+
+def test_replay_storm_every_other_batch_lost_is_fully_repaired() -> None:
+    """vLLM's publisher drops every other batch on the wire for 200 batches: 100 gaps, each
+    repaired from the replay buffer while live batches keep arriving."""
+    r = Rig().start()
+    try:
+        r.publish(stored([1, 2], None))
+        r.settle()
+        start = r.seq
+        r.pub._pub = DroppingSocket(r.pub._pub, drop=set(range(start, start + 200, 2)))
+        parent = 2
+        for i in range(200):
+            h = 1000 + i
+            r.publish(stored([h], parent))
+            parent = h
+        s = r.settle()
+        src = s["sources"][0]
+        assert src["missing_batches"] == 0
+        assert src["repaired_batches"] >= 100
+        assert 1 <= src["replays_requested"] <= src["gaps"] <= 100
+        chain = [1, 2] + [1000 + i for i in range(200)]
+        assert r.daemon.lookup(chain)["GPU"]["tokens"] == len(chain) * B
+        assert r.daemon.get("/healthz")["status"] == "ok"
+    finally:
+        r.close()
+
+
+class FakeEngine:
+    """The test's own PUB (bound, as vLLM binds) and a ROUTER replay socket that it controls."""
+
+    def __init__(self, *daemon_args: str) -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.port = free_port()
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.rport = free_port()
+        self.router.bind(f"tcp://127.0.0.1:{self.rport}")
+        self.daemon = DaemonProcess(
+            "--endpoint", f"tcp://*:{self.port},tcp://*:{self.rport}", "--no-replay-on-start",
+            "--block-size", f"0={B}", *daemon_args).start()
+        # Subscription propagation: wait until seq 0 lands (resend the same seq 0).
+        deadline = time.monotonic() + 20
+        while self.daemon.source()["received"] == 0:
+            assert time.monotonic() < deadline
+            self.send(0, [])
+            time.sleep(0.05)
+
+    def send(self, seq: int, events: list[Any]) -> None:
+        payload = ev.encode_batch(ev.KVEventBatch(time.time(), events))
+        self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+    def close(self) -> None:
+        self.daemon.kill()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def full(hashes: list[int], parent: int | None, medium: str = "GPU") -> Any:
+    return ev.BlockStored(hashes, parent, [1] * (B * len(hashes)), B, None, medium, None,
+                          group_idx=0)
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeEngine]:
+    e = FakeEngine("--replay-timeout", "1")
+    yield e
+    e.close()
+
+
+def test_replay_that_never_answers_times_out_and_the_stream_goes_on(engine: FakeEngine) -> None:
+    d = engine.daemon
+    engine.send(1, [full([1, 2], None)])
+    engine.send(3, [full([3], 2)])  # seq 2 lost: replay asked, never answered
+    assert engine.router.poll(5000), "daemon did not ask for a replay"
+    ident, empty, start = engine.router.recv_multipart()
+    assert empty == b"" and int.from_bytes(start, "big") == 2
+    engine.send(4, [full([4], 3)])
+    s = d.wait_for(lambda s: s["sources"][0]["replay_timeouts"] == 1
+                   and s["sources"][0]["next_seq"] == 5, what="replay timeout")
+    src = s["sources"][0]
+    assert src["missing_batches"] == 1 and src["gaps"] == 1
+    # Blocks 3 and 4 were applied after the timeout; the chain 1..4 is all there.
+    assert d.lookup([1, 2, 3, 4])["GPU"]["tokens"] == 4 * B
+
+
+def test_replay_with_garbage_frames_is_counted(engine: FakeEngine) -> None:
+    d = engine.daemon
+    engine.send(1, [full([1], None)])
+    engine.send(3, [full([3], 2)])
+    assert engine.router.poll(5000)
+    ident, _, _ = engine.router.recv_multipart()
+    engine.router.send_multipart((ident, b"", b"junk"))  # wrong frame count
+    engine.router.send_multipart((ident, b"", b"", (2).to_bytes(8, "big"), b"\xc1\xc1"))
+    engine.router.send_multipart((ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+    s = d.wait_for(lambda s: s["sources"][0]["replays_completed"] == 1
+                   and s["sources"][0]["next_seq"] == 4, what="replay end")
+    src = s["sources"][0]
+    assert src["malformed_frames"] >= 1 and src["decode_errors"] == 1
+    assert d.get("/healthz")["status"] == "ok"
+
+
+def test_duplicates_and_old_batches_are_skipped(engine: FakeEngine) -> None:
+    d = engine.daemon
+    engine.send(1, [full([1], None)])
+    engine.send(1, [full([1], None)])  # duplicate: must not double the refcount
+    engine.send(2, [full([2], 1)])
+    engine.send(1, [full([1], None)])  # old
+    s = d.wait_for(lambda s: s["sources"][0]["received"] >= 5, what="all received")
+    assert s["sources"][0]["duplicates"] == 2
+    engine.send(3, [ev.BlockRemoved([1], "GPU", group_idx=0)])
+    d.wait_for(lambda s: s["sources"][0]["next_seq"] == 4, what="removal")
+    assert d.lookup([1, 2])["GPU"]["tokens"] == 0  # one announcement, one removal
+
+
+def test_publisher_restart_clears_gpu_and_cpu_but_keeps_storage(engine: FakeEngine) -> None:
+    d = engine.daemon
+    engine.send(1, [full([1, 2], None), full([1, 2], None, "CPU"),
+                    full([1, 2], None, "STORAGE")])
+    d.wait_for(lambda s: s["sources"][0]["next_seq"] == 2, what="stores")
+    base = d.source()["restarts"]  # (warm-up resends of seq 0 may count as restarts)
+    engine.send(0, [])  # seq back to 0: the engine restarted
+    s = d.wait_for(lambda s: s["sources"][0]["restarts"] == base + 1, what="restart")
+    res = d.lookup([1, 2])
+    assert res["GPU"]["tokens"] == res["CPU"]["tokens"] == 0
+    assert res["STORAGE"]["tokens"] == 2 * B
+    assert s["sources"][0]["next_seq"] == 1
+
+
+def test_bad_config_and_flags_fail_with_clear_messages(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "connector.daemon.cli", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    out = run("--endpoint", "nonsense")
+    assert out.returncode == 2 and "not a ZMQ endpoint" in out.stderr
+    out = run("--endpoint", "tcp://*:1", "--block-size", "zero=16")
+    assert out.returncode == 2 and "GROUP=SIZE" in out.stderr
+    bad = tmp_path / "d.yaml"
+    bad.write_text("publishers: [{endpoint: 'tcp://*:1'}]\nmax_entries: -5\nfoo: 1\n")
+    out = run("--config", str(bad))
+    assert out.returncode == 2 and "max_entries" in out.stderr and "foo" in out.stderr
+    out = run("--config", str(tmp_path / "missing.yaml"))
+    assert out.returncode == 2 and "cannot read config file" in out.stderr
+    out = run()
+    assert out.returncode == 2 and "publishers" in out.stderr
+    busy = free_port()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        out = run("--endpoint", "tcp://*:1", "--http", f"127.0.0.1:{busy}")
+    assert out.returncode == 1 and "cannot listen" in out.stderr
+
+
+def test_http_api_rejects_bad_lookups(engine: FakeEngine) -> None:
+    d = engine.daemon
+    for body, fragment in [
+        (b"{not json", "not valid JSON"),
+        ({"block_hashes": "x"}, "list of ints"),
+        ({"block_hashes": [1, True]}, "not bool"),
+        ({"block_hashes": ["zz"]}, "hex"),
+        ({"block_hashes": [1], "group_idx": -1}, "group_idx"),
+        ({"block_hashes": [1], "bogus": 1}, "unknown fields"),
+        ({"token_ids": [1, 2]}, "token_hashing"),
+        ([1, 2], "JSON object"),
+    ]:
+        status, out = d.post("/lookup", body)
+        assert status == 400 and fragment in out["error"], (body, out)
+    status, out = d.post("/lookup", {"block_hashes": ["00ff"], "group_idx": 0})
+    assert status == 200 and out["any"]["tokens"] == 0
