@@ -166,12 +166,24 @@ class GroupSizes:
         b = self.configured.get(pg[1])
         return b if b is not None else self.learned.get(pg)
 
+    def sibling(self, pg: PG) -> int | None:
+        """Size learned by another DP rank of the same source (``"{source}#dp{rank}"``)."""
+        source = pg[0].rsplit("#dp", 1)[0]
+        for (pub, g), b in self.learned.items():
+            if g == pg[1] and pub.rsplit("#dp", 1)[0] == source:
+                return b
+        return None
+
     def group_block_size(self, group: int, publisher: Publisher | None = None) -> int | None:
-        """Block size of ``group`` for look-ups: configured, else learned by a publisher."""
+        """Block size of ``group`` for look-ups: configured, else learned by a publisher
+        (preferring ``publisher`` and its DP siblings)."""
         if group in self.configured:
             return self.configured[group]
-        for (pub, g), b in self.learned.items():
-            if g == group and (publisher is None or pub == publisher):
+        if publisher is not None:
+            b = self.learned.get((publisher, group))
+            return b if b is not None else self.sibling((publisher, group))
+        for (_pub, g), b in self.learned.items():
+            if g == group:
                 return b
         return None
 
@@ -317,6 +329,11 @@ class Classifier:
     # -- learning the block size ---------------------------------------------------------
 
     def _learn(self, pg: PG, x: int, n: int) -> int | None:
+        sib = self.sizes.sibling(pg)
+        if sib is not None:  # DP ranks of one engine share its layout
+            self.sizes.learned[pg] = sib
+            self._resolve_pending(pg, sib)
+            return sib
         if n >= 2:
             b = x
         else:

@@ -199,3 +199,35 @@ def test_sigterm_shuts_down_cleanly(rig: Rig) -> None:
     rig.publish(stored([1], None))
     rig.settle()
     assert rig.daemon.terminate() == 0
+
+
+def test_data_parallel_ranks_are_separate_publishers() -> None:
+    import socket
+
+    while True:  # a port P with P+1 free too (vLLM offsets rank r to P+r)
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                continue
+    d = DaemonProcess("--endpoint", f"tcp://*:{port}", "--dp-size", "2",
+                      "--no-replay-on-start").start()
+    pubs = [kv_events.ZmqEventPublisher(data_parallel_rank=r, endpoint=f"tcp://*:{port}")
+            for r in (0, 1)]
+    try:
+        time.sleep(0.5)  # let both SUB sockets connect (no replay socket in this test)
+        pubs[0].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1, 2], None)]))
+        pubs[1].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1], None)]))
+        s = d.wait_for(lambda s: sum(x["applied"] for x in s["sources"]) == 2, what="both")
+        assert [x["endpoint"] for x in s["sources"]] == [f"tcp://*:{port}",
+                                                         f"tcp://*:{port + 1}"]
+        assert set(s["publishers"]) == {f"tcp://*:{port}#dp0", f"tcp://*:{port}#dp1"}
+        one = d.lookup([1, 2], publisher=f"tcp://*:{port}#dp1")
+        assert one["GPU"]["tokens"] == B
+        assert d.lookup([1, 2])["GPU"]["tokens"] == 2 * B
+    finally:
+        for p in pubs:
+            p.shutdown()
+        d.kill()
