@@ -19,6 +19,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "hit_tokens_redis",  # tokens served from Redis
     "hit_requests",  # requests with an external hit
     "rounded_down_tokens",  # tokens present but not served (group alignment / hybrid rule)
+    "hybrid_hits_withheld",  # tokens a hybrid model could restore, withheld (hybrid_hits off)
     "blocks_loaded_cpu",
     "blocks_loaded_redis",
     "bytes_loaded",  # bytes written into vLLM's KV cache by loads

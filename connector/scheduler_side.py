@@ -173,6 +173,11 @@ class TieredScheduler:
                 if present:
                     self.rt.counters.add("rounded_down_tokens", present - num_computed)
                 return 0
+            if self.mamba and not self.rt.config.hybrid_hits:
+                # Correctness over hit rate: hybrid restores are not proven (see docs).
+                self.rt.counters.add("rounded_down_tokens", max(present, best) - num_computed)
+                self.rt.counters.add("hybrid_hits_withheld", best - num_computed)
+                return 0
             if not self._prefetch(needs, tiers):
                 continue  # a Redis value was bad or gone: it is a miss now; choose again
             pins = self._pin(needs)

@@ -87,8 +87,19 @@ def test_pins_are_released_when_vllm_takes_nothing() -> None:
     assert s.rt.cpu.stats()["pinned"] == 0
 
 
-def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
+def test_hybrid_hits_are_withheld_by_default_and_counted() -> None:
     s = _sched(HYBRID, {})
+    req = Req("r", 200)
+    for group, tokens in ((1, 64), (1, 96), (0, 96)):
+        _store(s, req, group, tokens)
+    assert s.lookup(req, 0) == 0
+    snap = s.rt.counters.snapshot()
+    assert snap["hybrid_hits_withheld"] == 96 and snap["rounded_down_tokens"] == 96
+    assert s.rt.cpu is not None and s.rt.cpu.stats()["pinned"] == 0
+
+
+def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
+    s = _sched(HYBRID, {}, hybrid_hits=True)
     req = Req("r", 200)
     _store(s, req, 1, 64)  # FULL attention block 0
     _store(s, req, 1, 96)  # PARTIAL attention entry in block 1
@@ -107,7 +118,7 @@ def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
 def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
     mamba_blocks = [Blk(0, is_null=True), Blk(11)]
     attn_blocks = [Blk(20), Blk(21), Blk(22)]
-    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
+    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]}, hybrid_hits=True)
     req = Req("r", 200)
     for group, tokens in ((1, 64), (1, 96), (0, 96)):
         _store(s, req, group, tokens)

@@ -104,13 +104,27 @@ def test_outputs_equal_baseline_through_redis_faults(run: dict[str, Any],
     assert run["outputs"] == baseline
 
 
-def test_partial_hits_served_with_mamba_state(run: dict[str, Any]) -> None:
-    hits = [t["hit_tokens_cpu"] + t["hit_tokens_redis"] for t in run["per_turn"]]
-    assert hits[0] == 0
-    assert all(h > 0 for h in hits[1:]), hits
-    # A hit that ends inside a 64-token block ends on a PARTIAL entry (never served as full).
-    assert any(h % 64 for h in hits), hits
+def test_hybrid_hits_withheld_by_default(run: dict[str, Any]) -> None:
+    """Default ``hybrid_hits: false``: nothing is restored, what could be is counted."""
+    served = [t["hit_tokens_cpu"] + t["hit_tokens_redis"] for t in run["per_turn"]]
+    withheld = [t["hybrid_hits_withheld"] for t in run["per_turn"]]
+    assert served == [0] * TURNS
+    assert withheld[0] == 0 and all(w > 0 for w in withheld[1:]), withheld
+    # Some of those would have ended on a PARTIAL entry (inside a 64-token block).
+    assert any(w % 64 for w in withheld), withheld
     assert run["stats"]["load_errors"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="known: with hybrid_hits=true, vLLM 0.32's checkpoint "
+                   "after a restored Mamba state diverges (docs/connector.md); strict, so a "
+                   "fix makes this test fail until hybrid_hits is turned on by default")
+def test_hybrid_hits_opt_in_matches_baseline(baseline: list[list[int]]) -> None:
+    result = run_in_subprocess({"model": "hybrid",
+                                "extra": {"cpu_bytes": 64 << 20, "hybrid_hits": True},
+                                "steps": [["multi_turn", FIRST_PROMPT, 4]]})
+    served = [o["delta"].get("hit_tokens_cpu", 0) for o in result["outputs"]]
+    assert all(h > 0 for h in served[1:]), served  # the restores really happen
+    assert [o["token_ids"] for o in result["outputs"]] == baseline[:4]
 
 
 def test_partial_entries_stored_as_partial(run: dict[str, Any]) -> None:

@@ -110,9 +110,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             outputs.append({"name": "corrupt_redis", "result": corrupt_redis(step[1], step[2])})
             continue
         if step[0] == "multi_turn":
-            _, first_prompt, turns = step
-            multi_turn(lambda name, prompt: gen(name, prompt), llm.reset_prefix_cache,
-                       first_prompt, int(turns))
+            first_prompt, turns = step[1], int(step[2])
+            reset = step[3] if len(step) > 3 else True
+            multi_turn(lambda name, prompt: gen(name, prompt),
+                       llm.reset_prefix_cache if reset else (lambda: None), first_prompt, turns)
             continue
         _, name, prompt = step
         gen(name, prompt)
