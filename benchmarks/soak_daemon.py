@@ -135,10 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     for smp in samples:
         print(f"{smp['t']:>6}{smp['rss_mib']:>9.1f}{smp['lag_s']:>9.3f}{smp['applied']:>10}"
               f"{smp['sent']:>10}{smp['entries']:>10}")
-    q = max(1, len(samples) // 4)
-    early = sum(s["rss_mib"] for s in samples[:q]) / q
-    late = sum(s["rss_mib"] for s in samples[-q:]) / q
+    steady = [s for s in samples if s["t"] >= seconds * 0.1] or samples  # after the fill
+    q = max(1, len(steady) // 4)
+    early = sum(s["rss_mib"] for s in steady[:q]) / q
+    late = sum(s["rss_mib"] for s in steady[-q:]) / q
     lag_max = max(s["lag_s"] for s in samples)
+    lags = sorted(s["lag_s"] for s in samples)
+    lag_median = lags[len(lags) // 2]
     src = final["sources"][0]
     elapsed = seconds
     result = {
@@ -146,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         "hash_updates_per_s": sent_updates / elapsed,
         "rss_first_quarter_mib": early, "rss_last_quarter_mib": late,
         "rss_growth_mib": late - early, "lag_max_s": lag_max,
-        "lag_last_s": samples[-1]["lag_s"], "gaps": src["gaps"],
+        "lag_median_s": lag_median, "lag_last_s": samples[-1]["lag_s"], "gaps": src["gaps"],
         "missing_batches": src["missing_batches"], "decode_errors": src["decode_errors"],
         "entries_final": final["index"]["entries"], "exit_code": code, "samples": samples,
     }
     print(f"{seq} batches, {sent_updates:,} hash updates in {seconds:.0f}s "
           f"({sent_updates / elapsed:,.0f}/s); RSS {early:.1f} -> {late:.1f} MiB "
-          f"(growth {late - early:+.1f} MiB); lag max {lag_max * 1000:.1f} ms; "
+          f"(growth {late - early:+.1f} MiB, after the fill); lag median "
+          f"{lag_median * 1000:.1f} ms, max {lag_max * 1000:.1f} ms; "
           f"gaps {src['gaps']} (missing {src['missing_batches']}), decode errors "
           f"{src['decode_errors']}; daemon exit code {code}")
     if args.json:
