@@ -68,8 +68,7 @@ def checksum(payload: Buffer) -> int:
 def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None,
                   payload_checksum: int | None = None) -> bytes:
     """The 64-byte header for ``payload`` stored under ``key``."""
-    if key.kind not in (BlockKind.FULL, BlockKind.PARTIAL):
-        raise ValueError(f"cannot store a {key.kind.name} entry")
+    validate_key(key)
     length = memoryview(payload).nbytes
     return HEADER.pack(
         MAGIC, VALUE_VERSION, int(key.kind), 0,
@@ -77,6 +76,17 @@ def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None
         key.group, key.num_tokens, hash_tag(key.block_hash), length,
         payload_checksum if payload_checksum is not None else checksum(payload), 0,
     )
+
+
+def validate_key(key: BlockKey) -> None:
+    """Raise ValueError when ``key`` cannot be stored (before any bytes are sent)."""
+    if key.kind not in (BlockKind.FULL, BlockKind.PARTIAL):
+        raise ValueError(f"cannot store a {key.kind.name} entry")
+    namespace_digest(key)
+    if not 0 <= key.group < 1 << 32:
+        raise ValueError(f"group {key.group} out of range")
+    if not 0 < key.num_tokens < 1 << 64:
+        raise ValueError(f"num_tokens {key.num_tokens} out of range")
 
 
 def encode(key: BlockKey, payload: Buffer) -> list[Buffer]:

@@ -344,7 +344,8 @@ class RedisTier:
 
     # ------------------------------------------------------------------ API
     def put_many(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> int:
-        """Store blocks now (pipelined); the number stored. Never raises for Redis trouble."""
+        """Store blocks now (pipelined); the number stored. Never raises for Redis trouble;
+        a key that cannot be stored raises ValueError before anything is sent."""
         return sum(self._put_flags(items))
 
     def _put_flags(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> list[bool]:
@@ -380,6 +381,7 @@ class RedisTier:
         buffer). With ``on_done`` the caller keeps the buffer unchanged until
         ``on_done(stored: bool)`` runs (called exactly once, also on a drop).
         """
+        codec.validate_key(key)  # a bad key is the caller's error: say so now, not later
         if self._closed or not self.available:
             with self._lock:
                 self._n["dropped_unavailable"] += 1

@@ -89,3 +89,12 @@ def test_check_header_alone_catches_truncation() -> None:
 def test_bad_fingerprint_in_key_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="hex"):
         encode(dataclasses.replace(key(0), fingerprint="zz"), b"x")
+
+
+def test_unstorable_keys_are_value_errors() -> None:
+    for bad in (dataclasses.replace(key(0), group=1 << 32),
+                dataclasses.replace(key(0), group=-1),
+                dataclasses.replace(key(0), num_tokens=1 << 64),
+                dataclasses.replace(key(0), fingerprint="ab" * 8)):
+        with pytest.raises(ValueError):
+            encode(bad, b"x")

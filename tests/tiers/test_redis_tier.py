@@ -211,3 +211,12 @@ def test_concurrent_threads_share_the_tier_without_torn_values(tier: RedisTier) 
         th.join()
     assert errors == [] and wrong == []
     assert tier.flush(10) and tier.stats()["corrupt"] == 0
+
+
+def test_bad_key_is_a_clear_error_before_anything_is_sent(tier: RedisTier) -> None:
+    bad = dataclasses.replace(key(0), group=1 << 40)
+    with pytest.raises(ValueError, match="group"):
+        tier.put_many([(key(1), b"fine"), (bad, b"x")])
+    with pytest.raises(ValueError, match="group"):
+        tier.submit_put(bad, b"x")
+    assert tier.get(key(1)) is None and tier.stats()["puts"] == 0
