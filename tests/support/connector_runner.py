@@ -84,6 +84,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if extra is not None:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
+        if spec.get("no_module_path"):  # rely on the vllm.general_plugins entry point
+            overrides["kv_transfer_config"].pop("kv_connector_module_path")
     if spec["model"] == "llama":
         llm = LLM(**llama_engine_kwargs(tiny_llama(), **overrides))
     else:
