@@ -219,13 +219,23 @@ class RedisTier:
         if client is None:
             return
         now = time.monotonic()
-        for label, pool in self._pools(client):
+        try:
+            pools = self._pools(client)
+        except Exception as exc:  # cluster topology unavailable
+            self._mark_failed(self._init_ep, exc)
+            return
+        for label, pool in pools:
             ep = self._endpoint(label)
             if force or (not ep.available and now >= ep.next_try):
                 self._ping(ep, pool)
             if ep.available and not ep.policy_checked:
                 ep.policy_checked = True
                 self._check_policy(pool, ep)
+        if self.target.cluster:  # forget nodes that left the cluster
+            current = {label for label, _ in pools}
+            with self._lock:
+                for label in [x for x in self._eps if x not in current]:
+                    del self._eps[label]
 
     def _ping(self, ep: _Endpoint, pool: Any) -> None:
         responses = self._exchange(ep, pool, [[command(b"PING")]], probe=True)
@@ -246,7 +256,7 @@ class RedisTier:
             if not self._warned_policy:
                 self._warned_policy = True
                 log.warning("Redis %s has maxmemory-policy noeviction: once full, every store "
-                            "fails; use allkeys-lru (or set ttl_s)", ep.label)
+                            "fails; use allkeys-lru (or volatile-lru with ttl_s)", ep.label)
 
     def _pools(self, client: Any) -> list[tuple[str, Any]]:
         if not self.target.cluster:
@@ -382,7 +392,7 @@ class RedisTier:
         ``on_done(stored: bool)`` runs (called exactly once, also on a drop).
         """
         codec.validate_key(key)  # a bad key is the caller's error: say so now, not later
-        if self._closed or not self.available:
+        if not self._accepting():
             with self._lock:
                 self._n["dropped_unavailable"] += 1
             if on_done is not None:
@@ -392,6 +402,14 @@ class RedisTier:
             payload = bytes(memoryview(payload).cast("B"))
         nbytes = memoryview(payload).nbytes
         return self._writer.submit(Item(key, payload, nbytes, on_done))
+
+    def _accepting(self) -> bool:
+        """Worth queueing a store? (A Cluster with one node down still takes the others'.)"""
+        if self._closed or self._client is None or not self._init_ep.available:
+            return False
+        if self.target.cluster:
+            return any(ep.available for ep in self._eps.values())
+        return self.available
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued stores to be written (or fail); False on timeout."""

@@ -63,9 +63,15 @@ def test_cluster_node_paused_degrades_to_misses_for_its_slots(cluster: RedisClus
             assert 0 < sum(g is None for g in got) < 60  # only the paused node's share
             assert all(bytes(g) == payload(k) for g, k in zip(got, keys, strict=True) if g)
             assert not t.available
+            more = [key(i, hash_salt="more") for i in range(60)]
+            assert all(t.submit_put(k, payload(k)) for k in more)  # other nodes still take them
+            assert t.flush(10)
         finally:
             victim.resume()
         assert wait_until(lambda: t.available)
         assert all(g is not None for g in t.get_many(keys))
+        stored = t.exists_many(more)
+        assert 0 < sum(stored) < 60  # all but the paused node's share
+        assert t.stats()["skipped_unavailable"] > 0
     finally:
         t.close(timeout=1)
