@@ -193,3 +193,17 @@ def test_http_api_rejects_bad_lookups(engine: FakeEngine) -> None:
         assert status == 400 and fragment in out["error"], (body, out)
     status, out = d.post("/lookup", {"block_hashes": ["00ff"], "group_idx": 0})
     assert status == 200 and out["any"]["tokens"] == 0
+
+
+def test_bytes_hashes_round_trip_through_hex_lookup(engine: FakeEngine) -> None:
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 puts bytes hashes on the wire."""
+    d = engine.daemon
+    h1, h2 = b"\x01" * 32, b"\x02" * 32
+    engine.send(1, [ev.BlockStored([h1, h2], None, [1] * 32, B, None, "GPU", None,
+                                   group_idx=0)])
+    d.wait_for(lambda s: s["sources"][0]["next_seq"] == 2, what="bytes store")
+    assert d.lookup([h1.hex(), h2.hex()])["GPU"] == {"tokens": 32, "full_blocks": 2,
+                                                     "partial": False}
+    status, body = d.post("/entries", {"block_hashes": [h2.hex()]})
+    assert status == 200 and body["entries"][0]["block_hash"] == h2.hex()
+    assert body["entries"][0]["num_tokens"] == 32 and body["entries"][0]["kind"] == "FULL"
