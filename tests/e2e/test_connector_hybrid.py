@@ -8,6 +8,7 @@ Outputs must equal a baseline engine without kvtier (its own process).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +155,9 @@ def test_events_shaped_as_vllm_shapes_them(run: dict[str, Any]) -> None:
 
 def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
     turns = run["per_turn"]
+    keep = ("hybrid_hits_withheld", "blocks_saved", "partial_blocks_saved", "blocks_written_redis",
+            "store_drops", "redis_write_failures", "redis_lookup_skips", "redis_available")
+    print("KVTIER-HYBRID-SUMMARY", json.dumps([{k: t.get(k) for k in keep} for t in turns]))
     assert turns[1]["blocks_written_redis"] > 0  # healthy
     assert turns[2]["redis_available"] == 0  # killed before turn 2
     assert turns[2]["store_drops"] + turns[2]["redis_lookup_skips"] > 0

@@ -71,6 +71,8 @@ def test_cpu_tier_serves_prefix_after_reset_with_identical_output(
         assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
     # After reset_prefix_cache() vLLM's GPU cache is empty: the hit is kvtier's.
     assert baseline["A2"]["num_cached_tokens"] == 0
+    print("KVTIER-LLAMA-SUMMARY", {n: (runs[n]["delta"].get("hit_tokens_cpu", 0),
+                                       runs[n]["num_cached_tokens"]) for n in runs})
     assert runs["A2"]["delta"].get("hit_tokens_cpu", 0) == 128
     assert runs["A2"]["num_cached_tokens"] == 128
     assert runs["B2"]["delta"].get("hit_tokens_cpu", 0) == 128
