@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
+from operator import and_
 from typing import Any, NamedTuple
 
 from connector.classify import (
@@ -43,6 +44,7 @@ from connector.events import MEDIUMS
 __all__ = ["ANY", "KVIndex", "PrefixMatch"]
 
 ANY = "any"
+_MISS = -4  # dict.pop default in bulk removals: never a packed value, and -4 & 3 == 0
 
 
 class PrefixMatch(NamedTuple):
@@ -63,7 +65,7 @@ _EMPTY = PrefixMatch(0, 0, False)
 class KVIndex:
     """Refcounted residency + longest-prefix look-up. Not thread-safe: one writer."""
 
-    __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "n_entries",
+    __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "kinds", "n_entries",
                  "dropped_capacity", "unknown_removals", "stores", "removals", "clears")
 
     def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000) -> None:
@@ -74,6 +76,7 @@ class KVIndex:
         self.res: dict[ResidencyKey, dict[Any, int]] = {}
         self.extra: dict[ResidencyKey, dict[Any, int]] = {}  # refcount - 1, when > 0
         self.by_pg: dict[PG, list[ResidencyKey]] = {}
+        self.kinds: dict[ResidencyKey, list[int]] = {}  # resident entries per kind, per key
         self.n_entries = 0
         self.dropped_capacity = 0
         self.unknown_removals = 0
@@ -97,6 +100,7 @@ class KVIndex:
         d = self.res.get(key)
         if d is None:
             d = self.res[key] = {}
+            self.kinds[key] = [0, 0, 0, 0]
             self.by_pg.setdefault((key[0], key[2]), []).append(key)
         return d
 
@@ -117,6 +121,7 @@ class KVIndex:
                 if self.n_entries < self.max_entries:
                     d[h] = packed
                     self.n_entries += 1
+                    self.kinds[key][packed & 3] += 1
                 else:
                     self.dropped_capacity += 1
             else:
@@ -133,18 +138,21 @@ class KVIndex:
             d.update(zip(hashes, values, strict=True))
             added = len(d) - before
             self.n_entries += added
+            self.kinds[key][run.kind] += added
             if added != n:  # the same hash twice in one event: count it twice
                 ex = self.extra.setdefault(key, {})
                 for h, c in Counter(hashes).items():
                     if c > 1:
                         ex[h] = ex.get(h, 0) + c - 1
             return
+        kc = self.kinds[key]
         for h, packed in zip(hashes, values, strict=True):
             old = d.get(h)
             if old is None:
                 if self.n_entries < self.max_entries:
                     d[h] = packed
                     self.n_entries += 1
+                    kc[packed & 3] += 1
                 else:
                     self.dropped_capacity += 1
             else:
@@ -157,7 +165,15 @@ class KVIndex:
             ex = self.extra[key] = {}
         ex[h] = ex.get(h, 0) + 1
         if old != packed:
-            d[h] = merge(old, packed)
+            self._set(key, d, h, old, merge(old, packed))
+
+    def _set(self, key: ResidencyKey, d: dict[Any, int], h: Any, old: int, new: int) -> None:
+        """Replace the facts of a resident entry, keeping the per-kind counts right."""
+        d[h] = new
+        if (old ^ new) & 3:
+            kc = self.kinds[key]
+            kc[old & 3] -= 1
+            kc[new & 3] += 1
 
     def remove(self, key: ResidencyKey, hashes: Sequence[Any]) -> None:
         """Drop one announcement of each hash under ``key``; unknown hashes are counted."""
@@ -167,10 +183,17 @@ class KVIndex:
             self.unknown_removals += n
             return
         ex = self.extra.get(key)
+        kc = self.kinds[key]
         if not ex or ex.keys().isdisjoint(hashes):
-            # C-speed bulk path: pop each; misses return None (packed facts never are).
-            missing = list(map(d.pop, hashes, repeat(None, n))).count(None)
+            # C-speed bulk path: pop each; misses return the sentinel (facts are >= 0).
+            popped = list(map(d.pop, hashes, repeat(_MISS, n)))
+            missing = popped.count(_MISS)
             gone = n - missing
+            if gone:
+                per_kind = Counter(map(and_, popped, repeat(3, n)))
+                per_kind[_MISS & 3] -= missing
+                for kind, c in per_kind.items():
+                    kc[kind] -= c
         else:
             missing = gone = 0
             for h in hashes:
@@ -180,10 +203,13 @@ class KVIndex:
                         del ex[h]
                     else:
                         ex[h] = c - 1
-                elif d.pop(h, None) is None:
+                    continue
+                f = d.pop(h, None)
+                if f is None:
                     missing += 1
                 else:
                     gone += 1
+                    kc[f & 3] -= 1
             if not ex:
                 del self.extra[key]
         self.unknown_removals += missing
@@ -198,6 +224,7 @@ class KVIndex:
             if wanted is None or key[1] in wanted:
                 dropped += len(self.res.pop(key))
                 self.extra.pop(key, None)
+                del self.kinds[key]
                 pg = (key[0], key[2])
                 self.by_pg[pg].remove(key)
                 if not self.by_pg[pg]:
@@ -223,7 +250,7 @@ class KVIndex:
             for h, f in list(d.items()):
                 new = fn(h, f)
                 if new is not None:
-                    d[h] = new
+                    self._set(key, d, h, f, new)
 
     def rewrite_hashes(self, pg: PG, updates: Mapping[Any, int]) -> None:
         """Merge known facts into resident entries of (publisher, group)."""
@@ -232,7 +259,7 @@ class KVIndex:
             for h, f in updates.items():
                 old = d.get(h)
                 if old is not None:
-                    d[h] = merge(old, f)
+                    self._set(key, d, h, old, merge(old, f))
 
     # -- queries -------------------------------------------------------------------------
 
@@ -292,7 +319,17 @@ class KVIndex:
         return out
 
     def entry_counts(self) -> dict[tuple[str, str], int]:
-        """Resident entries by (medium, kind name) — an O(entries) scan, for /metrics."""
+        """Resident entries by (medium, kind name), kept incrementally: O(residency keys)."""
+        counts: dict[tuple[str, str], int] = {}
+        for (_pub, medium, _group, _own), kc in self.kinds.items():
+            for kind, c in enumerate(kc):
+                if c:
+                    k = (medium, kind_name(kind))
+                    counts[k] = counts.get(k, 0) + c
+        return counts
+
+    def scan_entry_counts(self) -> dict[tuple[str, str], int]:
+        """The same as :meth:`entry_counts` by a full O(entries) scan (for tests)."""
         counts: dict[tuple[str, str], int] = {}
         for (_pub, medium, _group, _own), d in self.res.items():
             per_kind = Counter(f & 3 for f in d.values())

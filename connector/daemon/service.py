@@ -100,7 +100,6 @@ class Daemon:
                              if th is not None else None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_DaemonCollector(self))
-        self._counts_cache: tuple[float, dict[tuple[str, str], int]] = (0.0, {})
 
     def start(self) -> None:
         self.subscriber.start()
@@ -122,15 +121,10 @@ class Daemon:
                 e["block_hash"] = e["block_hash"].hex()
         return out
 
-    def entry_counts(self, max_age_s: float = 1.0) -> dict[tuple[str, str], int]:
-        """Entries by (medium, kind), recomputed when older than ``max_age_s`` (it is a scan)."""
-        at, counts = self._counts_cache
-        now = time.monotonic()
-        if now - at >= max_age_s:
-            with self.lock:
-                counts = self.ingestor.index.entry_counts()
-            self._counts_cache = (now, counts)
-        return counts
+    def entry_counts(self) -> dict[tuple[str, str], int]:
+        """Entries by (medium, kind); maintained incrementally by the index."""
+        with self.lock:
+            return self.ingestor.index.entry_counts()
 
     def stats(self) -> dict[str, Any]:
         ing = self.ingestor
@@ -160,7 +154,7 @@ class Daemon:
                 "block_size_conflicts": ing.classifier.conflicts,
                 "block_sizes": block_sizes,
             }
-        counts = self.entry_counts(max_age_s=0.0)
+        counts = self.entry_counts()
         index["by_medium_kind"] = {f"{m}/{k}": c for (m, k), c in sorted(counts.items())}
         return {"uptime_s": round(time.time() - self.started, 3), "pid": os.getpid(),
                 "rss_bytes": _rss_bytes(), "decode_errors": ing.decode_errors,

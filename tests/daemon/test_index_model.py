@@ -103,6 +103,25 @@ class IndexModel(RuleBasedStateMachine):
             if c[h] == 0:
                 del c[h]
 
+    @precondition(lambda self: any(self.ref.values()))
+    @rule(data=st.data(), stranger=st.integers(1, 2**64 - 1))
+    def remove_mixed(self, data: st.DataObject, stranger: int) -> None:
+        """A removal mixing resident hashes with one never announced there."""
+        keys = sorted(k for k, c in self.ref.items() if c)
+        pub, medium = data.draw(st.sampled_from(keys))
+        c = self.ref[(pub, medium)]
+        if stranger in c:
+            return
+        hashes = data.draw(st.lists(st.sampled_from(sorted(c)), min_size=1, max_size=3,
+                                    unique=True))
+        before = self.index.unknown_removals
+        self._apply(pub, BlockRemoved([*hashes, stranger], medium, group_idx=0))
+        assert self.index.unknown_removals == before + 1
+        for h in hashes:
+            c[h] -= 1
+            if c[h] == 0:
+                del c[h]
+
     @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
           h=st.integers(1, 2**64 - 1))
     def remove_unknown(self, pub: str, medium: str, h: int) -> None:
@@ -142,6 +161,7 @@ class IndexModel(RuleBasedStateMachine):
                 assert self.index.refcount((pub, medium, 0, None), h) == n
         total = sum(len(c) for c in self.ref.values())
         assert self.index.n_entries == total
+        assert self.index.entry_counts() == self.index.scan_entry_counts()
 
     def _truth(self, prompt: int, media: tuple[str, ...]) -> tuple[int, int, bool]:
         resident = set()
