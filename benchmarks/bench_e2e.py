@@ -288,7 +288,7 @@ def main(argv: list[str]) -> int:
 
     t0 = time.monotonic()
     workload = QUICK if args.quick else FULL
-    reps = 3 if args.quick else 5
+    reps = 6 if args.quick else 10
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     choice = choose_redis(args.redis_url)
     if not choice.reachable:

@@ -136,6 +136,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     prefix = f"kvtier-demo-{run_id}"
     extra: dict[str, Any] = {"cpu_bytes": CPU_TIER_BYTES, "redis_url": choice.url,
                              "redis_prefix": prefix}
+    if args.debug_corrupt_loads:  # negative control for the "identical" column (tests)
+        extra["debug_corrupt_loads"] = True
     ktc = kvtier_transfer_config(extra)
     two = [{"name": "cold"}, {"name": "reset", "reset_before": True}]
 
@@ -235,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write the table and details as JSON")
     parser.add_argument("--log-dir", default=None,
                         help="keep engine logs here (default: a temporary directory)")
+    parser.add_argument("--debug-corrupt-loads", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 

@@ -94,6 +94,36 @@ def test_demo_without_redis_runs_cpu_tier_alone(tmp_path: Path) -> None:
     assert any("CPU tier only" in note for note in data["notes"])
 
 
+def test_demo_detects_wrong_outputs(tmp_path: Path) -> None:
+    """Negative control: kvtier's test-only switch corrupts every loaded block; the demo
+    must then report outputs that are not identical and exit 1."""
+    url = f"redis://127.0.0.1:{_closed_port()}"
+    proc, data = _run_demo(tmp_path, "--redis-url", url, "--debug-corrupt-loads")
+    rows = _rows(data)
+    reset = rows["kvtier: GPU prefix cache reset"]
+    assert reset["cpu_tokens"] > 0, "the corrupt blocks must have been loaded"
+    assert reset["identical"] is False
+    assert data["outputs_identical"] is False
+    assert proc.returncode == 1
+    assert "NO" in proc.stdout
+
+
+def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A bad connector setting fails the child engine; the parent raises with the log tail."""
+    from connector.demo_engine import EngineRunError, run_engine
+    from connector.demo_workload import kvtier_transfer_config
+
+    spec = {"label": "bad-config", "model": "llama", "model_dir": str(tiny_llama_dir),
+            "workload": {"conversations": 1, "turns": 1},
+            "kv_transfer_config": kvtier_transfer_config({"cpu_bytes": 5}),
+            "phases": [{"name": "cold"}]}
+    with pytest.raises(EngineRunError) as info:
+        run_engine(spec, log_dir=tmp_path, quiet=True, timeout_s=300)
+    message = str(info.value)
+    assert "bad-config" in message and "cpu_bytes" in message
+    assert (tmp_path / "bad-config.log").exists()
+
+
 def test_demo_rejects_unknown_model(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*KVTIER, "demo", "--model", "gpt5"],
