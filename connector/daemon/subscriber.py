@@ -77,13 +77,17 @@ class Source:
         self.sub.setsockopt(zmq.RCVHWM, daemon.hwm)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        if self.binds:
-            self.sub.bind(self.endpoint)
-        else:
-            self.sub.connect(self._connectable(self.endpoint))
         self.dealer: zmq.Socket | None = None
-        if self.replay_endpoint:
-            self._open_dealer()
+        try:
+            if self.binds:
+                self.sub.bind(self.endpoint)
+            else:
+                self.sub.connect(self._connectable(self.endpoint))
+            if self.replay_endpoint:
+                self._open_dealer()
+        except zmq.ZMQError:
+            self.close()  # an unclosed socket would make Context.term() hang
+            raise
 
     def _connectable(self, endpoint: str) -> str:
         return endpoint.replace("*", self._daemon.connect_host)

@@ -174,7 +174,10 @@ def test_bad_config_and_flags_fail_with_clear_messages(tmp_path: Any) -> None:
         s.bind(("127.0.0.1", busy))
         s.listen()
         out = run("--endpoint", "tcp://*:1", "--http", f"127.0.0.1:{busy}")
-    assert out.returncode == 1 and "cannot listen" in out.stderr
+        assert out.returncode == 1 and "cannot listen" in out.stderr
+        # vLLM-connects mode: the daemon must bind the endpoint, which is taken.
+        out = run("--endpoint", f"tcp://127.0.0.1:{busy}", "--http", "127.0.0.1:0")
+        assert out.returncode == 1 and "cannot open publisher sockets" in out.stderr
 
 
 def test_http_api_rejects_bad_lookups(engine: FakeEngine) -> None:
