@@ -168,6 +168,7 @@ def test_gap_without_replay_is_counted_unrepaired() -> None:
     r = Rig(replay=False).start()
     try:
         d = r.daemon
+        time.sleep(0.5)  # no replay here: let the SUB finish connecting first
         r.publish(stored([1, 2], None))
         r.daemon.wait_for(lambda s: s["sources"][0]["next_seq"] == 1, what="first batch")
         r.pub._pub = DroppingSocket(r.pub._pub, drop={r.seq})
