@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from connector.events import normalize_medium, raw_array_len
-from offload_tiers.keys import BlockKind
+from offload_tiers.keys import BlockKind, kind_for
 
 __all__ = [
     "CLEAR",
@@ -88,6 +88,11 @@ def merge(old: int, new: int) -> int:
     if old >> 2:
         return old
     return new if _RANK[new & 3] > _RANK[old & 3] else old
+
+
+def kind_at(num_tokens: int, block_size: int) -> int:
+    """FULL/PARTIAL of the block a known ``num_tokens`` ends in (the lead's ``kind_for``)."""
+    return int(kind_for(num_tokens, (num_tokens - 1) // block_size, block_size))
 
 
 def as_block_kind(kind: int) -> BlockKind | None:
@@ -319,7 +324,7 @@ class Classifier:
                 nt = parent_nt + x
                 if self.orphans.get(pg):
                     self._resolve_orphans(pg, hashes, nt, x)
-                return Run(STORE, key, hashes, parent, nt, 0, FULL if nt % b == 0 else PARTIAL)
+                return Run(STORE, key, hashes, parent, nt, 0, kind_at(nt, b))
             self._add_orphan(pg, parent, hashes, x, contiguous)
             return Run(STORE, key, hashes, parent, 0, 0, PARTIAL)
 
@@ -368,7 +373,7 @@ class Classifier:
             x = pend[h]
             nt = packed >> 2
             if nt:
-                return pack(nt, FULL if nt % b == 0 else PARTIAL)
+                return pack(nt, kind_at(nt, b))
             if x == b:
                 return pack(0, FULL)
             if x < b:
@@ -408,7 +413,7 @@ class Classifier:
                     if b is None:
                         kind = PENDING
                     elif x == b or x < b and len(child_hashes) == 1:
-                        kind = FULL if nt % b == 0 else PARTIAL
+                        kind = kind_at(nt, b)
                     else:
                         continue  # conflicting size: stays PENDING
                     updates[h] = pack(nt, kind)
