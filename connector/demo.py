@@ -175,6 +175,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(summarize("kvtier: engine restarted (new process)", restart["phases"][0],
                               ref_cold))
     kvtier_rows = rows[2:]
+    kvtier_counters = {
+        phase["name"]: {k.removeprefix("vllm:kvtier_"): v for k, v in phase["counters"].items()
+                        if k.startswith("vllm:kvtier_")}
+        for phase in first["phases"] + (restart["phases"] if restart else [])
+    }
     identical = all(r.identical for r in rows)
     served = {r.label: r.cpu_tokens + r.redis_tokens for r in kvtier_rows}
     mode = "cpu+redis" if choice.reachable else "cpu-only"
@@ -193,6 +198,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "rows": [r.as_dict() for r in rows],
         "outputs_identical": identical,
         "kvtier_tier_tokens": served,
+        "kvtier_counters": kvtier_counters,
         "startup_s": {"vllm-alone": base["startup_s"], "kvtier": first["startup_s"],
                       "kvtier-restart": restart["startup_s"] if restart else None},
         "elapsed_s": time.monotonic() - t_start,
@@ -216,6 +222,11 @@ def _print_result(result: dict[str, Any]) -> None:
     print()
     print(render_table(rows))
     print()
+    for phase, counters in result.get("kvtier_counters", {}).items():
+        if phase != "cold" and counters:
+            shown = ", ".join(f"{k}={int(v)}" for k, v in counters.items()
+                              if not k.startswith(("bytes_", "events_")))
+            print(f"kvtier counters, {phase} pass: {shown}")
     print("identical = greedy outputs equal vLLM's without kvtier: "
           + ("yes, all" if result["outputs_identical"] else "NO — see the rows marked NO"))
     print(f"total {result['elapsed_s']:.0f} s")
