@@ -26,7 +26,7 @@ _FIXES: dict[str, str] = {
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
     "model_id": "use a string naming the model's identity (defaults to the model path)",
     "debug_corrupt_loads": "use true only in tests; it corrupts every loaded block",
-    "hybrid_hits": "use false (default); true serves hybrid (Mamba) hits, see docs/connector.md",
+    "hybrid_hits": "use true (default) or false (store hybrid blocks but never restore them)",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
 
@@ -50,9 +50,8 @@ class TieredConfig(BaseModel):
     tenant: str = ""
     model_id: str | None = None
     debug_corrupt_loads: bool = False
-    # Serve hits on hybrid (Mamba + attention) models. Off: a reproduced case shows vLLM's
-    # later checkpoints diverging after a restored Mamba state (docs/connector.md).
-    hybrid_hits: bool = False
+    # Serve hits on hybrid (Mamba + attention) models; false stores but never restores them.
+    hybrid_hits: bool = True
 
     @field_validator("redis_url")
     @classmethod

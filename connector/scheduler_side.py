@@ -174,7 +174,7 @@ class TieredScheduler:
                     self.rt.counters.add("rounded_down_tokens", present - num_computed)
                 return 0
             if self.mamba and not self.rt.config.hybrid_hits:
-                # Correctness over hit rate: hybrid restores are not proven (see docs).
+                # Operator switch: store hybrid blocks, never restore them (counted).
                 self.rt.counters.add("rounded_down_tokens", max(present, best) - num_computed)
                 self.rt.counters.add("hybrid_hits_withheld", best - num_computed)
                 return 0
@@ -350,6 +350,7 @@ class TieredScheduler:
         self._loads = []
         if not self.supported or self.rt.cpu is None:
             return plan
+        self._mirror_mamba_loads(plan, computed_after)
         for req_id, done in computed_after.items():
             tracked = self._tracked.get(req_id)
             if tracked is None or req_id in gone:
@@ -361,6 +362,36 @@ class TieredScheduler:
                 continue
             self._plan_mamba(tracked, entries, computed_after.get(req_id, 0), plan)
         return plan
+
+    def _mirror_mamba_loads(self, plan: StepPlan, computed_after: dict[str, int]) -> None:
+        """Also write each restored Mamba state into the step's running-state block.
+
+        In "align" mode vLLM's worker copies the state of block ``(L-1)//B`` into the running
+        block ``ceil(end/B)-1`` before the forward (``preprocess_mamba``) — before connector
+        loads run. When the two differ, the copy would take the not-yet-loaded block; writing
+        the restored state into the running block too gives the kernel what the copy would.
+        """
+        cpu = self.rt.cpu
+        assert cpu is not None
+        extra: list[LoadOp] = []
+        for op in plan.loads:
+            g = self._group(op.group)
+            if g.kind != MAMBA or op.req_id not in computed_after:
+                continue
+            bs = g.block_size
+            start_idx = (op.key.num_tokens - 1) // bs
+            run_idx = -(-computed_after[op.req_id] // bs) - 1
+            if run_idx == start_idx:
+                continue
+            group_blocks = self._blocks_of(op.req_id)[op.group]
+            if run_idx >= len(group_blocks) or group_blocks[run_idx].is_null:
+                raise RuntimeError(f"kvtier: no running Mamba block {run_idx} for {op.req_id}")
+            slot = cpu.acquire(op.key)  # a second pin: the worker releases once per op
+            if slot is None:
+                raise RuntimeError(f"kvtier: pinned entry {op.key.name} vanished")
+            extra.append(LoadOp(op.req_id, op.group, group_blocks[run_idx].block_id, op.key,
+                                op.tier, slot))
+        plan.loads.extend(extra)
 
     def _plan_attention(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
         request = tracked.request

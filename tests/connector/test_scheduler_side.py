@@ -87,8 +87,8 @@ def test_pins_are_released_when_vllm_takes_nothing() -> None:
     assert s.rt.cpu.stats()["pinned"] == 0
 
 
-def test_hybrid_hits_are_withheld_by_default_and_counted() -> None:
-    s = _sched(HYBRID, {})
+def test_hybrid_hits_withheld_when_switched_off_and_counted() -> None:
+    s = _sched(HYBRID, {}, hybrid_hits=False)
     req = Req("r", 200)
     for group, tokens in ((1, 64), (1, 96), (0, 96)):
         _store(s, req, group, tokens)
@@ -99,7 +99,7 @@ def test_hybrid_hits_are_withheld_by_default_and_counted() -> None:
 
 
 def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
-    s = _sched(HYBRID, {}, hybrid_hits=True)
+    s = _sched(HYBRID, {})
     req = Req("r", 200)
     _store(s, req, 1, 64)  # FULL attention block 0
     _store(s, req, 1, 96)  # PARTIAL attention entry in block 1
@@ -118,7 +118,7 @@ def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
 def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
     mamba_blocks = [Blk(0, is_null=True), Blk(11)]
     attn_blocks = [Blk(20), Blk(21), Blk(22)]
-    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]}, hybrid_hits=True)
+    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
     req = Req("r", 200)
     for group, tokens in ((1, 64), (1, 96), (0, 96)):
         _store(s, req, group, tokens)
@@ -130,6 +130,36 @@ def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
                      (0, 11, 96, BlockKind.PARTIAL)}
     assert all(op.tier == TIER_CPU and op.slot is not None for op in plan.loads)
     assert s.rt.counters.snapshot()["hit_tokens_cpu"] == 96
+
+
+def test_restored_mamba_state_also_lands_in_the_running_block() -> None:
+    """vLLM copies state (L-1)//B -> running block before connector loads run: mirror it."""
+    mamba_blocks = [Blk(0, is_null=True), Blk(11), Blk(12)]
+    attn_blocks = [Blk(20), Blk(21), Blk(22)]
+    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
+    req = Req("r", 200)
+    for group, tokens in ((1, 64), (1, 128), (0, 128)):
+        _store(s, req, group, tokens)
+    assert s.lookup(req, 0) == 128
+    s.on_alloc(req, [mamba_blocks, attn_blocks], 128)
+    plan = s.plan({"r": 160}, {}, set())  # this step runs 128..160: running block index 2
+    mamba = sorted(op.block_id for op in plan.loads if op.group == 0)
+    assert mamba == [11, 12]
+    assert s.rt.cpu is not None
+    assert s.rt.cpu.stats()["pinned"] == 3  # 2 attention + 1 Mamba entry (pinned twice)
+
+
+def test_no_mirror_when_the_step_stays_in_the_restored_block() -> None:
+    mamba_blocks = [Blk(0, is_null=True), Blk(11)]
+    attn_blocks = [Blk(20), Blk(21)]
+    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
+    req = Req("r", 200)
+    for group, tokens in ((1, 64), (1, 96), (0, 96)):
+        _store(s, req, group, tokens)
+    assert s.lookup(req, 0) == 96
+    s.on_alloc(req, [mamba_blocks, attn_blocks], 96)
+    plan = s.plan({"r": 128}, {}, set())
+    assert [op.block_id for op in plan.loads if op.group == 0] == [11]
 
 
 def test_stores_follow_block_hash_num_tokens_and_promote_partials() -> None:
