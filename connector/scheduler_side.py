@@ -85,6 +85,7 @@ class _Tracked:
     request: Any
     saved: set[tuple[int, int, int]] = field(default_factory=set)  # (group, index, tokens)
     partial: dict[tuple[int, int], BlockKey] = field(default_factory=dict)
+    cursor: dict[int, int] = field(default_factory=dict)  # group -> first block not done
 
 
 class TieredScheduler:
@@ -400,7 +401,10 @@ class TieredScheduler:
         for g in self.attention:
             if g.group >= len(per_group):
                 continue
-            for index, block in enumerate(per_group[g.group]):
+            group_blocks = per_group[g.group]
+            first = tracked.cursor.get(g.group, 0)
+            for index in range(first, len(group_blocks)):
+                block = group_blocks[index]
                 if block.is_null:
                     continue
                 n = block.block_hash_num_tokens
@@ -424,6 +428,22 @@ class TieredScheduler:
                 plan.saves.append(SaveOp(request.request_id, g.group, block.block_id, key,
                                          supersedes))
                 self._remember(request, key, g)
+            tracked.cursor[g.group] = self._advance(tracked, g, group_blocks, first, done)
+
+    @staticmethod
+    def _advance(tracked: _Tracked, g: GroupSpec, group_blocks: Sequence[BlockLike], first: int,
+                 done: int) -> int:
+        """Skip leading blocks that are FULL, computed and handled: they never change."""
+        index = first
+        while index < len(group_blocks):
+            block = group_blocks[index]
+            n = block.block_hash_num_tokens
+            full_end = (index + 1) * g.block_size
+            if not block.is_null and (n != full_end or n > done
+                                      or (g.group, index, n) not in tracked.saved):
+                break
+            index += 1
+        return index
 
     def _plan_mamba(self, tracked: _Tracked, entries: list[tuple[int, int, int]], done: int,
                     plan: StepPlan) -> None:
@@ -481,3 +501,4 @@ class TieredScheduler:
         if tracked is not None:
             tracked.saved.clear()
             tracked.partial.clear()
+            tracked.cursor.clear()

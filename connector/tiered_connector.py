@@ -277,8 +277,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def shutdown(self) -> None:
-        if self.worker is not None:
-            self.runtime.close()
+        """Either half shutting down ends the engine: close the tiers (stats stay readable)."""
+        self.runtime.close()
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:

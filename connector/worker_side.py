@@ -46,6 +46,9 @@ class TierRuntime:
         self.cpu: CpuTier | None = None
         self.layout: KVLayout | None = None
         self.redis: Any = None
+        self.closed = False
+        self.on_close: list[Any] = []
+        self._final_cpu_stats: dict[str, Any] | None = None
         self._lock = threading.Lock()
         if config.redis_url:
             from offload_tiers.redis_tier import RedisTier
@@ -89,13 +92,24 @@ class TierRuntime:
         out["redis_available"] = int(self.redis_available())
         if self.cpu is not None:
             out["cpu_tier"] = self.cpu.stats()
+        elif self._final_cpu_stats is not None:
+            out["cpu_tier"] = self._final_cpu_stats
         if self.redis is not None:
             out["redis_tier"] = self.redis.stats()
         return out
 
     def close(self) -> None:
+        """Flush and close Redis, free the CPU slab; counters stay readable. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         if self.redis is not None:
             self.redis.close(timeout=2.0)
+        if self.cpu is not None:
+            self._final_cpu_stats = self.cpu.stats()
+            self.cpu = None
+        for callback in self.on_close:
+            callback()
 
 
 class TieredWorker:
@@ -112,7 +126,11 @@ class TieredWorker:
         self.runtime.attach_cpu(layout)
         assert self.runtime.cpu is not None
         self.transfer = BlockTransfer(kv_caches, layout, self.runtime.cpu.slab)
+        self.runtime.on_close.append(self._drop_transfer)
         return layout
+
+    def _drop_transfer(self) -> None:
+        self.transfer = None  # releases the slab and the KV tensors
 
     # ------------------------------------------------------------------ loads
     def load(self, plan: StepPlan) -> None:

@@ -163,3 +163,17 @@ def test_promotion_drops_the_partial_everywhere(engines: Any) -> None:
     assert [k.kind for k in e.rt.cpu.keys()] == [BlockKind.FULL]
     removed = [c for c in e.rt.outbox if not c.stored]
     assert {c.medium for c in removed} == {"CPU", "STORAGE"}
+
+
+def test_close_frees_the_slab_and_keeps_stats(engines: Any) -> None:
+    e = engines()
+    req = Req("a", 70)
+    e.blocks["a"] = [[Blk(1, 32), Blk(2, 64)]]
+    e.sched.on_alloc(req, e.blocks["a"], 0)
+    e.step({"a": 64})
+    e.rt.close()
+    e.rt.close()  # idempotent
+    assert e.rt.cpu is None and e.worker.transfer is None
+    stats = e.rt.stats()
+    assert stats["blocks_saved"] == 2 and stats["cpu_tier"]["entries"] == 2
+    assert e.sched.lookup(Req("b", 70), 0) == 0  # closed: no hits, no crash
