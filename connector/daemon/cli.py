@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "announcements). Repeatable.")
     p.add_argument("--max-entries", type=int, help="cap on resident index entries")
     p.add_argument("--replay-timeout", type=float, dest="replay_timeout_s")
+    p.add_argument("--replay-idle-probe", type=float, dest="replay_idle_probe_s",
+                   help="seconds of silence before asking the replay buffer for batches "
+                        "lost with nothing after them (0 disables; default 2)")
     rp = p.add_mutually_exclusive_group()
     rp.add_argument("--replay-on-start", dest="replay_on_start", action="store_true",
                     default=None, help="ask each publisher for its buffered batches at start")
@@ -52,6 +55,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "http": args.http, "connect_host": args.connect_host, "max_entries": args.max_entries,
         "replay_timeout_s": args.replay_timeout_s, "replay_on_start": args.replay_on_start,
+        "replay_idle_probe_s": args.replay_idle_probe_s,
         "log_level": args.log_level,
     }
     if args.endpoint:

@@ -110,6 +110,7 @@ class DaemonConfig(BaseModel):
     connect_host: str = "127.0.0.1"
     replay_on_start: bool = True
     replay_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    replay_idle_probe_s: float = Field(default=2.0, ge=0, le=3600)
     max_pending_batches: int = Field(default=10_000, ge=1)
     max_entries: int = Field(default=10_000_000, ge=1)
     block_sizes: dict[int, int] = Field(default_factory=dict)

@@ -218,6 +218,8 @@ class _DaemonCollector(Collector):
                                      "Batches recovered by replay"),
                 "replays_requested": ("kvtier_daemon_replays", "Replay requests sent"),
                 "replay_timeouts": ("kvtier_daemon_replay_timeouts", "Replays that timed out"),
+                "idle_probes": ("kvtier_daemon_idle_probes", "Replay probes sent while idle"),
+                "probe_timeouts": ("kvtier_daemon_probe_timeouts", "Idle probes unanswered"),
                 "duplicates": ("kvtier_daemon_duplicate_batches", "Duplicate/old batches skipped"),
                 "restarts": ("kvtier_daemon_publisher_restarts", "Publisher restarts seen"),
                 "decode_errors": ("kvtier_daemon_decode_errors", "Payloads that did not decode"),

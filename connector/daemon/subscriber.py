@@ -43,6 +43,8 @@ class SourceCounters:
     replays_requested: int = 0
     replays_completed: int = 0
     replay_timeouts: int = 0
+    idle_probes: int = 0  # replay asks while idle: repairs lost batches no later one reveals
+    probe_timeouts: int = 0
     replay_overflows: int = 0
     malformed_frames: int = 0
     decode_errors: int = 0
@@ -70,6 +72,9 @@ class Source:
         self.expected: int | None = None
         self.replaying = False
         self._replay_deadline = 0.0
+        self._probing = False
+        self._last_activity = time.monotonic()
+        self._probe_interval = daemon.replay_idle_probe_s
         self._pending: list[tuple[int, bytes]] = []
         self.binds = not ("*" in self.endpoint or "::" in self.endpoint
                           or self.endpoint.startswith(("ipc://", "inproc://")))
@@ -112,6 +117,7 @@ class Source:
     def on_live(self, frames: list[bytes]) -> None:
         """A message from the SUB socket."""
         self.counters.received += 1
+        self._last_activity = time.monotonic()
         if len(frames) != 3 or len(frames[1]) != 8:
             self.counters.malformed_frames += 1
             self._error("frames")
@@ -141,7 +147,10 @@ class Source:
         if not self.replaying:
             return  # late answer to a replay that timed out: live stream has moved on
         if seq == END_SEQ:
-            self.counters.replays_completed += 1
+            if self._probing:
+                self._probe_interval = self._daemon.replay_idle_probe_s
+            else:
+                self.counters.replays_completed += 1
             self._finish_replay()
             return
         if seq < 0:
@@ -158,16 +167,28 @@ class Source:
         self._apply(seq, frames[3])
 
     def tick(self, now: float) -> None:
-        """Called every poll round: time out a replay that never finished."""
-        if self.replaying and now > self._replay_deadline:
-            self.counters.replay_timeouts += 1
-            log.warning("replay from %s timed out", self.name)
-            if self.dealer is not None:  # drop stale answers with the old socket
-                self.dealer.close(linger=0)
-                self._open_dealer()
-            self._finish_replay()
+        """Called every poll round: time out a replay that never finished; when the stream
+        has been idle, probe the replay buffer for batches lost with nothing after them."""
+        if self.replaying:
+            if now > self._replay_deadline:
+                if self._probing:  # engine gone or replay socket down: back off
+                    self.counters.probe_timeouts += 1
+                    self._probe_interval = min(self._probe_interval * 2, 60.0)
+                else:
+                    self.counters.replay_timeouts += 1
+                    log.warning("replay from %s timed out", self.name)
+                if self.dealer is not None:  # drop stale answers with the old socket
+                    self.dealer.close(linger=0)
+                    self._open_dealer()
+                self._finish_replay()
+            return
+        if (self.dealer is not None and self._probe_interval > 0
+                and now - self._last_activity >= self._probe_interval):
+            self._last_activity = now
+            if self.request_replay(self.expected or 0, probe=True):
+                self.counters.idle_probes += 1
 
-    def request_replay(self, start: int) -> bool:
+    def request_replay(self, start: int, probe: bool = False) -> bool:
         """Ask for every buffered batch from ``start``; False when there is no replay socket."""
         if self.dealer is None:
             return False
@@ -175,7 +196,9 @@ class Source:
             self.dealer.send_multipart((b"", start.to_bytes(8, "big")), flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
-        self.counters.replays_requested += 1
+        if not probe:
+            self.counters.replays_requested += 1
+        self._probing = probe
         self.replaying = True
         self._replay_deadline = time.monotonic() + self._daemon.replay_timeout_s
         if self.expected is None:
@@ -210,6 +233,8 @@ class Source:
 
     def _finish_replay(self) -> None:
         self.replaying = False
+        self._probing = False
+        self._last_activity = time.monotonic()
         pending = sorted(self._pending, key=lambda item: item[0])
         self._pending = []
         if pending:

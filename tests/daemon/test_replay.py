@@ -44,6 +44,24 @@ def test_replay_storm_every_other_batch_lost_is_fully_repaired() -> None:
         r.close()
 
 
+def test_lost_last_batch_is_repaired_by_idle_probe() -> None:
+    """The newest batches are lost and nothing follows them: only an idle probe of the
+    replay buffer can find them."""
+    r = Rig().start()
+    try:
+        r.publish(stored([1, 2], None))
+        r.settle()
+        r.pub._pub = DroppingSocket(r.pub._pub, drop={r.seq, r.seq + 1})
+        r.publish(stored([3], 2))
+        r.publish(stored([4], 3))  # both lost, no later batch
+        s = r.settle()  # idle probe (default 2 s) fetches them
+        src = s["sources"][0]
+        assert src["idle_probes"] >= 1 and src["gaps"] == 0 and src["missing_batches"] == 0
+        assert r.daemon.lookup([1, 2, 3, 4])["GPU"]["tokens"] == 4 * B
+    finally:
+        r.close()
+
+
 class FakeEngine:
     """The test's own PUB (bound, as vLLM binds) and a ROUTER replay socket that it controls."""
 
@@ -57,7 +75,7 @@ class FakeEngine:
         self.router.bind(f"tcp://127.0.0.1:{self.rport}")
         self.daemon = DaemonProcess(
             "--endpoint", f"tcp://*:{self.port},tcp://*:{self.rport}", "--no-replay-on-start",
-            "--block-size", f"0={B}", *daemon_args).start()
+            "--replay-idle-probe", "0", "--block-size", f"0={B}", *daemon_args).start()
         # Subscription propagation: wait until seq 0 lands (resend the same seq 0).
         deadline = time.monotonic() + 20
         while self.daemon.source()["received"] == 0:
