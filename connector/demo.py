@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from connector.demo_report import Row, outputs_of, render_table, summarize
-from connector.demo_workload import Workload, kvtier_transfer_config
+from connector.demo_workload import Workload
+from connector.engine_presets import kvtier_transfer_config
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379"
 FULL = Workload(conversations=4, turns=3, system_words=320, user_words=40, max_tokens=8)

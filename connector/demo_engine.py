@@ -19,7 +19,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from connector.demo_workload import CPU_ENGINE_ENV, PROGRESS_TAG
+from connector.demo_workload import PROGRESS_TAG
+from connector.engine_presets import CPU_ENGINE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,18 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connector.engine_presets import apply_cpu_engine_env, engine_kwargs
 from connector.tiny_models import prompt_words
 
 PROGRESS_TAG = "[kvtier-progress]"
 CONNECTOR_METRIC_PREFIXES = ("kvtier_", "lmcache")
 
-# In-process engine (~5 s start instead of ~30 s), no hub access, small KV cache.
-CPU_ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 @dataclass(frozen=True)
@@ -59,36 +53,6 @@ class Workload:
         """The words of conversation ``conv``'s user message at ``turn``."""
         seed = self.seed * 1000 + conv * 37 + turn + 1
         return prompt_words(seed, self.user_words).split()
-
-
-def engine_kwargs(model: str, model_dir: str, **overrides: Any) -> dict[str, Any]:
-    """``LLM(**kwargs)`` for a tiny model on the CPU backend.
-
-    ``hybrid`` (Mamba + attention): ``max_num_batched_tokens`` <= block size (the CPU Mamba
-    kernel needs it) and ``prefix_match_unit=32`` so vLLM registers partial prefix entries.
-    """
-    common: dict[str, Any] = dict(
-        model=model_dir, dtype="float32", enforce_eager=True, block_size=32,
-        max_model_len=1024, enable_prefix_caching=True, seed=0, disable_log_stats=False,
-    )
-    if model == "llama":
-        common.update(max_num_seqs=4)
-    elif model == "hybrid":
-        common.update(max_num_seqs=2, max_num_batched_tokens=32, prefix_match_unit=32)
-    else:
-        raise ValueError(f"unknown model {model!r}: expected 'llama' or 'hybrid'")
-    common.update(overrides)
-    return common
-
-
-def kvtier_transfer_config(extra_config: dict[str, Any]) -> dict[str, Any]:
-    """The ``kv_transfer_config`` a user writes to load kvtier by module path."""
-    return {
-        "kv_connector": "TieredOffloadingConnector",
-        "kv_connector_module_path": "connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra_config,
-    }
 
 
 @dataclass
@@ -207,14 +171,14 @@ def _reset_gpu_prefix_cache(llm: Any) -> bool:
 
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the engine the spec describes and run its phases; returns JSON-ready data."""
-    for key, value in CPU_ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
+    apply_cpu_engine_env()
     base = dict(spec["workload"])
     progress(f"{spec['label']}: importing vLLM")
     t0 = time.perf_counter()
     from vllm import LLM
 
-    kwargs = engine_kwargs(spec["model"], spec["model_dir"], **spec.get("engine_overrides", {}))
+    overrides = {"disable_log_stats": False, **spec.get("engine_overrides", {})}
+    kwargs = engine_kwargs(spec["model"], spec["model_dir"], **overrides)
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     progress(f"{spec['label']}: starting engine")
