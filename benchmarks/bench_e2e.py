@@ -57,7 +57,8 @@ if str(REPO_ROOT) not in sys.path:
 from connector.demo import choose_redis, model_path  # noqa: E402
 from connector.demo_engine import EngineRunError, run_engine  # noqa: E402
 from connector.demo_report import Row, render_table, summarize  # noqa: E402
-from connector.demo_workload import Workload, kvtier_transfer_config  # noqa: E402
+from connector.demo_workload import Workload  # noqa: E402
+from connector.engine_presets import kvtier_transfer_config  # noqa: E402
 
 CPU_BYTES = 256 << 20
 NATIVE_EXTRA = {
