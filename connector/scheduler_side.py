@@ -78,6 +78,7 @@ class _Lookup:
     needs: list[_Need]
     tiers: dict[BlockKey, str]
     pins: dict[BlockKey, int]
+    offered: int  # tokens offered to vLLM: end - start, or one less for a whole-prompt hit
 
 
 @dataclass(slots=True)
@@ -86,6 +87,17 @@ class _Tracked:
     saved: set[tuple[int, int, int]] = field(default_factory=set)  # (group, index, tokens)
     partial: dict[tuple[int, int], BlockKey] = field(default_factory=dict)
     cursor: dict[int, int] = field(default_factory=dict)  # group -> first block not done
+
+
+def whole_prompt_offer(end: int, num_tokens: int) -> int:
+    """The hit length to give vLLM for a hit ending at ``end``.
+
+    vLLM (0.32) accepts a synchronous external hit of at most ``num_tokens - 1`` tokens (a
+    hit of the whole prompt leaves nothing to schedule: ``assert num_new_tokens > 0`` in
+    ``Scheduler.schedule``), so a whole-prompt hit is offered one token short; the last
+    token is recomputed, as vLLM does after an asynchronous whole-prompt load.
+    """
+    return min(end, num_tokens - 1)
 
 
 class TieredScheduler:
@@ -145,7 +157,12 @@ class TieredScheduler:
             return 0
         self.rt.counters.add("lookups")
         self.rt.counters.add("lookup_tokens", request.num_tokens - num_computed)
-        max_end = min(request.num_tokens - 1, len(request.block_hashes) * self.hash_unit)
+        # Attention-only models may restore the whole prompt: vLLM then recomputes only the
+        # last token (offered = prompt - 1, loads synchronous). With a Mamba group the hit
+        # must end where a state was saved, at most num_tokens - 1 (the state at the prompt
+        # end already contains the last token, which vLLM would feed through it again).
+        limit = request.num_tokens if not self.mamba else request.num_tokens - 1
+        max_end = min(limit, len(request.block_hashes) * self.hash_unit)
         if max_end - num_computed < self.hash_unit:
             return 0
         fp = self._fingerprint(self.tenant(request))
@@ -186,8 +203,10 @@ class TieredScheduler:
                 continue
             if present > best:
                 self.rt.counters.add("rounded_down_tokens", present - best)
-            self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers, pins)
-            return best - num_computed
+            offered = whole_prompt_offer(best, request.num_tokens) - num_computed
+            self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers, pins,
+                                                        offered)
+            return offered
         return 0
 
     @staticmethod
@@ -296,10 +315,13 @@ class TieredScheduler:
         if num_external <= 0:
             self._unpin(list(pending.pins))
             return
-        end = pending.start + num_external
-        if end != pending.end:
+        accepted = pending.start + num_external
+        # A whole-prompt hit is offered one token short (vLLM recomputes the last token), but
+        # its last entry is loaded whole: that token's KV is the same either way.
+        end = pending.end if num_external == pending.offered else accepted
+        if num_external != pending.offered:
             log.warning("kvtier: vLLM accepted %d external tokens for %s, planned %d",
-                        num_external, req_id, pending.end - pending.start)
+                        num_external, req_id, pending.offered)
         per_tier = {TIER_CPU: 0, TIER_REDIS: 0}
         lead = self.attention[0]
         ops: list[LoadOp] = []
@@ -321,7 +343,7 @@ class TieredScheduler:
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)
-                per_tier[tier] += min(need.key.num_tokens, end) - start
+                per_tier[tier] += max(min(need.key.num_tokens, accepted) - start, 0)
         self._unpin(unused)
         self._loads.extend(ops)
         self.rt.counters.add("hit_requests")

@@ -73,8 +73,29 @@ def test_full_run_stops_at_first_missing_block_and_before_last_token() -> None:
     _store(s, req, 0, 96)
     assert s.lookup(req, 0) == 128
     assert s.lookup(req, 64) == 64
-    short = Req("r", 128)  # the last token is always recomputed: at most 96
-    assert s.lookup(short, 0) == 96
+    whole = Req("r", 128)  # the whole prompt is stored: offered one short, like vLLM's own
+    assert s.lookup(whole, 0) == 127
+
+
+def test_whole_prompt_hit_loads_the_last_block_whole_and_counts_what_vllm_took() -> None:
+    s = _sched(LLAMA, {})
+    req = Req("r", 96)
+    for tokens in (32, 64, 96):
+        _store(s, req, 0, tokens)
+    assert s.lookup(req, 32) == 63  # vLLM recomputes the last token (sync: at most n - 1)
+    s.on_alloc(req, [[Blk(7), Blk(8), Blk(9)]], 63)
+    loads = s.plan({}, {}, set()).loads
+    assert [(op.block_id, op.key.num_tokens) for op in loads] == [(8, 64), (9, 96)]
+    assert s.hit_tiers("r") == {TIER_CPU: 63, "redis": 0}
+
+
+def test_hybrid_never_offers_the_whole_prompt() -> None:
+    s = _sched(HYBRID, {})
+    req = Req("r", 128)
+    for group, tokens in ((1, 64), (0, 64), (1, 96), (0, 96), (1, 128), (0, 128)):
+        _store(s, req, group, tokens)
+    # The Mamba state at 128 already contains token 127: a hit ends at a state <= 127.
+    assert s.lookup(req, 0) == 96
 
 
 def test_pins_are_released_when_vllm_takes_nothing() -> None:

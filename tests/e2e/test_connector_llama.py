@@ -23,8 +23,11 @@ PROMPT_A = prompt_words(11, 150)
 PROMPT_B = prompt_words(12, 150)
 A2 = PROMPT_A + " w5 w6"
 B2 = PROMPT_B + " w7"
-STEPS = [["generate", "A1", PROMPT_A], ["generate", "B1", PROMPT_B], ["reset"],
-         ["generate", "A2", A2], ["generate", "B2", B2]]
+# 160 = 5 blocks of 32: a block-aligned prompt, given as token ids (exact length).
+ALIGNED = [3 + (7 * i) % 150 for i in range(160)]
+STEPS = [["generate", "A1", PROMPT_A], ["generate", "B1", PROMPT_B],
+         ["generate", "C1", ALIGNED], ["reset"],
+         ["generate", "A2", A2], ["generate", "B2", B2], ["generate", "C2", ALIGNED]]
 
 
 def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -67,7 +70,7 @@ def second(first: dict[str, Any], extra: dict[str, Any], redis_url: str,
 def test_cpu_tier_serves_prefix_after_reset_with_identical_output(
         baseline: dict[str, dict[str, Any]], first: dict[str, Any]) -> None:
     runs = by_name(first)
-    for name in ("A1", "B1", "A2", "B2"):
+    for name in ("A1", "B1", "C1", "A2", "B2", "C2"):
         assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
     # After reset_prefix_cache() vLLM's GPU cache is empty: the hit is kvtier's.
     assert baseline["A2"]["num_cached_tokens"] == 0
@@ -78,6 +81,17 @@ def test_cpu_tier_serves_prefix_after_reset_with_identical_output(
     assert runs["B2"]["delta"].get("hit_tokens_cpu", 0) == 128
     assert first["stats"]["blocks_written_redis"] > 0
     assert first["stats"]["load_errors"] == 0
+
+
+def test_block_aligned_prompt_recomputes_only_its_last_token(
+        baseline: dict[str, dict[str, Any]], first: dict[str, Any]) -> None:
+    """The whole 160-token prompt is in the CPU tier: vLLM recomputes 1 token, not a block."""
+    c2 = by_name(first)["C2"]
+    assert c2["prompt_tokens"] == 160 and baseline["C2"]["num_cached_tokens"] == 0
+    assert c2["prompt_tokens"] - c2["num_cached_tokens"] == 1
+    assert c2["delta"].get("hit_tokens_cpu", 0) == 159
+    assert c2["delta"].get("blocks_loaded_cpu", 0) == 5  # the last block loaded whole
+    assert c2["token_ids"] == baseline["C2"]["token_ids"]
 
 
 def test_second_engine_serves_prefix_from_redis(

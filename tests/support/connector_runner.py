@@ -4,7 +4,7 @@ Used by the connector's e2e tests to get a baseline without kvtier, a second eng
 on the same Redis, and engines with test-only switches, each in its own process::
 
     python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
-        "steps": [["generate", "name", "prompt"], ["reset"]], "max_tokens": 8}'
+        "steps": [["generate", "name", "prompt" | [token ids]], ["reset"]], "max_tokens": 8}'
 
 The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
 """
@@ -93,15 +93,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
     outputs: list[dict[str, Any]] = []
 
-    def gen(name: str, prompt: str) -> str:
+    def gen(name: str, prompt: str | list[int]) -> str:
         before = counters(tc.runtime_stats()) if extra is not None else {}
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        request: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        out = llm.generate([request], params, use_tqdm=False)[0]
         after = counters(tc.runtime_stats()) if extra is not None else {}
         delta = {k: after[k] - before.get(k, 0) for k in after
                  if isinstance(after[k], int) and after[k] != before.get(k, 0)}
         outputs.append({"name": name, "text": out.outputs[0].text,
                         "token_ids": list(out.outputs[0].token_ids),
-                        "num_cached_tokens": out.num_cached_tokens, "delta": delta})
+                        "num_cached_tokens": out.num_cached_tokens,
+                        "prompt_tokens": len(out.prompt_token_ids or ()), "delta": delta})
         return out.outputs[0].text
 
     for step in spec["steps"]:
