@@ -23,6 +23,7 @@ never a payload. Nothing is unpickled or evaluated.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import xxhash
 
@@ -44,6 +45,33 @@ class CorruptValue(ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class HeaderFields(NamedTuple):
+    """A header's fields as stored, not yet judged against any key."""
+
+    magic: bytes
+    version: int
+    kind: int
+    digest: bytes
+    group: int
+    num_tokens: int
+    hash_tag: int
+    length: int
+    checksum: int
+
+
+def parse_header(header: Buffer) -> HeaderFields:
+    """Unpack the first 64 bytes of a stored value (no key needed; nothing is validated).
+
+    Raises :class:`CorruptValue` when fewer than ``HEADER_SIZE`` bytes are given.
+    """
+    hv = memoryview(header)
+    if hv.nbytes < HEADER_SIZE:
+        raise CorruptValue(f"truncated header ({hv.nbytes} < {HEADER_SIZE} bytes)")
+    (magic, version, kind, _r1, digest, group, num_tokens, tag, length, csum,
+     _r2) = HEADER.unpack_from(hv, 0)
+    return HeaderFields(magic, version, kind, digest, group, num_tokens, tag, length, csum)
 
 
 def namespace_digest(key: BlockKey) -> bytes:

@@ -1,0 +1,539 @@
+"""The Redis janitor: removes values under the daemon's prefix that no reader can ever serve.
+
+A pass walks ``{prefix}:*`` with ``SCAN`` (bounded ``COUNT``, paced to at most
+``max_keys_per_s`` keys examined per second), reads only each value's 64-byte header and its
+length (``GETRANGE 0 63`` + ``STRLEN``, pipelined) and deletes what a reader
+(:func:`offload_tiers.codec.check_header`) would reject whatever it asked for: key names that
+do not parse, non-string values, short values, bad magic, unknown format version, a kind
+that is neither FULL nor PARTIAL, header fingerprint / group / hash tag contradicting the key
+name, ``num_tokens`` 0, a length that disagrees with the header — and, only when
+``allowed_fingerprints`` is set, values of namespaces not in that list.
+
+Deletes are conditional: a fixed Lua script deletes a key only if its type, length and
+header are still the ones judged (the verdict depends on nothing else), so a concurrent
+writer that replaced a bad value with a good one is never deleted. Nothing read from Redis
+is evaluated. Redis being down is counted and backed off; the janitor never raises into the
+daemon and never logs the password.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
+from redis.retry import Retry
+
+from offload_tiers import codec
+from offload_tiers.keys import BlockKind
+from offload_tiers.redis_url import RedisTarget, parse_redis_url
+
+__all__ = ["REASONS", "JanitorCounters", "KeyName", "Pacer", "RedisJanitor", "judge",
+           "parse_key_name"]
+
+log = logging.getLogger("kvtier.daemon.janitor")
+
+#: Why a value was deleted (label values of ``kvtier_daemon_janitor_deleted_total``).
+REASONS = ("bad_key_name", "wrong_type", "truncated", "bad_magic", "bad_version", "bad_kind",
+           "fingerprint_mismatch", "group_mismatch", "hash_mismatch", "bad_num_tokens",
+           "bad_length", "retired_namespace")
+
+_FP = re.compile(rb"[0-9a-fA-F]{32}")
+_GROUP = re.compile(rb"0|[1-9][0-9]{0,9}")
+_HASH = re.compile(rb"(?:[0-9a-f]{2})+")  # BlockKey.name writes bytes.hex(): lower case
+_KINDS = frozenset(int(k) for k in (BlockKind.FULL, BlockKind.PARTIAL))
+
+# Delete KEYS[1] only if it is still what was judged. ARGV[1] = "s" (a string value whose
+# length was ARGV[3] and first 64 bytes ARGV[2]) or "n" (a non-string value).
+_LUA_DELETE_IF_SAME = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if ARGV[1] == 'n' then
+  if t ~= 'string' and t ~= 'none' then return redis.call('UNLINK', KEYS[1]) end
+  return 0
+end
+if t ~= 'string' then return 0 end
+if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[3]) then return 0 end
+if redis.call('GETRANGE', KEYS[1], 0, 63) ~= ARGV[2] then return 0 end
+return redis.call('UNLINK', KEYS[1])
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyName:
+    """What a key name under the prefix says: ``{fingerprint}:{group}:{hash hex}``."""
+
+    digest: bytes
+    group: int
+    block_hash: bytes
+
+
+def parse_key_name(rest: bytes) -> KeyName | None:
+    """Parse the part after ``{prefix}:``; None when no RedisTier could have written it."""
+    parts = rest.split(b":")
+    if len(parts) != 3:
+        return None
+    fp, group, block_hash = parts
+    if not (_FP.fullmatch(fp) and _GROUP.fullmatch(group) and _HASH.fullmatch(block_hash)):
+        return None
+    g = int(group)
+    if g >= 1 << 32:
+        return None
+    return KeyName(bytes.fromhex(fp.decode()), g, bytes.fromhex(block_hash.decode()))
+
+
+def is_nested_prefix(rest: bytes) -> bool:
+    """``rest`` is ``{more}:{fp}:{group}:{hash}``: a key of a deployment whose prefix extends
+    ours (``kvtier:a`` under ``kvtier``) — not ours to judge."""
+    parts = rest.split(b":")
+    return len(parts) > 3 and parse_key_name(b":".join(parts[-3:])) is not None
+
+
+def judge(name: KeyName, header: bytes, total_len: int,
+          allowed: frozenset[bytes] | None = None) -> str | None:
+    """Why no reader can ever serve this value (a :data:`REASONS` entry), or None if one may.
+
+    Depends only on the key name, the first 64 bytes and the length — exactly what the
+    conditional delete re-checks.
+    """
+    if total_len < codec.HEADER_SIZE or len(header) < codec.HEADER_SIZE:
+        return "truncated"
+    f = codec.parse_header(header)
+    if f.magic != codec.MAGIC:
+        return "bad_magic"
+    if f.version != codec.VALUE_VERSION:
+        return "bad_version"
+    if f.kind not in _KINDS:
+        return "bad_kind"
+    if f.digest != name.digest:
+        return "fingerprint_mismatch"
+    if f.group != name.group:
+        return "group_mismatch"
+    if f.hash_tag != codec.hash_tag(name.block_hash):
+        return "hash_mismatch"
+    if f.num_tokens == 0:
+        return "bad_num_tokens"
+    if f.length > codec.MAX_PAYLOAD or total_len != codec.HEADER_SIZE + f.length:
+        return "bad_length"
+    if allowed is not None and name.digest not in allowed:
+        return "retired_namespace"
+    return None
+
+
+class Pacer:
+    """Token pacing: work of ``n`` units starts only once the work before it fits in
+    ``rate`` units per second (so any interval sees at most ``rate * t + one batch``)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float],
+                 sleep: Callable[[float], Any]) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self.rate = rate
+        self._clock = clock
+        self._sleep = sleep
+        self._next: float | None = None
+
+    def spend(self, n: int) -> None:
+        now = self._clock()
+        if self._next is not None and self._next > now:
+            self._sleep(self._next - now)
+            now = self._clock()
+        start = now if self._next is None else max(self._next, now)
+        self._next = start + n / self.rate
+
+    def reset(self) -> None:
+        """Forget the debt (after an idle wait, nothing is owed)."""
+        self._next = None
+
+
+@dataclass
+class JanitorCounters:
+    """Plain ints, written by the janitor thread, read at scrape time."""
+
+    passes: int = 0
+    passes_failed: int = 0
+    sweeps: int = 0  # full walks of the keyspace completed
+    scan_calls: int = 0
+    keys_examined_budget: int = 0  # SCAN COUNT charged against max_keys_per_s
+    keys_scanned: int = 0
+    bytes_seen: int = 0
+    errors: int = 0
+    unavailable_events: int = 0
+    recoveries: int = 0
+    changed_before_delete: int = 0  # judged bad, but no longer the same value: kept
+    vanished: int = 0  # gone between SCAN and the header read
+    nested_prefix_skipped: int = 0
+    last_pass_keys: int = 0
+    last_pass_seconds: float = 0.0
+    last_pass_end: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Doomed:
+    """A key judged unservable, with what the conditional delete must find unchanged."""
+
+    key: bytes
+    reason: str
+    mode: str  # "s": string (header, length); "n": non-string; "name": unparseable name
+    header: bytes
+    length: int
+
+
+class _Unavailable(Exception):
+    """Redis failed during a pass (already counted)."""
+
+
+class RedisJanitor:
+    """Periodic, paced, conditional clean-up of one prefix. ``start()`` / ``stop()``."""
+
+    def __init__(self, url: str, prefix: str = "kvtier", *, interval_s: float = 300.0,
+                 scan_count: int = 100, max_keys_per_s: float = 2000.0,
+                 max_keys_per_pass: int = 0, allowed_fingerprints: Iterable[str] | None = None,
+                 dry_run: bool = False, socket_timeout_s: float = 2.0,
+                 backoff_initial_s: float = 1.0, ssl_ca_certs: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Any] | None = None,
+                 redis_kwargs: dict[str, Any] | None = None) -> None:
+        if not prefix:
+            raise ValueError("prefix must not be empty")
+        if scan_count < 1 or max_keys_per_pass < 0 or interval_s <= 0:
+            raise ValueError("scan_count >= 1, max_keys_per_pass >= 0, interval_s > 0")
+        self.target: RedisTarget = parse_redis_url(url)
+        self.prefix = prefix
+        self._prefix_colon = prefix.encode() + b":"
+        self.pattern = _glob_escape(self._prefix_colon) + b"*"
+        self.interval_s = interval_s
+        self.scan_count = scan_count
+        self.max_keys_per_pass = max_keys_per_pass
+        self.allowed = (None if allowed_fingerprints is None
+                        else frozenset(bytes.fromhex(f) for f in allowed_fingerprints))
+        self.dry_run = dry_run
+        self._backoff_initial = backoff_initial_s
+        self._backoff = backoff_initial_s
+        self._stop = threading.Event()
+        self._clock = clock
+        self._sleep = sleep or self._stop.wait
+        self.pacer = Pacer(max_keys_per_s, clock, self._sleep)
+        self.counters = JanitorCounters()
+        self.deleted = dict.fromkeys(REASONS, 0)
+        self.would_delete = dict.fromkeys(REASONS, 0)
+        self.available = True
+        self.last_error = ""
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        # where a pass cut short by max_keys_per_pass stopped: node, cursor, carried keys,
+        # whether that node's SCAN has started
+        self._resume: tuple[str, int, list[bytes], bool] | None = None
+        self._pass_keys = 0
+        kwargs = dict(redis_kwargs or {})
+        if ssl_ca_certs is not None:
+            kwargs["ssl_ca_certs"] = ssl_ca_certs
+        kwargs.update(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+                      retry=Retry(NoBackoff(), 0))
+        self._secrets = _url_passwords(url, kwargs.get("password"))
+        self._kwargs = kwargs
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        log.info("redis janitor: %s prefix %r every %.0f s, at most %.0f keys/s%s",
+                 self.target.redacted, self.prefix, self.interval_s, self.pacer.rate,
+                 " (dry run)" if self.dry_run else "")
+        self._thread = threading.Thread(target=self._loop, name="kvtier-redis-janitor",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                log.debug("closing the janitor's Redis client failed", exc_info=True)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            ok = self.run_pass()
+            if ok:
+                wait = self.interval_s
+            else:
+                wait = min(self._backoff * (0.5 + random.random()), self.interval_s)
+                self._backoff = min(self._backoff * 2, self.interval_s)
+            if self._stop.wait(wait):
+                return
+            self.pacer.reset()
+
+    # ------------------------------------------------------------------ one pass
+    def run_pass(self) -> bool:
+        """One pass (the whole keyspace, or ``max_keys_per_pass`` keys). False if Redis failed.
+
+        Never raises: every failure is counted and reflected in ``available``.
+        """
+        started = self._clock()
+        self._pass_keys = 0
+        try:
+            finished = self._walk()
+        except _Unavailable:
+            with self._lock:
+                self.counters.passes_failed += 1
+            return False
+        except Exception as exc:  # a bug must not kill the daemon: count it, say it
+            self._failed(exc)
+            log.exception("redis janitor pass failed")
+            with self._lock:
+                self.counters.passes_failed += 1
+            return False
+        with self._lock:
+            c = self.counters
+            c.passes += 1
+            c.sweeps += finished
+            c.last_pass_keys = self._pass_keys
+            c.last_pass_seconds = self._clock() - started
+            c.last_pass_end = time.time()
+        self._ok()
+        return True
+
+    def _walk(self) -> bool:
+        """Scan on from where the last pass stopped; True when a full sweep completed."""
+        nodes = self._nodes()
+        labels = [label for label, _ in nodes]
+        i, cursor, carry, started = 0, 0, [], False
+        if self._resume is not None and self._resume[0] in labels:
+            label, cursor, carry, started = self._resume
+            i = labels.index(label)
+        self._resume = None
+        while i < len(nodes):
+            label, node = nodes[i]
+            if carry:
+                batch, carry = self._take(carry)
+                if batch:
+                    self._process(label, node, batch)
+            node_done = started and cursor == 0 and not carry
+            if node_done:
+                i, cursor, started = i + 1, 0, False
+                continue
+            if carry or self._budget_left() == 0 or self._stop.is_set():
+                self._resume = (label, cursor, carry, started)
+                return False
+            self.pacer.spend(self.scan_count)
+            cursor, keys = self._call(lambda n=node, c=cursor: n.scan(
+                c, match=self.pattern, count=self.scan_count))
+            started = True
+            with self._lock:
+                self.counters.scan_calls += 1
+                self.counters.keys_examined_budget += self.scan_count
+            carry = list(keys)
+        return True
+
+    def _budget_left(self) -> int | None:
+        if not self.max_keys_per_pass:
+            return None
+        return max(0, self.max_keys_per_pass - self._pass_keys)
+
+    def _take(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        left = self._budget_left()
+        if left is None:
+            return keys, []
+        return keys[:left], keys[left:]
+
+    def _process(self, label: str, node: Any, keys: Sequence[bytes]) -> None:
+        """Judge one SCAN batch and delete what can never be served."""
+        self._pass_keys += len(keys)
+        plen = len(self._prefix_colon)
+        named: list[tuple[bytes, KeyName]] = []
+        doomed: list[_Doomed] = []
+        nested = 0
+        for key in keys:
+            if not key.startswith(self._prefix_colon):
+                continue  # SCAN MATCH already filters; never judge outside the prefix
+            rest = key[plen:]
+            parsed = parse_key_name(rest)
+            if parsed is not None:
+                named.append((key, parsed))
+            elif is_nested_prefix(rest):
+                nested += 1
+            else:
+                doomed.append(_Doomed(key, "bad_key_name", "name", b"", 0))
+        replies = self._pipeline(node, [(("GETRANGE", k, 0, codec.HEADER_SIZE - 1),
+                                         ("STRLEN", k)) for k, _ in named])
+        seen_bytes = 0
+        for (key, parsed), (header, length) in zip(named, _pairs(replies), strict=True):
+            if isinstance(header, ResponseError):
+                if str(header).startswith("WRONGTYPE"):
+                    doomed.append(_Doomed(key, "wrong_type", "n", b"", 0))
+                    continue
+                self._failed(header)
+                raise _Unavailable
+            if not isinstance(header, bytes) or not isinstance(length, int):
+                self._failed(RuntimeError(f"unexpected reply type {type(header).__name__}"))
+                raise _Unavailable
+            seen_bytes += length
+            reason = judge(parsed, header, length, self.allowed)
+            if reason is not None:
+                doomed.append(_Doomed(key, reason, "s", header, length))
+        done = self._delete(label, node, doomed) if doomed else []
+        with self._lock:
+            c = self.counters
+            c.keys_scanned += len(keys)
+            c.bytes_seen += seen_bytes
+            c.nested_prefix_skipped += nested
+            for d, ok in zip(doomed, done, strict=True):
+                if self.dry_run:
+                    self.would_delete[d.reason] += 1
+                elif ok:
+                    self.deleted[d.reason] += 1
+                elif d.mode == "s" and d.length == 0:
+                    c.vanished += 1  # GETRANGE/STRLEN of a missing key look like ""
+                else:
+                    c.changed_before_delete += 1
+
+    def _delete(self, label: str, node: Any, doomed: list[_Doomed]) -> list[bool]:
+        if self.dry_run:
+            return [False] * len(doomed)
+        script = self._script(label, node)
+        pipe = node.pipeline(transaction=False)
+        for d in doomed:
+            if d.mode == "name":  # a name no writer produces: whatever it holds is garbage
+                pipe.unlink(d.key)
+            else:
+                script(keys=[d.key], args=[d.mode, d.header, d.length], client=pipe)
+        results = self._call(lambda: pipe.execute(raise_on_error=False))
+        out = []
+        for r in results:
+            if isinstance(r, ResponseError):
+                self._failed(r)
+                raise _Unavailable
+            out.append(bool(r))
+        return out
+
+    # ------------------------------------------------------------------ Redis plumbing
+    def _get_client(self) -> Any:
+        if self._client is None:
+            if self.target.cluster:
+                from redis.cluster import RedisCluster
+
+                self._client = RedisCluster.from_url(
+                    self.target.url, cluster_error_retry_attempts=0, **self._kwargs)
+            else:
+                self._client = redis.Redis.from_url(self.target.url, **self._kwargs)
+        return self._client
+
+    def _nodes(self) -> list[tuple[str, Any]]:
+        client = self._call(self._get_client)
+        if not self.target.cluster:
+            return [("main", client)]
+        return self._call(lambda: [(n.name, client.get_redis_connection(n))
+                                   for n in client.get_primaries()])
+
+    def _script(self, label: str, node: Any) -> Any:
+        script = self._scripts.get(label)
+        if script is None:
+            script = self._scripts[label] = node.register_script(_LUA_DELETE_IF_SAME)
+        return script
+
+    def _pipeline(self, node: Any, groups: list[tuple[tuple[Any, ...], ...]]) -> list[Any]:
+        if not groups:
+            return []
+        pipe = node.pipeline(transaction=False)
+        for group in groups:
+            for cmd in group:
+                pipe.execute_command(*cmd)
+        return self._call(lambda: pipe.execute(raise_on_error=False))
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (redis.RedisError, OSError) as exc:
+            self._failed(exc)
+            if self._client is not None and not self.target.cluster:
+                try:
+                    self._client.connection_pool.disconnect()
+                except Exception:
+                    log.debug("pool disconnect failed", exc_info=True)
+            if self.target.cluster:
+                self._client, self._scripts = None, {}
+            raise _Unavailable from None
+
+    def _failed(self, exc: BaseException) -> None:
+        text = self._scrub(f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            was_up = self.available
+            self.available = False
+            self.last_error = text
+            self.counters.errors += 1
+            if was_up:
+                self.counters.unavailable_events += 1
+        if was_up:
+            log.warning("redis janitor: %s unavailable (%s); retrying with backoff",
+                        self.target.redacted, text)
+
+    def _ok(self) -> None:
+        self._backoff = self._backoff_initial
+        if self.available:
+            return
+        with self._lock:
+            self.available = True
+            self.counters.recoveries += 1
+        log.warning("redis janitor: %s answers again", self.target.redacted)
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(vars(self.counters))
+            out.update(
+                url=self.target.redacted, prefix=self.prefix, available=self.available,
+                last_error=self.last_error, dry_run=self.dry_run,
+                interval_s=self.interval_s, max_keys_per_s=self.pacer.rate,
+                max_keys_per_pass=self.max_keys_per_pass,
+                deleted={k: v for k, v in self.deleted.items() if v},
+                deleted_total=sum(self.deleted.values()),
+                would_delete={k: v for k, v in self.would_delete.items() if v},
+            )
+        return out
+
+
+def _pairs(replies: list[Any]) -> Iterable[tuple[Any, Any]]:
+    it = iter(replies)
+    return zip(it, it, strict=True)
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    """Escape SCAN MATCH metacharacters so the prefix matches literally."""
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", raw)
+
+
+def _url_passwords(url: str, extra: str | None) -> list[str]:
+    found: set[str] = set()
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    if password:
+        found |= {password, unquote(password)}
+    if extra:
+        found.add(extra)
+    return sorted(found, key=len, reverse=True)
