@@ -48,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
                     default=None, help="ask each publisher for its buffered batches at start")
     rp.add_argument("--no-replay-on-start", dest="replay_on_start", action="store_false")
     p.add_argument("--log-level")
+    j = p.add_argument_group("Redis janitor (off unless --redis-url or redis_url is given)")
+    j.add_argument("--redis-url", help="the Redis tier's URL (redis://, rediss://, unix://, "
+                   "+cluster); prefer the YAML file for URLs with a password (ps shows flags)")
+    j.add_argument("--redis-prefix", help="key prefix of the Redis tier (default kvtier)")
+    j.add_argument("--janitor-interval", type=float, dest="janitor_interval_s",
+                   help="seconds between passes (default 300)")
+    j.add_argument("--janitor-max-keys-per-s", type=float, dest="janitor_max_keys_per_s",
+                   help="SCAN pace: keys Redis examines per second (default 2000)")
+    j.add_argument("--janitor-max-keys-per-pass", type=int, dest="janitor_max_keys_per_pass",
+                   help="cut a pass after this many keys, resume there next time (0 = all)")
+    j.add_argument("--janitor-dry-run", action="store_true", default=None,
+                   dest="janitor_dry_run", help="count what would be deleted, delete nothing")
     return p
 
 
@@ -57,6 +69,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "replay_timeout_s": args.replay_timeout_s, "replay_on_start": args.replay_on_start,
         "replay_idle_probe_s": args.replay_idle_probe_s,
         "log_level": args.log_level,
+        "redis_url": args.redis_url, "redis_prefix": args.redis_prefix,
+        "janitor_interval_s": args.janitor_interval_s,
+        "janitor_max_keys_per_s": args.janitor_max_keys_per_s,
+        "janitor_max_keys_per_pass": args.janitor_max_keys_per_pass,
+        "janitor_dry_run": args.janitor_dry_run,
     }
     if args.endpoint:
         pubs = []

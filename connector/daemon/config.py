@@ -118,6 +118,44 @@ class DaemonConfig(BaseModel):
     clear_on_restart: list[str] = Field(default_factory=lambda: ["GPU", "CPU"])
     log_level: str = "INFO"
     token_hashing: TokenHashingConfig | None = None
+    # Redis janitor (off unless redis_url is set): see connector/daemon/redis_janitor.py
+    redis_url: str | None = None
+    redis_prefix: str = Field(default="kvtier", min_length=1)
+    redis_ssl_ca_certs: str | None = None
+    redis_socket_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    janitor_interval_s: float = Field(default=300.0, gt=0, le=7 * 86400)
+    janitor_scan_count: int = Field(default=100, ge=1, le=10_000)
+    janitor_max_keys_per_s: float = Field(default=2000.0, gt=0)
+    janitor_max_keys_per_pass: int = Field(default=0, ge=0)
+    janitor_allowed_fingerprints: list[str] | None = None
+    janitor_dry_run: bool = False
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        from offload_tiers.redis_url import parse_redis_url
+
+        parse_redis_url(v)  # its errors name the URL redacted
+        return v
+
+    @field_validator("janitor_allowed_fingerprints")
+    @classmethod
+    def _fingerprints(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        bad = [f for f in v if not re.fullmatch(r"[0-9a-fA-F]{32}", f)]
+        if bad:
+            raise ValueError(f"janitor_allowed_fingerprints: {bad[:3]} are not 32 hex digits "
+                             "(a Namespace.fingerprint)")
+        return [f.lower() for f in v]
+
+    @model_validator(mode="after")
+    def _janitor(self) -> DaemonConfig:
+        if self.redis_url is None and self.janitor_allowed_fingerprints is not None:
+            raise ValueError("janitor_allowed_fingerprints needs redis_url")
+        return self
 
     @field_validator("http")
     @classmethod

@@ -98,13 +98,22 @@ class Daemon:
         th = cfg.token_hashing
         self.token_hasher = (TokenHasher(th.algo, th.hash_block_size, th.seed)
                              if th is not None else None)
+        self.janitor = _make_janitor(cfg)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_DaemonCollector(self))
+        if self.janitor is not None:
+            from connector.daemon.janitor_metrics import JanitorCollector
+
+            self.registry.register(JanitorCollector(self.janitor))
 
     def start(self) -> None:
         self.subscriber.start()
+        if self.janitor is not None:
+            self.janitor.start()
 
     def stop(self) -> None:
+        if self.janitor is not None:
+            self.janitor.stop()
         self.subscriber.stop()
 
     def lookup(self, req: LookupRequest) -> dict[str, Any]:
@@ -156,12 +165,29 @@ class Daemon:
             }
         counts = self.entry_counts()
         index["by_medium_kind"] = {f"{m}/{k}": c for (m, k), c in sorted(counts.items())}
-        return {"uptime_s": round(time.time() - self.started, 3), "pid": os.getpid(),
-                "rss_bytes": _rss_bytes(), "decode_errors": ing.decode_errors,
-                "index": index, "publishers": pubs, "sources": sources}
+        out = {"uptime_s": round(time.time() - self.started, 3), "pid": os.getpid(),
+               "rss_bytes": _rss_bytes(), "decode_errors": ing.decode_errors,
+               "index": index, "publishers": pubs, "sources": sources}
+        if self.janitor is not None:
+            out["janitor"] = self.janitor.stats()
+        return out
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _make_janitor(cfg: DaemonConfig) -> Any:
+    """The Redis janitor when ``redis_url`` is configured (redis is imported only then)."""
+    if cfg.redis_url is None:
+        return None
+    from connector.daemon.redis_janitor import RedisJanitor
+
+    return RedisJanitor(
+        cfg.redis_url, cfg.redis_prefix, interval_s=cfg.janitor_interval_s,
+        scan_count=cfg.janitor_scan_count, max_keys_per_s=cfg.janitor_max_keys_per_s,
+        max_keys_per_pass=cfg.janitor_max_keys_per_pass,
+        allowed_fingerprints=cfg.janitor_allowed_fingerprints, dry_run=cfg.janitor_dry_run,
+        socket_timeout_s=cfg.redis_socket_timeout_s, ssl_ca_certs=cfg.redis_ssl_ca_certs)
 
 
 def _rss_bytes() -> int:
