@@ -21,7 +21,9 @@ engines, in reverse order, runs more of them). (d) runs ``cold`` in one process 
 so (a)-(c) after a restart recompute what they recomputed in ``cold``.
 
 Token counts come from vLLM's own counters (``prompt_tokens_by_source``,
-``prompt_tokens_cached_by_source``) and kvtier's ``vllm:kvtier_hit_tokens_{cpu,redis}``.
+``prompt_tokens_cached_by_source``) and kvtier's ``vllm:kvtier_hit_tokens_{cpu,redis}``;
+"recomputed" in the ratios is per request max(prompt - cached, 1), the tokens really run
+(vLLM's admission counter misses the last token recomputed after a whole-prompt async hit).
 
 Ratios (JSON ``ratios``):
   recomputed_vs_native_{hybrid,llama}  recomputed prefill tokens after the GPU-cache reset,
@@ -223,6 +225,21 @@ def _nohit_identical(runs: dict[str, Any], config: str) -> bool | None:
 
 
 def _recomputed(phase: dict[str, Any] | None) -> int | None:
+    """Prompt tokens the engine really ran through prefill: per request, prompt - cached,
+    and at least 1 (vLLM always computes the last prompt token to sample the next one).
+
+    vLLM's ``prompt_tokens_by_source[local_compute]`` counts at admission: a whole-prompt
+    asynchronous hit (native) shows 0 there although vLLM then recomputes the last token
+    (``Scheduler._update_waiting_for_remote_kv``); kvtier's synchronous hit of prompt - 1
+    shows that token. Counting per request treats both the same.
+    """
+    if phase is None:
+        return None
+    return sum(max(r["prompt_tokens"] - r["cached_tokens"], 1) for r in phase["requests"])
+
+
+def _counted(phase: dict[str, Any] | None) -> int | None:
+    """vLLM's own admission counter of locally computed prompt tokens."""
     if phase is None:
         return None
     return int(round(phase["counters"].get(
@@ -263,6 +280,8 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
         detail[model] = {
             "recomputed_after_reset": {c: _recomputed(runs[c].get("reset"))
                                        for c in runs if "reset" in runs[c]},
+            "vllm_counter_local_compute_after_reset": {
+                c: _counted(runs[c].get("reset")) for c in runs if "reset" in runs[c]},
             "recomputed_after_restart": {
                 **{c: _recomputed(runs[c].get("cold")) for c in ("none", "native",
                                                                  "kvtier-cpu")},
@@ -338,6 +357,9 @@ def main(argv: list[str]) -> int:
         d = detail[model]
         print("recomputed after GPU-cache reset: "
               + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_reset"].items()))
+        print("  (vLLM's admission counter:      "
+              + ", ".join(f"{k}={v}" for k, v in
+                          d["vllm_counter_local_compute_after_reset"].items()) + ")")
         print("recomputed after engine restart:  "
               + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_restart"].items()))
         for key, what in (("cpu_s", "CPU s"), ("wall_s", "wall s")):

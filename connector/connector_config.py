@@ -21,6 +21,8 @@ _FIXES: dict[str, str] = {
     "redis_prefix": "use a short non-empty string without spaces, e.g. 'kvtier'",
     "redis_ttl_s": "give seconds as a positive integer, or null for no expiry",
     "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
+    "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
+                          "Redis server's certificate (used with rediss:// URLs)",
     "write_mode": "use 'through' (write Redis in the step) or 'back' (write-behind queue)",
     "store_partial": "use true or false",
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
@@ -45,6 +47,8 @@ class TieredConfig(BaseModel):
     redis_prefix: str = "kvtier"
     redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
     redis_timeout_s: float = Field(default=0.25, gt=0)
+    # CA bundle that verifies a rediss:// server (default: the system's trust store).
+    redis_ssl_ca_certs: str | None = None
     write_mode: Literal["through", "back"] = "through"
     store_partial: bool = True
     tenant: str = ""
@@ -62,6 +66,16 @@ class TieredConfig(BaseModel):
         if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
             raise ValueError(f"unsupported Redis URL {redact_url(value)}")
         return value
+
+    @field_validator("redis_ssl_ca_certs")
+    @classmethod
+    def _check_ca(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"no readable file at {path}")
+        return str(path)
 
     @field_validator("redis_prefix")
     @classmethod

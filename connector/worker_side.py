@@ -56,6 +56,7 @@ class TierRuntime:
             self.redis = RedisTier.from_url(
                 config.redis_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
                 socket_timeout_s=config.redis_timeout_s,
+                ssl_ca_certs=config.redis_ssl_ca_certs,
             )
             self.counters.set_gauge("redis_configured", 1)
             if not self.redis.available:

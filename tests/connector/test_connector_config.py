@@ -27,6 +27,7 @@ def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
     ({"redis_url": "http://x"}, "redis_url"),
     ({"cpu_byte": 1 << 30}, "cpu_byte: unknown setting"),
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
+    ({"redis_ssl_ca_certs": "/nonexistent/ca.pem"}, "redis_ssl_ca_certs"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
     with pytest.raises(ConnectorConfigError) as err:
@@ -49,3 +50,10 @@ def test_unreadable_or_bad_yaml(tmp_path: Path) -> None:
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConnectorConfigError, match="mapping"):
         load_config({"config_file": str(bad)})
+
+
+def test_ca_file_is_kept_as_a_path(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    cfg = load_config({"redis_url": "rediss://127.0.0.1:6380/0", "redis_ssl_ca_certs": str(ca)})
+    assert cfg.redis_ssl_ca_certs == str(ca)

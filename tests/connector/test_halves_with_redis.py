@@ -6,7 +6,6 @@ them from Redis into different block ids; corrupt and foreign values are misses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -17,30 +16,11 @@ from connector.connector_config import TieredConfig
 from connector.scheduler_side import ATTENTION, GroupSpec, TieredScheduler
 from connector.worker_side import TieredWorker, TierRuntime
 from offload_tiers.keys import BlockKind
+from tests.support.sched_doubles import Blk, Req
 
 BS = 32
 NB = 16
 GROUPS = [GroupSpec(0, ATTENTION, BS)]
-
-
-@dataclass
-class Req:
-    request_id: str
-    num_tokens: int
-    cache_salt: str | None = None
-    all_token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.all_token_ids = list(range(self.num_tokens))
-        self.block_hashes = [f"blk{i}".encode() for i in range(self.num_tokens // BS)]
-
-
-@dataclass
-class Blk:
-    block_id: int
-    block_hash_num_tokens: int | None = None
-    is_null: bool = False
 
 
 class Engine:
@@ -117,7 +97,7 @@ def test_bad_redis_values_are_misses(engines: Any, redis_url: str, key_prefix: s
     client = redis.Redis.from_url(redis_url)
     names = sorted(client.scan_iter(match=f"{key_prefix}:*"))
     assert len(names) == 2
-    second_block = next(n for n in names if n.endswith(b"blk1".hex().encode()))
+    second_block = next(n for n in names if n.endswith(b"h1".hex().encode()))
     first_block = next(n for n in names if n != second_block)
     value = client.get(second_block)
     assert value is not None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -13,29 +12,10 @@ from connector.kv_layout import GroupLayout, KVLayout, TensorSlice
 from connector.scheduler_side import ATTENTION, MAMBA, GroupSpec, TieredScheduler
 from connector.worker_side import TierRuntime
 from offload_tiers.keys import BlockKind
+from tests.support.sched_doubles import Blk, Req
 
 UNIT = 32
 BS = 64
-
-
-@dataclass
-class Req:
-    request_id: str
-    num_tokens: int
-    cache_salt: str | None = None
-    all_token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.all_token_ids = list(range(self.num_tokens))
-        self.block_hashes = [f"h{i}".encode() for i in range(self.num_tokens // UNIT)]
-
-
-@dataclass
-class Blk:
-    block_id: int
-    block_hash_num_tokens: int | None = None
-    is_null: bool = False
 
 
 def _runtime(groups: list[GroupSpec], **cfg: object) -> TierRuntime:
@@ -136,15 +116,25 @@ def test_hybrid_partial_only_ends_a_hit_and_needs_the_mamba_state() -> None:
     assert s.lookup(req, 0) == 128
 
 
-def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
-    mamba_blocks = [Blk(0, is_null=True), Blk(11)]
-    attn_blocks = [Blk(20), Blk(21), Blk(22)]
-    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
+def _hybrid_hit(mamba_ids: list[int], attn_ids: list[int],
+                stored: tuple[tuple[int, int], ...], hit: int) -> TieredScheduler:
+    """A hybrid request "r" (200 tokens) whose hit of ``hit`` tokens vLLM accepted.
+
+    Mamba block 0 is null (vLLM keeps only the blocks holding states); ``stored`` lists the
+    (group, tokens) entries in the CPU tier.
+    """
+    blocks = [[Blk(0, is_null=True)] + [Blk(i) for i in mamba_ids], [Blk(i) for i in attn_ids]]
+    s = _sched(HYBRID, {"r": blocks})
     req = Req("r", 200)
-    for group, tokens in ((1, 64), (1, 96), (0, 96)):
+    for group, tokens in stored:
         _store(s, req, group, tokens)
-    assert s.lookup(req, 0) == 96
-    s.on_alloc(req, [mamba_blocks, attn_blocks], 96)
+    assert s.lookup(req, 0) == hit
+    s.on_alloc(req, blocks, hit)
+    return s
+
+
+def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
+    s = _hybrid_hit([11], [20, 21, 22], ((1, 64), (1, 96), (0, 96)), 96)
     plan = s.plan({"r": 100}, {}, set())
     loads = {(op.group, op.block_id, op.key.num_tokens, op.key.kind) for op in plan.loads}
     assert loads == {(1, 20, 64, BlockKind.FULL), (1, 21, 96, BlockKind.PARTIAL),
@@ -155,14 +145,7 @@ def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
 
 def test_restored_mamba_state_also_lands_in_the_running_block() -> None:
     """vLLM copies state (L-1)//B -> running block before connector loads run: mirror it."""
-    mamba_blocks = [Blk(0, is_null=True), Blk(11), Blk(12)]
-    attn_blocks = [Blk(20), Blk(21), Blk(22)]
-    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
-    req = Req("r", 200)
-    for group, tokens in ((1, 64), (1, 128), (0, 128)):
-        _store(s, req, group, tokens)
-    assert s.lookup(req, 0) == 128
-    s.on_alloc(req, [mamba_blocks, attn_blocks], 128)
+    s = _hybrid_hit([11, 12], [20, 21, 22], ((1, 64), (1, 128), (0, 128)), 128)
     plan = s.plan({"r": 160}, {}, set())  # this step runs 128..160: running block index 2
     mamba = sorted(op.block_id for op in plan.loads if op.group == 0)
     assert mamba == [11, 12]
@@ -171,14 +154,7 @@ def test_restored_mamba_state_also_lands_in_the_running_block() -> None:
 
 
 def test_no_mirror_when_the_step_stays_in_the_restored_block() -> None:
-    mamba_blocks = [Blk(0, is_null=True), Blk(11)]
-    attn_blocks = [Blk(20), Blk(21)]
-    s = _sched(HYBRID, {"r": [mamba_blocks, attn_blocks]})
-    req = Req("r", 200)
-    for group, tokens in ((1, 64), (1, 96), (0, 96)):
-        _store(s, req, group, tokens)
-    assert s.lookup(req, 0) == 96
-    s.on_alloc(req, [mamba_blocks, attn_blocks], 96)
+    s = _hybrid_hit([11], [20, 21], ((1, 64), (1, 96), (0, 96)), 96)
     plan = s.plan({"r": 128}, {}, set())
     assert [op.block_id for op in plan.loads if op.group == 0] == [11]
 

@@ -117,23 +117,9 @@ def test_hybrid_prefixes_restored_including_partial_ends(run: dict[str, Any]) ->
     assert run["stats"]["hybrid_hits_withheld"] == 0
 
 
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
-    import uuid
-
-    import redis
-
-    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{name}*", count=1000))
-    if keys:
-        client.delete(*keys)
-
-
 def test_second_engine_serves_hybrid_prefix_from_redis(
-        baseline: list[list[int]], redis_url: str, redis_prefix: str) -> None:
-    extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": redis_prefix}
+        baseline: list[list[int]], redis_url: str, key_prefix: str) -> None:
+    extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": key_prefix}
     steps = [["multi_turn", FIRST_PROMPT, 3]]
     first = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": steps})
     second = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": steps})

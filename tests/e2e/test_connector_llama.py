@@ -7,15 +7,14 @@ tier), and a kvtier engine with the test-only ``debug_corrupt_loads`` switch.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from connector.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
+from tests.support.redis_keys import scratch_prefix
 
 pytestmark = pytest.mark.e2e
 
@@ -36,12 +35,8 @@ def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def prefix(redis_url: str) -> Iterator[str]:
-    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{name}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    with scratch_prefix(redis_url) as name:
+        yield name
 
 
 @pytest.fixture(scope="module")

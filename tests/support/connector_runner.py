@@ -4,7 +4,8 @@ Used by the connector's e2e tests to get a baseline without kvtier, a second eng
 on the same Redis, and engines with test-only switches, each in its own process::
 
     python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
-        "steps": [["generate", "name", "prompt" | [token ids]], ["reset"]], "max_tokens": 8}'
+        "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"]],
+        "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool}'
 
 The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
 """
@@ -12,6 +13,7 @@ The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -81,6 +83,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from connector.tiny_models import tiny_hybrid, tiny_llama
 
     extra = spec.get("extra")
+    proxy = None
+    if spec.get("proxy_to"):  # a loopback TCP proxy in this process, between engine and Redis
+        from tests.support.tcp_proxy import TcpProxy
+
+        proxy = TcpProxy("127.0.0.1", int(spec["proxy_to"])).start()
+        extra = dict(extra or {}, redis_url=f"redis://127.0.0.1:{proxy.port}/0")
+    if spec.get("log_info"):
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     overrides: dict[str, Any] = {}
     if extra is not None:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
@@ -93,9 +103,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
     outputs: list[dict[str, Any]] = []
 
-    def gen(name: str, prompt: str | list[int]) -> str:
+    def gen(name: str, prompt: str | list[int], salt: str | None = None) -> str:
         before = counters(tc.runtime_stats()) if extra is not None else {}
-        request: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        request: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) \
+            else {"prompt": prompt}
+        if salt:
+            request["cache_salt"] = salt
         out = llm.generate([request], params, use_tqdm=False)[0]
         after = counters(tc.runtime_stats()) if extra is not None else {}
         delta = {k: after[k] - before.get(k, 0) for k in after
@@ -119,10 +132,57 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             multi_turn(lambda name, prompt: gen(name, prompt),
                        llm.reset_prefix_cache if reset else (lambda: None), first_prompt, turns)
             continue
-        _, name, prompt = step
-        gen(name, prompt)
-    stats = counters(tc.runtime_stats()) if extra is not None else {}
-    return {"outputs": outputs, "stats": stats}
+        if step[0] in ("proxy", "wait_redis", "snapshot"):
+            outputs.append(fault_step(step, proxy, tc.runtime_stats))
+            continue
+        gen(step[1], step[2], step[3] if len(step) > 3 else None)
+    full = tc.runtime_stats() if extra is not None else {}
+    if proxy is not None:
+        proxy.stop()
+    return {"outputs": outputs, "stats": counters(full),
+            "redis_tier": full.get("redis_tier", {})}
+
+
+def fault_step(step: list[Any], proxy: Any, stats: Any) -> dict[str, Any]:
+    """``["proxy", "latency", s]``, ``["proxy", "reset"]``, ``["proxy", "mode", m]``,
+    ``["wait_redis", 0|1, timeout_s]`` (poll kvtier's gauge), ``["snapshot", name]``."""
+    import time
+
+    if step[0] == "proxy":
+        assert proxy is not None, "spec has no proxy_to"
+        if step[1] == "latency":
+            proxy.latency_s = float(step[2])
+        elif step[1] == "mode":
+            proxy.mode = step[2]
+        elif step[1] == "reset":
+            return {"name": "proxy-reset", "reset": proxy.reset_all()}
+        elif step[1] == "flap":  # RST every open connection every step[2] s until "steady"
+            import threading
+
+            stop = threading.Event()
+            count = [0]
+
+            def flap() -> None:
+                while not stop.wait(float(step[2])):
+                    count[0] += proxy.reset_all()
+
+            proxy.flapping = (stop, count, threading.Thread(target=flap, daemon=True))
+            proxy.flapping[2].start()
+        elif step[1] == "steady":
+            stop, count, thread = proxy.flapping
+            stop.set()
+            thread.join(2)
+            return {"name": "proxy-steady", "resets": count[0]}
+        return {"name": f"proxy-{step[1]}"}
+    if step[0] == "wait_redis":
+        want, deadline = int(step[1]), time.monotonic() + float(step[2])
+        start = time.monotonic()
+        while stats().get("redis_available") != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"name": f"wait_redis-{want}", "reached": stats().get("redis_available") == want,
+                "waited_s": round(time.monotonic() - start, 3)}
+    full = stats()
+    return {"name": step[1], "stats": counters(full), "redis_tier": full.get("redis_tier", {})}
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
@@ -139,7 +199,9 @@ def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, A
                           text=True, timeout=timeout, check=False)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            result: dict[str, Any] = json.loads(line[len("RESULT "):])
+            result["log"] = proc.stderr
+            return result
     raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 

@@ -1,0 +1,225 @@
+"""Faults and security through the connector, each with a real vLLM CPU engine (tiny Llama).
+
+Engine processes (each reused by several assertions; ~10-25 s each):
+
+* ``baseline``: vLLM alone, every prompt used below (outputs to compare with).
+* ``proxied``: kvtier whose Redis (a server this module owns) sits behind a loopback TCP proxy
+  in the engine's process: added latency past ``redis_timeout_s``, connections reset
+  repeatedly during a request, then a healthy link again. Tenant "alice" stores a prompt.
+* ``reader``: a second engine on the same Redis, directly: finds what ``proxied`` wrote
+  after recovering; tenants "alice", "bob" and "carol" (same tokens, same model) never get
+  each other's blocks.
+* ``other_model``: the same Redis with another ``model_id``: no block is shared.
+* ``tls_acl``: ``rediss://`` with an ACL user, server verified with a generated CA
+  (``redis_ssl_ca_certs``); ``wrong_password``: the same with a wrong password: the engine
+  starts and serves from the CPU tier; the error is clear and the password is in no log line
+  or stat.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.tiny_models import prompt_words
+from tests.support.connector_runner import run_in_subprocess
+from tests.support.ports import free_port
+from tests.support.redis_server import RedisServer
+from tests.support.tls_certs import TlsFiles, make_tls_files
+
+pytestmark = pytest.mark.e2e
+
+P1 = prompt_words(31, 140)
+P1B = P1 + " " + prompt_words(32, 20)
+P2 = prompt_words(33, 140)
+P3 = prompt_words(34, 140)
+P4 = prompt_words(35, 140)
+PT = prompt_words(36, 140)  # the tenants' prompt: identical tokens for alice and bob
+ACL_USER, ACL_PASSWORD, WRONG_PASSWORD = "kvt", "Acl-Pw-7f3e9d", "Wrong-Pw-1c2b8a"
+EXTRA = {"cpu_bytes": 64 << 20, "redis_timeout_s": 0.2, "redis_prefix": "kvf"}
+
+
+def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+def hits(out: dict[str, Any]) -> tuple[int, int]:
+    d = out["delta"]
+    return d.get("hit_tokens_cpu", 0), d.get("hit_tokens_redis", 0)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
+    steps = [["generate", n, p] for n, p in
+             (("P1", P1), ("P2", P2), ("P1B", P1B), ("P3", P3), ("P4", P4), ("PT", PT))]
+    return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": steps}))
+
+
+@pytest.fixture(scope="module")
+def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-faults")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
+    steps = [
+        ["generate", "PT-alice", PT, "alice"],
+        ["generate", "P1", P1],
+        ["snapshot", "healthy"],
+        ["proxy", "latency", 0.6],          # every reply arrives after redis_timeout_s
+        ["generate", "P2", P2],
+        ["snapshot", "slow"],
+        ["reset"],
+        ["generate", "P1B", P1B],            # served from the CPU tier meanwhile
+        ["proxy", "latency", 0.0],
+        ["proxy", "flap", 0.005],            # RST every connection every 5 ms ...
+        ["generate", "P3", P3],              # ... while this request runs
+        ["proxy", "steady"],
+        ["wait_redis", 1, 20.0],
+        ["generate", "P4", P4],
+        ["snapshot", "recovered"],
+    ]
+    return run_in_subprocess({"model": "llama", "extra": dict(EXTRA), "steps": steps,
+                              "proxy_to": redis_srv.port})
+
+
+@pytest.fixture(scope="module")
+def reader(proxied: dict[str, Any], redis_srv: RedisServer) -> dict[str, Any]:
+    steps = [["generate", "PT-bob", PT, "bob"], ["reset"],
+             ["generate", "PT-alice", PT, "alice"], ["reset"],
+             ["generate", "PT-carol", PT, "carol"],
+             ["generate", "P4", P4]]
+    return run_in_subprocess({"model": "llama", "steps": steps,
+                              "extra": dict(EXTRA, redis_url=redis_srv.url)})
+
+
+def test_proxy_latency_and_resets_keep_serving_identical_outputs(
+        baseline: dict[str, dict[str, Any]], proxied: dict[str, Any]) -> None:
+    runs = by_name(proxied)
+    for name in ("P1", "P2", "P1B", "P3", "P4"):
+        assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
+    assert runs["PT-alice"]["token_ids"] == baseline["PT"]["token_ids"]
+    healthy, slow = runs["healthy"]["stats"], runs["slow"]["stats"]
+    print("KVTIER-PROXY-SUMMARY", json.dumps({
+        n: runs[n]["stats"] for n in ("healthy", "slow", "recovered")}, sort_keys=True))
+    assert healthy["redis_available"] == 1 and healthy["blocks_written_redis"] > 0
+    # Latency past the timeout: Redis marked down, the step's writes dropped and counted.
+    assert slow["redis_available"] == 0
+    assert slow["redis_write_failures"] > healthy["redis_write_failures"]
+    assert slow["store_drops"] > healthy["store_drops"]
+    assert proxied["redis_tier"]["unavailable_events"] >= 1
+    # The CPU tier kept serving while Redis was slow.
+    assert hits(runs["P1B"])[0] > 0
+    assert runs["proxy-steady"]["resets"] > 0  # connections really were dropped mid-request
+    assert proxied["stats"]["load_errors"] == 0
+
+
+def test_recovers_after_the_link_heals_and_its_writes_are_served(
+        baseline: dict[str, dict[str, Any]], proxied: dict[str, Any],
+        reader: dict[str, Any]) -> None:
+    runs = by_name(proxied)
+    assert runs["wait_redis-1"]["reached"], runs["wait_redis-1"]
+    assert runs["recovered"]["stats"]["redis_available"] == 1
+    assert proxied["redis_tier"]["recoveries"] >= 1
+    assert runs["P4"]["delta"].get("blocks_written_redis", 0) > 0
+    p4 = by_name(reader)["P4"]
+    assert hits(p4)[1] > 0  # written after recovery, read by another engine, valid
+    assert p4["token_ids"] == baseline["P4"]["token_ids"]
+
+
+def test_tenants_never_get_each_others_blocks(
+        baseline: dict[str, dict[str, Any]], reader: dict[str, Any]) -> None:
+    runs = by_name(reader)
+    assert hits(runs["PT-bob"]) == (0, 0) and runs["PT-bob"]["num_cached_tokens"] == 0
+    # alice's own blocks, from Redis, although bob's (same tokens) are in the CPU tier now.
+    alice = hits(runs["PT-alice"])
+    assert alice[0] == 0 and alice[1] > 0
+    # alice's and bob's blocks are both in this engine's CPU tier: nothing for carol.
+    assert hits(runs["PT-carol"]) == (0, 0) and runs["PT-carol"]["num_cached_tokens"] == 0
+    for name in ("PT-bob", "PT-alice", "PT-carol"):
+        assert runs[name]["token_ids"] == baseline["PT"]["token_ids"], name
+
+
+def test_two_models_on_one_redis_share_no_block(
+        baseline: dict[str, dict[str, Any]], reader: dict[str, Any],
+        redis_srv: RedisServer) -> None:
+    steps = [["generate", "P4", P4], ["generate", "PT-alice", PT, "alice"]]
+    other = run_in_subprocess({"model": "llama", "steps": steps, "extra": dict(
+        EXTRA, redis_url=redis_srv.url, model_id="another-model")})
+    runs = by_name(other)
+    for name, ref in (("P4", "P4"), ("PT-alice", "PT")):
+        assert hits(runs[name]) == (0, 0), name
+        assert runs[name]["token_ids"] == baseline[ref]["token_ids"]
+    assert other["stats"]["redis_available"] == 1  # it did look: the keys are not its own
+
+
+# ---------------------------------------------------------------- TLS + ACL user
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def tls_srv(tmp_path_factory: pytest.TempPathFactory, tls: TlsFiles) -> Iterator[Any]:
+    tls_port = free_port()
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis-tls"),
+        "--tls-port", str(tls_port), "--tls-cert-file", str(tls.server_cert),
+        "--tls-key-file", str(tls.server_key), "--tls-ca-cert-file", str(tls.ca_cert),
+        "--tls-auth-clients", "no",
+        "--user", ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all").start()
+    yield server, tls_port
+    server.stop()
+
+
+def _tls_url(port: int, password: str) -> str:
+    return f"rediss://{ACL_USER}:{password}@127.0.0.1:{port}/0"
+
+
+def test_tls_with_acl_user_stores_and_serves(
+        baseline: dict[str, dict[str, Any]], tls: TlsFiles, tls_srv: Any) -> None:
+    server, port = tls_srv
+    extra = dict(EXTRA, redis_url=_tls_url(port, ACL_PASSWORD),
+                 redis_ssl_ca_certs=str(tls.ca_cert))
+    result = run_in_subprocess({"model": "llama", "extra": extra, "log_info": True,
+                                "steps": [["generate", "P1", P1], ["generate", "P2", P2]]})
+    assert result["stats"]["redis_available"] == 1
+    assert result["stats"]["blocks_written_redis"] > 0
+    assert server.client().dbsize() > 0  # the blocks really landed, over TLS, as the ACL user
+    # A second engine (fresh CPU tier) reads them back over TLS.
+    again = by_name(run_in_subprocess({"model": "llama", "extra": extra,
+                                       "steps": [["generate", "P1", P1]]}))["P1"]
+    assert hits(again)[1] > 0 and again["token_ids"] == baseline["P1"]["token_ids"]
+    assert ACL_PASSWORD not in result["log"] + json.dumps(result["stats"])
+    assert ACL_PASSWORD not in json.dumps(result["redis_tier"])
+
+
+def test_wrong_password_starts_cpu_only_with_a_clear_error_and_no_secret(
+        baseline: dict[str, dict[str, Any]], tls: TlsFiles, tls_srv: Any) -> None:
+    _, port = tls_srv
+    extra = dict(EXTRA, redis_url=_tls_url(port, WRONG_PASSWORD),
+                 redis_ssl_ca_certs=str(tls.ca_cert))
+    steps = [["generate", "P1", P1], ["reset"], ["generate", "P1B", P1B]]
+    result = run_in_subprocess({"model": "llama", "extra": extra, "steps": steps,
+                                "log_info": True})
+    runs = by_name(result)
+    assert runs["P1"]["token_ids"] == baseline["P1"]["token_ids"]
+    assert runs["P1B"]["token_ids"] == baseline["P1B"]["token_ids"]
+    assert hits(runs["P1B"])[0] > 0  # the CPU tier serves
+    stats = result["stats"]
+    assert stats["redis_configured"] == 1 and stats["redis_available"] == 0
+    assert stats["blocks_written_redis"] == 0
+    error = result["redis_tier"]["last_error"]
+    assert "authentication failed" in error.lower(), error
+    log = result["log"]
+    assert "not answering" in log and "authentication failed" in log.lower()
+    print("KVTIER-WRONG-PASSWORD-LOG", [ln for ln in log.splitlines() if "kvtier" in ln][:3])
+    for text in (log, json.dumps(stats), json.dumps(result["redis_tier"]),
+                 json.dumps(result["outputs"])):
+        assert WRONG_PASSWORD not in text
