@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError, WatchError
 from redis.retry import Retry
 
 from offload_tiers import codec
@@ -191,6 +191,16 @@ class _Unavailable(Exception):
     """Redis failed during a pass (already counted)."""
 
 
+class _ScriptsRefused(Exception):
+    """EVAL/EVALSHA/SCRIPT are not permitted (ACL or a managed service)."""
+
+
+def _refuses_scripts(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, NoPermissionError) or any(
+        t in text for t in ("noperm", "no permissions", "unknown command"))
+
+
 class RedisJanitor:
     """Periodic, paced, conditional clean-up of one prefix. ``start()`` / ``stop()``."""
 
@@ -216,6 +226,7 @@ class RedisJanitor:
         self.allowed = (None if allowed_fingerprints is None
                         else frozenset(bytes.fromhex(f) for f in allowed_fingerprints))
         self.dry_run = dry_run
+        self.use_watch = False  # set when the server refuses scripts
         self._backoff_initial = backoff_initial_s
         self._backoff = backoff_initial_s
         self._stop = threading.Event()
@@ -290,6 +301,8 @@ class RedisJanitor:
         """
         started = self._clock()
         self._pass_keys = 0
+        with self._lock:
+            before = dict(self.deleted if not self.dry_run else self.would_delete)
         try:
             finished = self._walk()
         except _Unavailable:
@@ -309,7 +322,13 @@ class RedisJanitor:
             c.last_pass_keys = self._pass_keys
             c.last_pass_seconds = self._clock() - started
             c.last_pass_end = time.time()
+            now = self.deleted if not self.dry_run else self.would_delete
+            gone = {r: n - before[r] for r, n in now.items() if n != before[r]}
         self._ok()
+        if gone:
+            log.info("redis janitor: %s %d value(s) under %r: %s",
+                     "would delete" if self.dry_run else "deleted", sum(gone.values()),
+                     self.prefix, ", ".join(f"{r}={n}" for r, n in sorted(gone.items())))
         return True
 
     def _walk(self) -> bool:
@@ -407,8 +426,19 @@ class RedisJanitor:
                     c.changed_before_delete += 1
 
     def _delete(self, label: str, node: Any, doomed: list[_Doomed]) -> list[bool]:
+        """Delete each doomed key if it is still what was judged; one flag per key."""
         if self.dry_run:
             return [False] * len(doomed)
+        if not self.use_watch:
+            try:
+                return self._delete_lua(label, node, doomed)
+            except _ScriptsRefused as exc:
+                self.use_watch = True
+                log.warning("redis janitor: scripts refused (%s); deleting with WATCH/MULTI "
+                            "instead (one round trip per key)", self._scrub(str(exc)))
+        return [self._call(lambda d=d: self._delete_watched(node, d)) for d in doomed]
+
+    def _delete_lua(self, label: str, node: Any, doomed: list[_Doomed]) -> list[bool]:
         script = self._script(label, node)
         pipe = node.pipeline(transaction=False)
         for d in doomed:
@@ -416,14 +446,47 @@ class RedisJanitor:
                 pipe.unlink(d.key)
             else:
                 script(keys=[d.key], args=[d.mode, d.header, d.length], client=pipe)
-        results = self._call(lambda: pipe.execute(raise_on_error=False))
+
+        def run() -> list[Any]:
+            try:
+                return pipe.execute(raise_on_error=False)
+            except ResponseError as exc:  # SCRIPT EXISTS/LOAD refused (ACL, managed Redis)
+                if _refuses_scripts(exc):
+                    raise _ScriptsRefused(str(exc)) from None
+                raise
+
         out = []
-        for r in results:
+        for r in self._call(run):
             if isinstance(r, ResponseError):
+                if _refuses_scripts(r):
+                    raise _ScriptsRefused(str(r))  # nothing was deleted by a refused EVALSHA
                 self._failed(r)
                 raise _Unavailable
             out.append(bool(r))
         return out
+
+    @staticmethod
+    def _delete_watched(node: Any, d: _Doomed) -> bool:
+        """The same condition as the Lua script, as WATCH / check / MULTI UNLINK EXEC."""
+        with node.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(d.key)
+                if d.mode != "name":
+                    kind = pipe.type(d.key)
+                    kind = kind.decode() if isinstance(kind, bytes) else kind
+                    if d.mode == "n":
+                        same = kind not in ("string", "none")
+                    else:
+                        same = (kind == "string" and pipe.strlen(d.key) == d.length
+                                and pipe.getrange(d.key, 0, codec.HEADER_SIZE - 1) == d.header)
+                    if not same:
+                        pipe.unwatch()
+                        return False
+                pipe.multi()
+                pipe.unlink(d.key)
+                return bool(pipe.execute()[0])
+            except WatchError:
+                return False  # written meanwhile: judged again next pass
 
     # ------------------------------------------------------------------ Redis plumbing
     def _get_client(self) -> Any:
@@ -507,6 +570,7 @@ class RedisJanitor:
             out.update(
                 url=self.target.redacted, prefix=self.prefix, available=self.available,
                 last_error=self.last_error, dry_run=self.dry_run,
+                delete_method="watch" if self.use_watch else "lua",
                 interval_s=self.interval_s, max_keys_per_s=self.pacer.rate,
                 max_keys_per_pass=self.max_keys_per_pass,
                 deleted={k: v for k, v in self.deleted.items() if v},

@@ -579,3 +579,33 @@ def test_daemon_without_redis_url_has_no_janitor() -> None:
     finally:
         assert d.terminate() == 0
 
+
+
+def test_scripts_refused_by_acl_fall_back_to_watch(redis_server: RedisServer) -> None:
+    """A user without @scripting (common on managed Redis): same conditional deletes, by
+    WATCH/MULTI; a value replaced by a good one meanwhile is still kept."""
+    c = redis_server.client()
+    c.execute_command("ACL", "SETUSER", "janitor", "on", ">jan-pw", "~*", "+@all",
+                      "-@scripting")
+    fill(redis_server, "kv", 20)
+    c.set(name("kv", bkey(900)), b"garbage")
+    c.rpush(name("kv", bkey(901)), b"x")
+    c.set(b"kv:junk", b"x")
+    c.set(name("kv", bkey(902)), b"garbage too")
+    good = codec.encode_bytes(bkey(902), b"good")
+    janitor = RedisJanitor(f"redis://janitor:jan-pw@127.0.0.1:{redis_server.port}/0", "kv")
+    original = janitor._delete
+
+    def racing_delete(label: str, node: Any, doomed: list[Any]) -> list[bool]:
+        c.set(name("kv", bkey(902)), good)
+        return original(label, node, doomed)
+
+    janitor._delete = racing_delete  # type: ignore[method-assign]
+    assert janitor.run_pass()
+    s = janitor.stats()
+    assert s["delete_method"] == "watch" and s["errors"] == 0 and s["available"]
+    assert s["deleted"] == {"truncated": 1, "wrong_type": 1, "bad_key_name": 1}
+    assert s["changed_before_delete"] == 1
+    assert c.get(name("kv", bkey(902))) == good
+    assert len(c.keys(b"kv:*")) == 21
+    assert "jan-pw" not in str(s)
