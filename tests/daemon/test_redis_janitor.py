@@ -62,7 +62,7 @@ def repack(value: bytes, **fields: Any) -> bytes:
     return codec.HEADER.pack(*(vals[k] for k in order)) + value[codec.HEADER_SIZE:]
 
 
-def write_valid(url: str, prefix: str) -> dict[bytes, bytes]:
+def write_valid(url: str, prefix: str, client: Any = None) -> dict[bytes, bytes]:
     """Valid values of two namespaces, both groups, FULL and PARTIAL, empty to 1 MiB."""
     items = [(bkey(i), os.urandom(100 + i)) for i in range(20)]
     items += [(bkey(100 + i, ns=NS_B, group=1), os.urandom(50)) for i in range(10)]
@@ -73,7 +73,7 @@ def write_valid(url: str, prefix: str) -> dict[bytes, bytes]:
         assert tier.put_many(items) == len(items)
         # what a reader gets back is exactly what was written
         assert [bytes(v) for v in tier.get_many([k for k, _ in items])] == [p for _, p in items]
-    client = redis.Redis.from_url(url)
+    client = client or redis.Redis.from_url(url)
     return {name(prefix, k): client.get(name(prefix, k)) for k, _ in items}
 
 
@@ -609,3 +609,28 @@ def test_scripts_refused_by_acl_fall_back_to_watch(redis_server: RedisServer) ->
     assert c.get(name("kv", bkey(902))) == good
     assert len(c.keys(b"kv:*")) == 21
     assert "jan-pw" not in str(s)
+
+
+@pytest.mark.slow
+def test_cluster_every_master_is_walked(tmp_path: Path) -> None:
+    from redis.cluster import RedisCluster
+
+    from tests.support.redis_cluster import RedisClusterProcs
+
+    cluster = RedisClusterProcs(tmp_path / "cluster").start()
+    try:
+        client = RedisCluster(host="127.0.0.1", port=cluster.servers[0].port)
+        valid = write_valid(cluster.url, "kvc", client)
+        bad = write_bad(client, "kvc")
+        per_node = cluster.total_keys("kvc:*")
+        assert sum(per_node.values()) == len(valid) + len(bad)
+        assert all(n > 0 for n in per_node.values())  # spread over the 3 masters
+        janitor = RedisJanitor(cluster.url, "kvc", scan_count=5)
+        assert janitor.run_pass()
+        s = janitor.stats()
+        assert s["deleted"] == expected_counts(bad) and s["sweeps"] == 1
+        assert sum(cluster.total_keys("kvc:*").values()) == len(valid)
+        assert {k: client.get(k) for k in valid} == valid
+        janitor.stop()
+    finally:
+        cluster.stop()
