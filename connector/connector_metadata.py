@@ -51,6 +51,9 @@ class StepPlan:
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    # Requests whose loads in this plan vLLM treats as asynchronous (not scheduled this step):
+    # the worker reports them as finished receiving once their loads ran.
+    async_reqs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.async_reqs)

@@ -127,6 +127,13 @@ class TieredScheduler:
         self._pending: dict[str, _Lookup] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadOp] = []
+        self._async_reqs: list[str] = []
+        # Hybrid hits are handed to vLLM as asynchronous loads (copied in the step they are
+        # planned, reported done through get_finished): vLLM then caches the restored blocks,
+        # Mamba state included, before the request runs, so later requests hit them in vLLM's
+        # own cache. A synchronous restore's Mamba block is the request's running state and
+        # is overwritten by the step, so the next turn had to load it from kvtier again.
+        self.load_async = bool(self.mamba)
         self._hit_tiers: dict[str, dict[str, int]] = {}
         self.event_info: OrderedDict[BlockKey, EventInfo] = OrderedDict()
 
@@ -346,6 +353,8 @@ class TieredScheduler:
                 per_tier[tier] += max(min(need.key.num_tokens, accepted) - start, 0)
         self._unpin(unused)
         self._loads.extend(ops)
+        if self.load_async:
+            self._async_reqs.append(req_id)
         self.rt.counters.add("hit_requests")
         self.rt.counters.add("hit_tokens_cpu", per_tier[TIER_CPU])
         self.rt.counters.add("hit_tokens_redis", per_tier[TIER_REDIS])
@@ -369,8 +378,8 @@ class TieredScheduler:
         ``boundary_states``: vLLM's exact Mamba state hand-offs (group, block id, tokens).
         ``gone``: requests finished or preempted this step (their hand-offs are dropped).
         """
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        plan = StepPlan(loads=self._loads, async_reqs=self._async_reqs)
+        self._loads, self._async_reqs = [], []
         if not self.supported or self.rt.cpu is None:
             return plan
         self._mirror_mamba_loads(plan, computed_after)

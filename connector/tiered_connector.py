@@ -267,6 +267,13 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, TieredConnectorMetadata)
         self.worker.save(meta.plan)
 
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous (hybrid) loads ran; saves never outlive a step."""
+        if self.worker is None:
+            return None, None
+        return None, self.worker.take_finished_recving() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
             return set()
@@ -288,7 +295,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
-        return self.scheduler.lookup(request, num_computed_tokens), False
+        hit = self.scheduler.lookup(request, num_computed_tokens)
+        return hit, hit > 0 and self.scheduler.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

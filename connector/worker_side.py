@@ -120,6 +120,7 @@ class TieredWorker:
         self.runtime = runtime
         self.transfer: BlockTransfer | None = None
         self._load_errors: set[int] = set()
+        self._finished_recving: set[str] = set()
 
     def register(self, kv_caches: dict[str, Any], groups: list[tuple[int, str, int, list[str]]],
                  num_blocks: int) -> KVLayout:
@@ -140,6 +141,8 @@ class TieredWorker:
         A failed copy is remembered for ``take_load_errors`` (vLLM then recomputes those
         blocks); it never leaves a block half-used without saying so.
         """
+        # Asynchronous loads are done once this returns (copied now, or failed and reported).
+        self._finished_recving.update(plan.async_reqs)
         if not plan.loads or self.transfer is None:
             return
         rt = self.runtime
@@ -166,6 +169,11 @@ class TieredWorker:
     def _fail(self, ops: list[LoadOp]) -> None:
         self._load_errors.update(op.block_id for op in ops)
         self.runtime.counters.add("load_errors", len(ops))
+
+    def take_finished_recving(self) -> set[str]:
+        """Requests whose asynchronous loads ran since the last call."""
+        done, self._finished_recving = self._finished_recving, set()
+        return done
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -10,7 +10,7 @@ from connector.connector_config import TieredConfig
 from connector.connector_metadata import TIER_CPU
 from connector.kv_layout import GroupLayout, KVLayout, TensorSlice
 from connector.scheduler_side import ATTENTION, MAMBA, GroupSpec, TieredScheduler
-from connector.worker_side import TierRuntime
+from connector.worker_side import TieredWorker, TierRuntime
 from offload_tiers.keys import BlockKind
 from tests.support.sched_doubles import Blk, Req
 
@@ -64,8 +64,9 @@ def test_whole_prompt_hit_loads_the_last_block_whole_and_counts_what_vllm_took()
         _store(s, req, 0, tokens)
     assert s.lookup(req, 32) == 63  # vLLM recomputes the last token (sync: at most n - 1)
     s.on_alloc(req, [[Blk(7), Blk(8), Blk(9)]], 63)
-    loads = s.plan({}, {}, set()).loads
-    assert [(op.block_id, op.key.num_tokens) for op in loads] == [(8, 64), (9, 96)]
+    plan = s.plan({}, {}, set())
+    assert [(op.block_id, op.key.num_tokens) for op in plan.loads] == [(8, 64), (9, 96)]
+    assert not s.load_async and plan.async_reqs == []  # attention-only: synchronous loads
     assert s.hit_tiers("r") == {TIER_CPU: 63, "redis": 0}
 
 
@@ -141,6 +142,11 @@ def test_hybrid_hit_loads_every_group_into_the_right_blocks() -> None:
                      (0, 11, 96, BlockKind.PARTIAL)}
     assert all(op.tier == TIER_CPU and op.slot is not None for op in plan.loads)
     assert s.rt.counters.snapshot()["hit_tokens_cpu"] == 96
+    # Hybrid hits are asynchronous for vLLM: the worker reports "r" done once it loaded.
+    assert s.load_async and plan.async_reqs == ["r"]
+    worker = TieredWorker(s.rt)
+    worker.load(plan)
+    assert worker.take_finished_recving() == {"r"} and worker.take_finished_recving() == set()
 
 
 def test_restored_mamba_state_also_lands_in_the_running_block() -> None:
