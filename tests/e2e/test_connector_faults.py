@@ -27,8 +27,8 @@ import pytest
 
 from connector.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer
+from tests.support.redis_tls import start_tls_acl_server, tls_url
 from tests.support.tls_certs import TlsFiles, make_tls_files
 
 pytestmark = pytest.mark.e2e
@@ -167,19 +167,14 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def tls_srv(tmp_path_factory: pytest.TempPathFactory, tls: TlsFiles) -> Iterator[Any]:
-    tls_port = free_port()
-    server = RedisServer(
-        tmp_path_factory.mktemp("redis-tls"),
-        "--tls-port", str(tls_port), "--tls-cert-file", str(tls.server_cert),
-        "--tls-key-file", str(tls.server_key), "--tls-ca-cert-file", str(tls.ca_cert),
-        "--tls-auth-clients", "no",
-        "--user", ACL_USER, "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all").start()
-    yield server, tls_port
+    server, port = start_tls_acl_server(tmp_path_factory.mktemp("redis-tls"), tls, ACL_USER,
+                                        ACL_PASSWORD)
+    yield server, port
     server.stop()
 
 
 def _tls_url(port: int, password: str) -> str:
-    return f"rediss://{ACL_USER}:{password}@127.0.0.1:{port}/0"
+    return tls_url(port, ACL_USER, password)
 
 
 def test_tls_with_acl_user_stores_and_serves(

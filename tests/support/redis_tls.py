@@ -1,0 +1,29 @@
+"""A redis-server of the test's own with a TLS port (generated certs) and an ACL user."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.ports import free_port
+from tests.support.redis_server import RedisServer
+from tests.support.tls_certs import TlsFiles
+
+
+def start_tls_acl_server(workdir: Path, tls: TlsFiles, user: str,
+                         password: str) -> tuple[RedisServer, int]:
+    """Start it; returns the server (plain port for the test's own checks) and the TLS port.
+
+    ``user`` may do everything with ``password``; clients need not present a certificate.
+    """
+    tls_port = free_port()
+    server = RedisServer(
+        workdir,
+        "--tls-port", str(tls_port), "--tls-cert-file", str(tls.server_cert),
+        "--tls-key-file", str(tls.server_key), "--tls-ca-cert-file", str(tls.ca_cert),
+        "--tls-auth-clients", "no",
+        "--user", user, "on", f">{password}", "~*", "&*", "+@all").start()
+    return server, tls_port
+
+
+def tls_url(port: int, user: str, password: str) -> str:
+    return f"rediss://{user}:{password}@127.0.0.1:{port}/0"
