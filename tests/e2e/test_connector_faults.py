@@ -124,6 +124,9 @@ def test_recovers_after_the_link_heals_and_its_writes_are_served(
         baseline: dict[str, dict[str, Any]], proxied: dict[str, Any],
         reader: dict[str, Any]) -> None:
     runs = by_name(proxied)
+    print("KVTIER-RECOVERY", runs["wait_redis-1"], "P4 written",
+          runs["P4"]["delta"].get("blocks_written_redis", 0), "read back",
+          hits(by_name(reader)["P4"]))
     assert runs["wait_redis-1"]["reached"], runs["wait_redis-1"]
     assert runs["recovered"]["stats"]["redis_available"] == 1
     assert proxied["redis_tier"]["recoveries"] >= 1
@@ -136,6 +139,7 @@ def test_recovers_after_the_link_heals_and_its_writes_are_served(
 def test_tenants_never_get_each_others_blocks(
         baseline: dict[str, dict[str, Any]], reader: dict[str, Any]) -> None:
     runs = by_name(reader)
+    print("KVTIER-TENANTS", {n: hits(runs[n]) for n in ("PT-bob", "PT-alice", "PT-carol")})
     assert hits(runs["PT-bob"]) == (0, 0) and runs["PT-bob"]["num_cached_tokens"] == 0
     # alice's own blocks, from Redis, although bob's (same tokens) are in the CPU tier now.
     alice = hits(runs["PT-alice"])

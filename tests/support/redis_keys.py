@@ -10,19 +10,12 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import redis
+from connector.demo import _cleanup_redis
 
 
 def delete_prefix(url: str, prefix: str) -> int:
-    """Delete every key under ``prefix``; returns how many."""
-    client = redis.Redis.from_url(url, socket_timeout=5.0)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        for i in range(0, len(keys), 500):
-            client.delete(*keys[i:i + 500])
-        return len(keys)
-    finally:
-        client.close()
+    """Delete every key under ``prefix`` (kvtier's ``{prefix}:...`` keys); returns how many."""
+    return _cleanup_redis(url, prefix)
 
 
 @contextmanager
