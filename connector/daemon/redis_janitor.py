@@ -23,6 +23,7 @@ import random
 import re
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,7 +170,7 @@ class JanitorCounters:
     unavailable_events: int = 0
     recoveries: int = 0
     changed_before_delete: int = 0  # judged bad, but no longer the same value: kept
-    vanished: int = 0  # gone between SCAN and the header read
+    vanished: int = 0  # gone (deleted, expired) between SCAN and the delete
     nested_prefix_skipped: int = 0
     last_pass_keys: int = 0
     last_pass_seconds: float = 0.0
@@ -297,7 +298,8 @@ class RedisJanitor:
     def run_pass(self) -> bool:
         """One pass (the whole keyspace, or ``max_keys_per_pass`` keys). False if Redis failed.
 
-        Never raises: every failure is counted and reflected in ``available``.
+        Never raises: every failure is counted and reflected in ``available``. Not reentrant:
+        the background thread calls it; call it directly only when the thread is not running.
         """
         started = self._clock()
         self._pass_keys = 0
@@ -311,7 +313,7 @@ class RedisJanitor:
             return False
         except Exception as exc:  # a bug must not kill the daemon: count it, say it
             self._failed(exc)
-            log.exception("redis janitor pass failed")
+            log.error("redis janitor pass failed: %s", self._scrub(traceback.format_exc()))
             with self._lock:
                 self.counters.passes_failed += 1
             return False
@@ -532,8 +534,13 @@ class RedisJanitor:
                     self._client.connection_pool.disconnect()
                 except Exception:
                     log.debug("pool disconnect failed", exc_info=True)
-            if self.target.cluster:
-                self._client, self._scripts = None, {}
+            if self.target.cluster:  # topology may have changed: start over next pass
+                client, self._client, self._scripts = self._client, None, {}
+                if client is not None:
+                    try:
+                        client.close()
+                    except Exception:
+                        log.debug("closing the janitor's cluster client failed", exc_info=True)
             raise _Unavailable from None
 
     def _failed(self, exc: BaseException) -> None:

@@ -634,3 +634,30 @@ def test_cluster_every_master_is_walked(tmp_path: Path) -> None:
         janitor.stop()
     finally:
         cluster.stop()
+
+
+def test_vanished_keys_and_internal_errors_are_counted(redis_url: str, key_prefix: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    client = redis.Redis.from_url(redis_url)
+    k = name(key_prefix, bkey(1))
+    client.set(k, b"")  # empty string: judged truncated, deleted
+    janitor = RedisJanitor(redis_url, key_prefix)
+    assert janitor.run_pass() and janitor.stats()["deleted"] == {"truncated": 1}
+    client.set(k, b"bad")
+    original = janitor._delete
+
+    def expire_first(label: str, node: Any, doomed: list[Any]) -> list[bool]:
+        client.delete(k)  # expired / removed by the connector meanwhile
+        return original(label, node, doomed)
+
+    janitor._delete = expire_first  # type: ignore[method-assign]
+    assert janitor.run_pass()
+    s = janitor.stats()
+    assert s["changed_before_delete"] == 1 and s["deleted_total"] == 1  # gone, not by us
+    client.set(k, b"bad")
+    monkeypatch.setattr("connector.daemon.redis_janitor.judge",
+                        lambda *a, **kw: 1 / 0)  # a bug inside a pass
+    assert janitor.run_pass() is False  # counted, never raised
+    s = janitor.stats()
+    assert s["passes_failed"] == 1 and "ZeroDivisionError" in s["last_error"]
+    assert client.get(k) == b"bad"
