@@ -661,3 +661,32 @@ def test_vanished_keys_and_internal_errors_are_counted(redis_url: str, key_prefi
     s = janitor.stats()
     assert s["passes_failed"] == 1 and "ZeroDivisionError" in s["last_error"]
     assert client.get(k) == b"bad"
+
+
+def test_tls_with_acl_user_cleans_and_an_untrusted_ca_is_an_error(tmp_path: Path) -> None:
+    from tests.support.tls_certs import make_tls_files
+
+    files = make_tls_files(tmp_path / "tls")
+    tls_port = free_port()
+    server = RedisServer(tmp_path / "tls-redis", "--tls-port", str(tls_port),
+                         "--tls-cert-file", str(files.server_cert),
+                         "--tls-key-file", str(files.server_key),
+                         "--tls-ca-cert-file", str(files.ca_cert),
+                         "--tls-auth-clients", "no").start()
+    try:
+        c = server.client()
+        c.execute_command("ACL", "SETUSER", "jan", "on", ">tls-Secret-1", "~kv:*", "+@all")
+        fill(server, "kv", 10)
+        c.set(b"kv:junk", b"x")
+        url = f"rediss://jan:tls-Secret-1@127.0.0.1:{tls_port}/0"
+        janitor = RedisJanitor(url, "kv", ssl_ca_certs=str(files.ca_cert))
+        assert janitor.run_pass()
+        assert janitor.stats()["deleted"] == {"bad_key_name": 1}
+        assert len(c.keys(b"kv:*")) == 10
+        untrusted = RedisJanitor(url, "kv", ssl_ca_certs=str(files.other_ca_cert))
+        assert untrusted.run_pass() is False
+        s = untrusted.stats()
+        assert s["errors"] == 1 and not s["available"] and "tls-Secret-1" not in str(s)
+        assert s["url"] == f"rediss://jan:***@127.0.0.1:{tls_port}/0"
+    finally:
+        server.stop()
