@@ -171,6 +171,12 @@ class GroupSizes:
         b = self.configured.get(pg[1])
         return b if b is not None else self.learned.get(pg)
 
+    @staticmethod
+    def are_siblings(a: PG, b: PG) -> bool:
+        """Two DP ranks (``"{source}#dp{rank}"``) of one source, same group, not the same."""
+        return (a != b and a[1] == b[1]
+                and a[0].rsplit("#dp", 1)[0] == b[0].rsplit("#dp", 1)[0])
+
     def sibling(self, pg: PG) -> int | None:
         """Size learned by another DP rank of the same source (``"{source}#dp{rank}"``)."""
         source = pg[0].rsplit("#dp", 1)[0]
@@ -351,6 +357,9 @@ class Classifier:
             b = max(seen, x)  # partial stores carry the hash unit, full ones the block size
         self.sizes.learned[pg] = b
         self._resolve_pending(pg, b)
+        for other in [q for q in self.pending if self.sizes.are_siblings(q, pg)]:
+            self.sizes.learned.setdefault(other, b)  # a DP rank that stored first
+            self._resolve_pending(other, b)
         return b
 
     def _add_pending(self, pg: PG, h: Any, x: int) -> None:

@@ -219,8 +219,11 @@ def test_data_parallel_ranks_are_separate_publishers() -> None:
             for r in (0, 1)]
     try:
         time.sleep(0.5)  # let both SUB sockets connect (no replay socket in this test)
-        pubs[0].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1, 2], None)]))
+        # Rank 1's single-hash store arrives first: its kind is undecidable until rank 0's
+        # two-hash store teaches the group's block size, which then resolves rank 1's too.
         pubs[1].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1], None)]))
+        d.wait_for(lambda s: sum(x["applied"] for x in s["sources"]) == 1, what="rank 1")
+        pubs[0].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1, 2], None)]))
         s = d.wait_for(lambda s: sum(x["applied"] for x in s["sources"]) == 2, what="both")
         assert [x["endpoint"] for x in s["sources"]] == [f"tcp://*:{port}",
                                                          f"tcp://*:{port + 1}"]
