@@ -166,3 +166,27 @@ def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
     assert turns[2]["store_drops"] + turns[2]["redis_lookup_skips"] > 0
     assert turns[4]["redis_available"] == 0  # paused before turn 4
     assert run["recovered"] == 1
+
+
+def test_restored_state_is_kept_in_vllms_own_cache_for_the_next_turn(
+        tiny_hybrid_dir: Path) -> None:
+    """A restore is handed to vLLM asynchronously, so vLLM caches the restored blocks and
+    Mamba state before the request runs: the next turn hits vLLM's own cache there instead of
+    kvtier loading the same prefix again (a synchronous restore's state was overwritten)."""
+    turn1 = prompt_words(41, 240)
+    turn2 = turn1 + " " + prompt_words(42, 40)
+    steps = [["generate", "T1", turn1], ["reset"], ["generate", "T1-restored", turn1],
+             ["generate", "T2", turn2]]
+    base = {o["name"]: o for o in run_in_subprocess(
+        {"model": "hybrid", "extra": None, "steps": steps})["outputs"]}
+    runs = {o["name"]: o for o in run_in_subprocess(
+        {"model": "hybrid", "extra": {"cpu_bytes": 64 << 20}, "steps": steps})["outputs"]}
+    restored = runs["T1-restored"]["delta"].get("hit_tokens_cpu", 0)
+    t2 = runs["T2"]
+    local = t2["num_cached_tokens"] - t2["delta"].get("hit_tokens_cpu", 0)
+    print("KVTIER-HYBRID-NEXT-TURN", {"restored": restored, "t2_cached": t2["num_cached_tokens"],
+                                      "t2_from_vllm": local})
+    assert restored > 0 and base["T1-restored"]["num_cached_tokens"] == 0
+    assert local >= restored  # vLLM's own cache serves at least the restored prefix
+    for name in ("T1", "T1-restored", "T2"):
+        assert runs[name]["token_ids"] == base[name]["token_ids"], name
