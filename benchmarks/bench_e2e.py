@@ -56,7 +56,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from connector.demo import _cleanup_redis, choose_redis, model_path  # noqa: E402
+from connector.demo import choose_redis, delete_redis_prefix, model_path  # noqa: E402
 from connector.demo_engine import EngineRunError, run_engine  # noqa: E402
 from connector.demo_report import Row, render_table, summarize  # noqa: E402
 from connector.demo_workload import Workload  # noqa: E402
@@ -159,7 +159,7 @@ def bench_model(model: str, workload: Workload, reps: int, redis_url: str | None
                                    [{"name": "restart"}], log_dir))
             runs["kvtier-redis"] = {**first, **second}
         finally:
-            _cleanup_redis(redis_url, prefix)
+            delete_redis_prefix(redis_url, prefix)
     else:
         skipped["kvtier-redis"] = "no Redis reachable"
     if lmcache_path is not None and model == "llama":

@@ -82,8 +82,8 @@ def choose_redis(cli_url: str | None) -> RedisChoice:
     return RedisChoice(url, shown, source, True, "ping ok")
 
 
-def _cleanup_redis(url: str, prefix: str) -> int:
-    """Delete every key under this run's prefix; returns how many."""
+def delete_redis_prefix(url: str, prefix: str) -> int:
+    """Delete every key under ``{prefix}:``; returns how many (the demo cleans up after itself)."""
     import redis
 
     client = redis.Redis.from_url(url, socket_timeout=5.0)
@@ -160,7 +160,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             _say("[demo] 3/3 skipped: without Redis nothing outlives the engine process")
     finally:
         if choice.reachable and choice.url:
-            cleaned = _cleanup_redis(choice.url, prefix)
+            cleaned = delete_redis_prefix(choice.url, prefix)
 
     ref_cold, ref_reset = base["phases"]
     rows: list[Row] = [

@@ -10,12 +10,12 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from connector.demo import _cleanup_redis
+from connector.demo import delete_redis_prefix
 
 
 def delete_prefix(url: str, prefix: str) -> int:
     """Delete every key under ``prefix`` (kvtier's ``{prefix}:...`` keys); returns how many."""
-    return _cleanup_redis(url, prefix)
+    return delete_redis_prefix(url, prefix)
 
 
 @contextmanager
