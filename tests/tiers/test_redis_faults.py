@@ -31,7 +31,7 @@ def _assert_clean(traffic: Traffic) -> None:
 
 
 def _figures(name: str, traffic: Traffic, tier: RedisTier, **extra: float) -> None:
-    """Printed for docs/reliability-tiers.md (run with -s)."""
+    """Printed for RELIABILITY.md (run with -s)."""
     s = tier.stats()
     fields = dict(ops=traffic.ops, hits=traffic.hits, wrong=len(traffic.wrong),
                   exceptions=len(traffic.exceptions), errors=s["errors"],
