@@ -40,6 +40,14 @@ def key_prefix(redis_url: str) -> Iterator[str]:
         client.delete(*keys)
 
 
+@pytest.fixture(scope="module")
+def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of the module's own, shared by its tests (engine starts are costly)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of the test's own on a free loopback port, which it may kill or pause."""

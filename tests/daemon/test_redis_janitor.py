@@ -10,10 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
-import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -478,23 +476,10 @@ def test_config_keys_and_errors() -> None:
 class KvtierDaemon(DaemonProcess):
     """The daemon started as the user starts it: ``kvtier daemon ...``."""
 
-    def start(self, timeout: float = 30.0) -> KvtierDaemon:
+    def command(self) -> list[str]:
         exe = shutil.which("kvtier", path=str(Path(os.sys.executable).parent))
         assert exe is not None, "the kvtier console script is not installed in this venv"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([exe, "daemon", *self.args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()[-3000:]
-            try:
-                if self.get("/healthz")["status"] == "ok":
-                    return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError("daemon did not become healthy")
+        return [exe, "daemon", *self.args]
 
 
 def metric(text: str, line_start: str) -> float:
@@ -664,15 +649,11 @@ def test_vanished_keys_and_internal_errors_are_counted(redis_url: str, key_prefi
 
 
 def test_tls_with_acl_user_cleans_and_an_untrusted_ca_is_an_error(tmp_path: Path) -> None:
+    from tests.support.redis_tls import start_tls_server
     from tests.support.tls_certs import make_tls_files
 
     files = make_tls_files(tmp_path / "tls")
-    tls_port = free_port()
-    server = RedisServer(tmp_path / "tls-redis", "--tls-port", str(tls_port),
-                         "--tls-cert-file", str(files.server_cert),
-                         "--tls-key-file", str(files.server_key),
-                         "--tls-ca-cert-file", str(files.ca_cert),
-                         "--tls-auth-clients", "no").start()
+    server, tls_port = start_tls_server(tmp_path / "tls-redis", files)
     try:
         c = server.client()
         c.execute_command("ACL", "SETUSER", "jan", "on", ">tls-Secret-1", "~kv:*", "+@all")

@@ -60,13 +60,6 @@ def baseline(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis-faults")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
     steps = [
         ["generate", "PT-alice", PT, "alice"],

@@ -39,13 +39,6 @@ def baseline(tiny_hybrid_dir: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any]]:
     """The kvtier engine's conversation, with Redis faults between turns."""
     apply_cpu_engine_env()

@@ -31,11 +31,14 @@ class DaemonProcess:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    def command(self) -> list[str]:
+        """How the daemon is started (subclasses start it as ``kvtier daemon``)."""
+        return [sys.executable, "-m", "connector.daemon.cli", *self.args]
+
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "connector.daemon.cli", *self.args],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.command(), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

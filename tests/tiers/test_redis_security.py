@@ -11,8 +11,8 @@ import pytest
 
 from offload_tiers.redis_tier import RedisTier, RedisTierError
 from offload_tiers.redis_url import parse_redis_url, redact_url
-from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer
+from tests.support.redis_tls import start_tls_server
 from tests.support.tls_certs import make_tls_files
 from tests.tiers.helpers import key
 
@@ -101,12 +101,7 @@ def test_no_password_given_to_protected_server(auth_server: RedisServer, key_pre
 @pytest.fixture
 def tls_server(tmp_path: Path):  # noqa: ANN201
     files = make_tls_files(tmp_path / "tls")
-    tls_port = free_port()
-    server = RedisServer(tmp_path / "tls-redis", "--tls-port", str(tls_port),
-                         "--tls-cert-file", str(files.server_cert),
-                         "--tls-key-file", str(files.server_key),
-                         "--tls-ca-cert-file", str(files.ca_cert),
-                         "--tls-auth-clients", "no").start()
+    server, tls_port = start_tls_server(tmp_path / "tls-redis", files)
     yield server, tls_port, files
     server.stop()
 
