@@ -121,6 +121,7 @@ class TieredWorker:
         self.transfer: BlockTransfer | None = None
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()
+        self._counted_unavailable = False  # this step's redis_unavailable_steps is counted
 
     def register(self, kv_caches: dict[str, Any], groups: list[tuple[int, str, int, list[str]]],
                  num_blocks: int) -> KVLayout:
@@ -181,20 +182,40 @@ class TieredWorker:
 
     # ------------------------------------------------------------------ saves
     def save(self, plan: StepPlan) -> None:
-        """Copy planned blocks into CPU slots, then write them to Redis."""
+        """Copy planned blocks into CPU slots, then write them to Redis.
+
+        A step may save more blocks than the CPU tier has slots (a batched prefill into a
+        small tier): a reserved slot cannot be evicted until it is committed, so the saves
+        go in chunks — reserve until the tier is out of slots, gather, commit and write that
+        chunk to Redis, then go on (the committed entries are evictable again). Only a block
+        that finds no slot even then (every slot pinned by loads) is dropped.
+        """
         if not plan.saves or self.transfer is None:
             return
         rt = self.runtime
         assert rt.cpu is not None
+        self._counted_unavailable = False
         reserved: list[tuple[SaveOp, int]] = []
         for op in plan.saves:
             if rt.cpu.contains(op.key):
                 continue
-            slot = rt.cpu.reserve(op.key, self.transfer.group(op.group).nbytes)
+            nbytes = self.transfer.group(op.group).nbytes
+            slot = rt.cpu.reserve(op.key, nbytes)
+            if slot is None and reserved:
+                self._save_chunk(reserved)
+                reserved = []
+                slot = rt.cpu.reserve(op.key, nbytes)
             if slot is None:
                 rt.counters.add("store_drops")
                 continue
             reserved.append((op, slot))
+        if reserved:
+            self._save_chunk(reserved)
+
+    def _save_chunk(self, reserved: list[tuple[SaveOp, int]]) -> None:
+        """Gather reserved blocks into their slots, commit them, then write them to Redis."""
+        rt = self.runtime
+        assert rt.cpu is not None and self.transfer is not None
         committed: list[tuple[SaveOp, int]] = []
         for group, items in _by_group_pairs(reserved).items():
             try:
@@ -226,7 +247,9 @@ class TieredWorker:
         if not rt.refresh_redis_gauge():
             rt.counters.add("store_drops", len(committed))
             rt.counters.add("redis_write_failures", len(committed))
-            rt.counters.add("redis_unavailable_steps")
+            if not self._counted_unavailable:  # once per step, however many chunks
+                rt.counters.add("redis_unavailable_steps")
+                self._counted_unavailable = True
             return
         superseded = [op.supersedes for op, _ in committed if op.supersedes is not None]
         if rt.config.write_mode == "through":

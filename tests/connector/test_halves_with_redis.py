@@ -157,3 +157,36 @@ def test_close_frees_the_slab_and_keeps_stats(engines: Any) -> None:
     stats = e.rt.stats()
     assert stats["blocks_saved"] == 2 and stats["cpu_tier"]["entries"] == 2
     assert e.sched.lookup(Req("b", 70), 0) == 0  # closed: no hits, no crash
+
+
+def test_one_step_saving_more_blocks_than_cpu_slots_loses_none(redis_url: str,
+                                                               key_prefix: str) -> None:
+    """A batched prefill saves 20 blocks into a 16-slot CPU tier in one step.
+
+    Reserved slots cannot be evicted before they are committed, so the saves go in chunks.
+    Before the fix every block past the 16th reservation was dropped — from Redis too.
+    """
+    nb, bs = 24, BS
+    kv = torch.zeros(nb, 2, bs, 256)  # slot = 2*32*256*4 = 64 KiB: 16 slots in 1 MiB
+    kv.normal_()
+    rt = TierRuntime(TieredConfig(cpu_bytes=1 << 20, redis_url=redis_url,
+                                  redis_prefix=key_prefix))
+    try:
+        worker = TieredWorker(rt)
+        worker.register({"attn": kv}, [(0, ATTENTION, bs, ["attn"])], nb)
+        assert rt.cpu is not None and rt.cpu.num_slots == 16
+        blocks = {"a": [[Blk(i, (i + 1) * bs) for i in range(20)]]}
+        sched = TieredScheduler(rt, GROUPS, bs, lambda t: "cd" * 16,
+                                lambda rid: blocks[rid], lambda bid: Blk(bid))
+        sched.on_alloc(Req("a", 20 * bs + 5), blocks["a"], 0)
+        plan = sched.plan({"a": 20 * bs + 5}, {}, set())
+        worker.load(plan)
+        worker.save(plan)
+        snap = rt.counters.snapshot()
+        assert snap["blocks_saved"] == 20 and snap["store_drops"] == 0
+        assert snap["blocks_written_redis"] == 20
+        stats = rt.cpu.stats()
+        assert stats["entries"] == 16 and stats["evictions"] == 4
+        assert stats["reserved"] == 0 and stats["pinned"] == 0
+    finally:
+        rt.close()

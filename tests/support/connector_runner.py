@@ -4,8 +4,14 @@ Used by the connector's e2e tests to get a baseline without kvtier, a second eng
 on the same Redis, and engines with test-only switches, each in its own process::
 
     python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
-        "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"]],
-        "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool}'
+        "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"],
+                  ["batch", "name", [prompt | [token ids], ...]]],
+        "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool,
+        "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
+
+``["batch", ...]`` submits every prompt in ONE ``llm.generate`` call (vLLM batches them in
+the same steps); its outputs are named ``name/0``, ``name/1``, ... and the kvtier counter
+delta of the whole call is on ``name/0`` and on an extra ``name`` entry.
 
 The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
 """
@@ -91,7 +97,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         extra = dict(extra or {}, redis_url=f"redis://127.0.0.1:{proxy.port}/0")
     if spec.get("log_info"):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(spec.get("engine") or {})
     if extra is not None:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
         if spec.get("no_module_path"):  # rely on the vllm.general_plugins entry point
@@ -119,7 +125,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                         "prompt_tokens": len(out.prompt_token_ids or ()), "delta": delta})
         return out.outputs[0].text
 
+    def batch(name: str, prompts: list[str | list[int]]) -> None:
+        before = counters(tc.runtime_stats()) if extra is not None else {}
+        requests: list[Any] = [{"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p}
+                               for p in prompts]
+        outs = llm.generate(requests, params, use_tqdm=False)
+        full = tc.runtime_stats() if extra is not None else {}
+        after = counters(full)
+        delta = {k: after[k] - before.get(k, 0) for k in after
+                 if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+        outputs.append({"name": name, "delta": delta, "cpu_tier": full.get("cpu_tier", {})})
+        for i, out in enumerate(outs):
+            outputs.append({"name": f"{name}/{i}", "text": out.outputs[0].text,
+                            "token_ids": list(out.outputs[0].token_ids),
+                            "num_cached_tokens": out.num_cached_tokens,
+                            "prompt_tokens": len(out.prompt_token_ids or ()),
+                            "delta": delta if i == 0 else {}})
+
     for step in spec["steps"]:
+        if step[0] == "batch":
+            batch(step[1], step[2])
+            continue
         if step[0] == "reset":
             llm.reset_prefix_cache()
             continue
@@ -140,7 +166,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if proxy is not None:
         proxy.stop()
     return {"outputs": outputs, "stats": counters(full),
-            "redis_tier": full.get("redis_tier", {})}
+            "redis_tier": full.get("redis_tier", {}), "cpu_tier": full.get("cpu_tier", {})}
 
 
 def fault_step(step: list[Any], proxy: Any, stats: Any) -> dict[str, Any]:

@@ -1,0 +1,198 @@
+"""kvtier with many requests per engine step, and with a full CPU tier (real vLLM CPU engine).
+
+Every other e2e test sends one request at a time to a roomy CPU tier. Here every workload is
+ONE ``llm.generate([...])`` call of 8 prompts with ``max_num_seqs=8``, so several requests
+look up, load and save in the same step, and prompts of one batch share prefixes of
+different lengths (block-aligned or not). Engines (one process each, reused by the tests):
+
+* ``baseline``: vLLM alone;
+* ``roomy``: CPU tier of 64 MiB, no Redis;
+* ``tight``: CPU tier of 1 MiB (the connector's minimum; ~30 slots of one 32-token block),
+  no Redis: the workload evicts from the CPU tier mid-run;
+* ``tight_redis``: the same tiny CPU tier with Redis behind it: evicted blocks come back
+  from Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support.connector_runner import run_in_subprocess
+from tests.support.redis_keys import scratch_prefix
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+TIGHT_CPU_BYTES = 1 << 20  # the connector's minimum cpu_bytes
+
+
+def toks(seed: int, n: int) -> list[int]:
+    """``n`` deterministic token ids of the tiny vocabulary (no special ids 0..3)."""
+    return [4 + (seed * 7919 + i * 104729) % 508 for i in range(n)]
+
+
+A, B, C = toks(1, 96), toks(2, 77), toks(3, 128)  # shared prefixes: 3 blocks, 77, 4 blocks
+WARM = [
+    A + toks(10, 20),       # 116: shares 3 aligned blocks with the next two
+    A + toks(11, 32),       # 128: block-aligned
+    A[:64] + toks(12, 41),  # 105: shares 2 blocks of A
+    B + toks(13, 15),       # 92: shares 77 tokens (not block-aligned) with the next
+    B + toks(14, 51),       # 128: block-aligned
+    C,                      # 128: whole prompt block-aligned, repeated below
+    C + toks(15, 9),        # 137
+    toks(16, 70),           # unrelated
+]
+# The second batch: even prompts grow (hit ends at their old block boundaries), odd ones
+# repeat exactly (whole-prompt hits, offered as num_tokens - 1).
+HIT = [p + toks(20 + i, 3 + 5 * i) if i % 2 == 0 else p for i, p in enumerate(WARM)]
+# Pressure: 8 unrelated prompts of 6-7 blocks each (~50 blocks) through a ~30-slot CPU tier.
+PRESSURE = [toks(40 + i, 200 + 3 * i) for i in range(8)]
+PRESSURE_HIT = [p + toks(60 + i, 5) for i, p in enumerate(PRESSURE)]
+
+STEPS = [["batch", "warm", WARM], ["reset"], ["batch", "hit", HIT], ["reset"],
+         ["batch", "pwarm", PRESSURE], ["reset"], ["batch", "phit", PRESSURE_HIT]]
+ENGINE = {"max_num_seqs": 8}
+
+
+def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+def run(extra: dict[str, Any] | None) -> dict[str, Any]:
+    result = run_in_subprocess({"model": "llama", "extra": extra, "steps": STEPS,
+                                "engine": ENGINE})
+    result["runs"] = by_name(result)
+    return result
+
+
+def assert_identical(result: dict[str, Any], baseline: dict[str, Any], batch: str,
+                     n: int) -> None:
+    for i in range(n):
+        name = f"{batch}/{i}"
+        assert result["runs"][name]["token_ids"] == baseline["runs"][name]["token_ids"], name
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir: Any) -> dict[str, Any]:
+    return run(None)
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_llama_dir: Any) -> dict[str, Any]:
+    return run({"cpu_bytes": 64 << 20})
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_llama_dir: Any) -> dict[str, Any]:
+    return run({"cpu_bytes": TIGHT_CPU_BYTES})
+
+
+@pytest.fixture(scope="module")
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    with scratch_prefix(redis_url) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def tight_redis(tiny_llama_dir: Any, redis_url: str, redis_prefix: str) -> dict[str, Any]:
+    return run({"cpu_bytes": TIGHT_CPU_BYTES, "redis_url": redis_url,
+                "redis_prefix": redis_prefix})
+
+
+def test_batched_requests_hit_the_cpu_tier_with_identical_output(
+        baseline: dict[str, Any], roomy: dict[str, Any]) -> None:
+    assert_identical(roomy, baseline, "warm", len(WARM))
+    assert_identical(roomy, baseline, "hit", len(HIT))
+    hit = roomy["runs"]["hit"]["delta"]
+    cached = [roomy["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+    base_cached = [baseline["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+    print("KVTIER-BATCH", {"hit_delta": hit, "num_cached": cached, "baseline": base_cached})
+    assert hit.get("hit_tokens_cpu", 0) > 0
+    assert hit.get("hit_requests", 0) >= 4  # several requests restored in one generate()
+    assert sum(cached) > sum(base_cached)
+    # every prompt of the batch came back from kvtier or from what kvtier restored
+    assert all(c >= BLOCK for c in cached), cached
+    assert roomy["stats"]["load_errors"] == 0
+    assert roomy["cpu_tier"]["pinned"] == 0
+    assert roomy["cpu_tier"]["evictions"] == 0
+
+
+def test_full_cpu_tier_evicts_and_keeps_output_identical(
+        baseline: dict[str, Any], tight: dict[str, Any]) -> None:
+    cpu = tight["cpu_tier"]
+    assert cpu["num_slots"] * cpu["slot_bytes"] <= TIGHT_CPU_BYTES
+    assert cpu["num_slots"] < 40  # fewer slots than the pressure workload's blocks
+    for batch, prompts in (("warm", WARM), ("hit", HIT), ("pwarm", PRESSURE),
+                           ("phit", PRESSURE_HIT)):
+        assert_identical(tight, baseline, batch, len(prompts))
+    phit = tight["runs"]["phit"]["delta"]
+    print("KVTIER-PRESSURE-CPU", {"cpu_tier": cpu, "phit_delta": phit,
+                                  "stats": {k: tight["stats"][k] for k in (
+                                      "hit_tokens_cpu", "store_drops", "blocks_saved")}})
+    assert cpu["evictions"] > 0
+    assert cpu["pinned"] == 0 and cpu["reserved"] == 0  # no pin or reservation leaked
+    assert tight["stats"]["load_errors"] == 0
+    # A batched prefill saves more blocks in one step than the tier has slots: saved in
+    # chunks, none dropped (was: every block past the 32nd reservation dropped, Redis too).
+    assert tight["runs"]["pwarm"]["delta"].get("blocks_saved", 0) > cpu["num_slots"]
+    assert tight["stats"]["store_drops"] == 0
+    assert phit.get("hit_tokens_redis", 0) == 0
+
+
+def test_full_cpu_tier_with_redis_serves_evicted_blocks_from_redis(
+        baseline: dict[str, Any], tight: dict[str, Any],
+        tight_redis: dict[str, Any]) -> None:
+    for batch, prompts in (("warm", WARM), ("hit", HIT), ("pwarm", PRESSURE),
+                           ("phit", PRESSURE_HIT)):
+        assert_identical(tight_redis, baseline, batch, len(prompts))
+    cpu = tight_redis["cpu_tier"]
+    phit = tight_redis["runs"]["phit"]["delta"]
+    cpu_only = tight["runs"]["phit"]["delta"]
+    print("KVTIER-PRESSURE-REDIS", {"cpu_tier": cpu, "phit_delta": phit,
+                                    "cpu_only_phit": cpu_only})
+    assert cpu["evictions"] > 0
+    assert cpu["pinned"] == 0 and cpu["reserved"] == 0
+    assert tight_redis["stats"]["load_errors"] == 0
+    assert tight_redis["stats"]["blocks_written_redis"] > 0
+    assert phit.get("hit_tokens_redis", 0) > 0  # evicted blocks came back from Redis
+    total = phit.get("hit_tokens_cpu", 0) + phit.get("hit_tokens_redis", 0)
+    assert total >= cpu_only.get("hit_tokens_cpu", 0)
+    # Requests whose blocks the CPU tier had evicted (a miss without Redis) are served.
+    n = len(PRESSURE_HIT)
+    came_back = [i for i in range(n)
+                 if tight["runs"][f"phit/{i}"]["num_cached_tokens"] == 0
+                 and tight_redis["runs"][f"phit/{i}"]["num_cached_tokens"] > 0]
+    assert came_back, "no evicted prefix came back from Redis"
+    # Nothing was dropped for want of a slot while the tier was full but not pinned.
+    assert tight_redis["stats"]["store_drops"] == 0
+    assert tight_redis["stats"]["redis_write_failures"] == 0
+
+
+HYBRID_STEPS = [["batch", "warm", WARM], ["reset"], ["batch", "hit", HIT]]
+HYBRID_ENGINE = {"max_num_seqs": 4}  # max_num_batched_tokens stays at the preset's 32
+
+
+def run_hybrid(extra: dict[str, Any] | None) -> dict[str, Any]:
+    result = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": HYBRID_STEPS,
+                                "engine": HYBRID_ENGINE})
+    result["runs"] = by_name(result)
+    return result
+
+
+def test_hybrid_batched_requests_hit_with_identical_output(tiny_hybrid_dir: Any) -> None:
+    """The hybrid (Mamba + attention, partial entries): the same batches, 4 seqs at once."""
+    base = run_hybrid(None)
+    kv = run_hybrid({"cpu_bytes": 64 << 20})
+    assert_identical(kv, base, "warm", len(WARM))
+    assert_identical(kv, base, "hit", len(HIT))
+    hit = kv["runs"]["hit"]["delta"]
+    cached = [kv["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+    print("KVTIER-HYBRID-BATCH", {"hit_delta": hit, "num_cached": cached,
+                                  "baseline": [base["runs"][f"hit/{i}"]["num_cached_tokens"]
+                                               for i in range(len(HIT))]})
+    assert hit.get("hit_tokens_cpu", 0) > 0 and hit.get("hit_requests", 0) >= 2
+    assert kv["stats"]["load_errors"] == 0
+    assert kv["cpu_tier"]["pinned"] == 0 and kv["cpu_tier"]["reserved"] == 0
