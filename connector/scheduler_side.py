@@ -203,11 +203,9 @@ class TieredScheduler:
                 self.rt.counters.add("rounded_down_tokens", max(present, best) - num_computed)
                 self.rt.counters.add("hybrid_hits_withheld", best - num_computed)
                 return 0
-            if not self._prefetch(needs, tiers):
-                continue  # a Redis value was bad or gone: it is a miss now; choose again
-            pins = self._pin(needs)
+            pins = self._pin_hit(needs, tiers)
             if pins is None:
-                continue
+                continue  # a key was bad, gone or found no slot: a miss now; choose again
             if present > best:
                 self.rt.counters.add("rounded_down_tokens", present - best)
             offered = whole_prompt_offer(best, request.num_tokens) - num_computed
@@ -234,39 +232,46 @@ class TieredScheduler:
                 needs = chain + ending[end]
         return best, list(needs), present
 
-    def _prefetch(self, needs: list[_Need], tiers: dict[BlockKey, str]) -> bool:
-        """Bring the Redis-held keys of a hit into the CPU tier; False if any was bad."""
-        remote = [n for n in needs if tiers.get(n.key) == TIER_REDIS]
-        cpu = self.rt.cpu
-        if not remote:
-            return True
-        assert cpu is not None and self.rt.layout is not None
-        sizes = {g.group: g.nbytes for g in self.rt.layout.groups}
-        payloads = self.rt.redis.get_many([n.key for n in remote]) \
-            if self.rt.refresh_redis_gauge() else [None] * len(remote)
-        ok = True
-        for need, payload in zip(remote, payloads, strict=True):
-            if payload is None or memoryview(payload).nbytes != sizes.get(need.group):
-                tiers.pop(need.key, None)
-                self.rt.counters.add("redis_misses_at_fetch")
-                ok = False
-                continue
-            if cpu.contains(need.key) or cpu.put(need.key, payload):
-                self.rt.outbox.append(TierChange(need.key, MEDIUM_CPU, stored=True))
-            else:
-                tiers.pop(need.key, None)
-                self.rt.counters.add("store_drops")
-                ok = False
-        return ok
+    def _pin_hit(self, needs: list[_Need], tiers: dict[BlockKey, str]
+                 ) -> dict[BlockKey, int] | None:
+        """Pin every key of a hit in the CPU tier (all or nothing), fetching Redis-held keys.
 
-    def _pin(self, needs: list[_Need]) -> dict[BlockKey, int] | None:
-        """Pin every key of a hit in the CPU tier (all or nothing): key -> slot."""
+        Redis values are fetched in one call and validated, then every key is pinned in hit
+        order, a fetched one right after it is put, so bringing in one key never evicts an
+        earlier key of the same hit. (Putting them all first, then pinning, thrashed in a CPU
+        tier full of other requests' pins: the hit's keys evicted each other, the pins failed
+        on every attempt, each attempt re-fetched from Redis and evicted more entries, and the
+        request got no hit at all.) On failure every pin is released and the failed key is
+        dropped from ``tiers``, so the next attempt chooses a shorter end. ``None`` then.
+        """
         cpu = self.rt.cpu
         assert cpu is not None
+        remote = [n for n in needs if tiers.get(n.key) == TIER_REDIS and not cpu.contains(n.key)]
+        payloads: dict[BlockKey, Any] = {}
+        if remote:
+            assert self.rt.layout is not None
+            sizes = {g.group: g.nbytes for g in self.rt.layout.groups}
+            values = self.rt.redis.get_many([n.key for n in remote]) \
+                if self.rt.refresh_redis_gauge() else [None] * len(remote)
+            for need, payload in zip(remote, values, strict=True):
+                if payload is None or memoryview(payload).nbytes != sizes.get(need.group):
+                    tiers.pop(need.key, None)
+                    self.rt.counters.add("redis_misses_at_fetch")
+                else:
+                    payloads[need.key] = payload
+            if len(payloads) < len(remote):
+                return None
         pins: dict[BlockKey, int] = {}
         for need in needs:
             slot = cpu.acquire(need.key)
+            if slot is None and need.key in payloads:
+                if cpu.put(need.key, payloads[need.key]):
+                    self.rt.outbox.append(TierChange(need.key, MEDIUM_CPU, stored=True))
+                    slot = cpu.acquire(need.key)
+                else:
+                    self.rt.counters.add("store_drops")  # every slot pinned or being written
             if slot is None:
+                tiers.pop(need.key, None)
                 self._unpin(list(pins))
                 return None
             pins[need.key] = slot

@@ -190,3 +190,48 @@ def test_one_step_saving_more_blocks_than_cpu_slots_loses_none(redis_url: str,
         assert stats["reserved"] == 0 and stats["pinned"] == 0
     finally:
         rt.close()
+
+
+def test_restore_into_a_cpu_tier_full_of_pins_takes_what_fits(redis_url: str,
+                                                              key_prefix: str) -> None:
+    """14 of 16 CPU slots pinned by other requests' loads; a 4-block hit sits in Redis.
+
+    The 2 free slots restore the first 2 blocks (64 tokens). Before the fix the 4 fetched
+    values evicted each other, the pins failed on all 3 attempts and the hit was 0.
+    """
+    from offload_tiers.keys import BlockKey
+
+    nb, bs = 24, BS
+
+    def runtime() -> tuple[TierRuntime, TieredScheduler, dict[str, Any], torch.Tensor]:
+        kv = torch.zeros(nb, 2, bs, 256)  # 64 KiB slots: 16 in 1 MiB
+        rt = TierRuntime(TieredConfig(cpu_bytes=1 << 20, redis_url=redis_url,
+                                      redis_prefix=key_prefix))
+        worker = TieredWorker(rt)
+        worker.register({"attn": kv}, [(0, ATTENTION, bs, ["attn"])], nb)
+        blocks: dict[str, Any] = {}
+        sched = TieredScheduler(rt, GROUPS, bs, lambda t: "cd" * 16,
+                                lambda rid: blocks[rid], lambda bid: Blk(bid))
+        return rt, sched, {"worker": worker, "blocks": blocks}, kv
+
+    first, sched1, parts1, kv1 = runtime()
+    second, sched2, _, _ = runtime()
+    try:
+        kv1.normal_()
+        parts1["blocks"]["a"] = [[Blk(i, (i + 1) * bs) for i in range(4)]]
+        sched1.on_alloc(Req("a", 4 * bs + 5), parts1["blocks"]["a"], 0)
+        plan = sched1.plan({"a": 4 * bs + 5}, {}, set())
+        parts1["worker"].save(plan)
+        assert first.counters.snapshot()["blocks_written_redis"] == 4
+        cpu = second.cpu
+        assert cpu is not None and cpu.num_slots == 16
+        filler = bytes(cpu.slot_bytes)
+        for i in range(14):  # other requests' in-flight loads
+            key = BlockKey("ef" * 16, 0, i.to_bytes(8, "big"), bs, BlockKind.FULL)
+            assert cpu.put(key, filler) and cpu.acquire(key) is not None
+        assert sched2.lookup(Req("b", 4 * bs + 5), 0) == 2 * bs
+        stats = cpu.stats()
+        assert stats["pinned"] == 14 + 2 and stats["evictions"] == 0
+    finally:
+        first.close()
+        second.close()

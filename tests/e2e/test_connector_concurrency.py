@@ -159,15 +159,19 @@ def test_full_cpu_tier_with_redis_serves_evicted_blocks_from_redis(
     assert tight_redis["stats"]["blocks_written_redis"] > 0
     assert phit.get("hit_tokens_redis", 0) > 0  # evicted blocks came back from Redis
     total = phit.get("hit_tokens_cpu", 0) + phit.get("hit_tokens_redis", 0)
-    assert total >= cpu_only.get("hit_tokens_cpu", 0)
+    # Every CPU slot can carry a pinned restore: the 6th request restores the blocks that
+    # still fit (was: its fetched values evicted each other, no hit, 141 evictions not 87).
+    assert total > cpu_only.get("hit_tokens_cpu", 0)
+    assert phit.get("hit_requests", 0) > cpu_only.get("hit_requests", 0)
     # Requests whose blocks the CPU tier had evicted (a miss without Redis) are served.
     n = len(PRESSURE_HIT)
     came_back = [i for i in range(n)
                  if tight["runs"][f"phit/{i}"]["num_cached_tokens"] == 0
                  and tight_redis["runs"][f"phit/{i}"]["num_cached_tokens"] > 0]
     assert came_back, "no evicted prefix came back from Redis"
-    # Nothing was dropped for want of a slot while the tier was full but not pinned.
-    assert tight_redis["stats"]["store_drops"] == 0
+    # No save was dropped for want of a slot while the tier was full but not pinned.
+    for batch in ("warm", "hit", "pwarm"):
+        assert tight_redis["runs"][batch]["delta"].get("store_drops", 0) == 0, batch
     assert tight_redis["stats"]["redis_write_failures"] == 0
 
 
