@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, ResponseError
@@ -448,6 +449,35 @@ class RedisTier:
     def get(self, key: BlockKey) -> memoryview | None:
         return self.get_many([key])[0]
 
+    def get_many_into(self, keys: Sequence[BlockKey],
+                      dests: Sequence[memoryview | np.ndarray]) -> list[bool]:
+        """Read each key's validated payload into ``dests[i]``; True = hit, dest filled.
+
+        ``dests[i]`` is a writable, contiguous uint8 buffer of exactly the expected payload
+        length (e.g. a CPU-tier slot row). False = miss, bad value, wrong length or Redis
+        trouble: the dest's contents are then undefined. Never raises for Redis trouble.
+        """
+        if len(keys) != len(dests):
+            raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
+        out: list[bool] = []
+        wrong_len = 0
+        for got, dest in zip(self.get_many(keys), dests, strict=True):
+            view = _writable_u8(dest)
+            if got is None:
+                out.append(False)
+            elif got.nbytes != view.nbytes:
+                wrong_len += 1
+                out.append(False)
+            else:
+                view[:] = got
+                out.append(True)
+        if wrong_len:
+            with self._lock:
+                self._n["hits"] -= wrong_len
+                self._n["misses"] += wrong_len
+                self._n["corrupt"] += wrong_len
+        return out
+
     def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Cheap presence check: the header (GETRANGE) and the length (STRLEN) validate."""
         if not keys:
@@ -521,6 +551,16 @@ class RedisTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _writable_u8(dest: memoryview | np.ndarray) -> memoryview:
+    """A flat writable byte view of ``dest`` (no copy); ValueError if it cannot be one."""
+    view = memoryview(dest)
+    if view.readonly:
+        raise ValueError("destination buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("destination buffer is not contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _url_passwords(url: str) -> tuple[str, ...]:
