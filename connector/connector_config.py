@@ -23,7 +23,9 @@ _FIXES: dict[str, str] = {
     "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
     "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
                           "Redis server's certificate (used with rediss:// URLs)",
-    "write_mode": "use 'through' (write Redis in the step) or 'back' (write-behind queue)",
+    "write_mode": "use 'back' (default: a background writer, no Redis round trip in a step) "
+                  "or 'through' (each step writes Redis before it ends)",
+    "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
     "store_partial": "use true or false",
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
     "model_id": "use a string naming the model's identity (defaults to the model path)",
@@ -49,10 +51,12 @@ class TieredConfig(BaseModel):
     redis_timeout_s: float = Field(default=0.25, gt=0)
     # CA bundle that verifies a rediss:// server (default: the system's trust store).
     redis_ssl_ca_certs: str | None = None
-    write_mode: Literal["through", "back"] = "through"
+    write_mode: Literal["through", "back"] = "back"
     store_partial: bool = True
     tenant: str = ""
     model_id: str | None = None
+    # Names the weights: KV computed with other weights is never served.
+    weights_version: str = ""
     debug_corrupt_loads: bool = False
     # Serve hits on hybrid (Mamba + attention) models; false stores but never restores them.
     hybrid_hits: bool = True

@@ -1,7 +1,14 @@
-"""What the scheduler half tells the worker half each step: keys, slots and block ids only.
+"""What the two halves tell each other: the step plan (scheduler → every worker) and the
+worker report (each worker → scheduler, summed over ranks by vLLM).
 
-Nothing here refers to requests' tokens or to vLLM objects, so a tensor-parallel split can
-later send the same plan to every rank (each with its own namespace fingerprint).
+Rules this module keeps:
+
+* The halves run in different processes and share nothing else; every field pickles.
+* Keys carry the engine's *base* fingerprint; each rank derives the fingerprint it stores
+  under (:func:`connector.namespace.rank_fingerprint`).
+* Slots are chosen by the scheduler (it owns the CPU tier's bookkeeping); the bytes live in
+  each worker's slab. A job id names each asynchronous piece of work (a probe, a fetch, a
+  save); every rank reports each job exactly once.
 """
 
 from __future__ import annotations
@@ -10,50 +17,102 @@ from dataclasses import dataclass, field
 
 from offload_tiers.keys import BlockKey
 
-TIER_CPU = "cpu"
-TIER_REDIS = "redis"
-
 
 @dataclass(frozen=True, slots=True)
 class LoadOp:
-    """Write stored entry ``key`` into block ``block_id`` of ``group``.
+    """Write CPU-tier ``slot`` (holding ``key``) into block ``block_id`` of ``group``.
 
-    ``slot`` is the pinned CPU-tier slot (acquired by the scheduler, released by the worker)
-    when ``tier`` is cpu; None when the entry must be fetched from Redis on the way.
+    ``after_fetch``: the slot is being filled from Redis by a fetch of the same request;
+    the worker writes the block once that fetch has validated.
     """
 
     req_id: str
     group: int
     block_id: int
+    slot: int
     key: BlockKey
-    tier: str
-    slot: int | None = None
+    after_fetch: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOp:
+    """Read ``key`` from Redis into CPU-tier ``slot`` (in the background), then validate."""
+
+    job: int
+    req_id: str
+    slot: int
+    key: BlockKey
 
 
 @dataclass(frozen=True, slots=True)
 class SaveOp:
-    """Copy block ``block_id`` of ``group`` into the tiers under ``key``.
+    """Copy block ``block_id`` of ``group`` into ``slot``; then to Redis when ``to_redis``."""
 
-    ``supersedes`` is the PARTIAL entry of the same block that this FULL entry promotes;
-    it is dropped once the FULL one is stored.
-    """
-
+    job: int
     req_id: str
     group: int
     block_id: int
+    slot: int
     key: BlockKey
-    supersedes: BlockKey | None = None
+    to_redis: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeOp:
+    """Ask Redis which of ``keys`` every rank holds (answered through the worker report)."""
+
+    job: int
+    keys: tuple[BlockKey, ...]
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step's loads and saves."""
+    """One step's work for every worker."""
 
     loads: list[LoadOp] = field(default_factory=list)
+    fetches: list[FetchOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
-    # Requests whose loads in this plan vLLM treats as asynchronous (not scheduled this step):
-    # the worker reports them as finished receiving once their loads ran.
+    probes: list[ProbeOp] = field(default_factory=list)
+    # Requests vLLM loads asynchronously (not scheduled in this step): the worker reports
+    # them through get_finished / failed_recving once their loads (and fetches) are done.
     async_reqs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.async_reqs)
+        return bool(self.loads or self.fetches or self.saves or self.probes or self.async_reqs)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What workers tell the scheduler; vLLM merges the ranks' reports with :meth:`merge`.
+
+    ``saves``: job -> ``[ranks_ok, ranks_reporting, ranks_whose_copy_failed]`` (a save is
+    ok when the block reached the slot and, if asked, Redis); ``fetches``: job ->
+    ``[ranks_ok, ranks_reporting]``. ``probes``: job -> ``(present_counts,
+    ranks_reporting)`` with one count per key. ``redis_up``: the lowest over ranks
+    (-1 = no Redis configured).
+    """
+
+    saves: dict[int, list[int]] = field(default_factory=dict)
+    fetches: dict[int, list[int]] = field(default_factory=dict)
+    probes: dict[int, tuple[list[int], int]] = field(default_factory=dict)
+    redis_up: int = -1
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        for mine, theirs in ((self.saves, other.saves), (self.fetches, other.fetches)):
+            for job, counts in theirs.items():
+                cur = mine.get(job)
+                mine[job] = list(counts) if cur is None else [a + b for a, b in
+                                                              zip(cur, counts, strict=True)]
+        for job, (counts, n) in other.probes.items():
+            if job in self.probes:
+                old, m = self.probes[job]
+                self.probes[job] = ([a + b for a, b in zip(old, counts, strict=True)], m + n)
+            else:
+                self.probes[job] = (list(counts), n)
+        if other.redis_up >= 0:
+            self.redis_up = other.redis_up if self.redis_up < 0 \
+                else min(self.redis_up, other.redis_up)
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.fetches or self.probes) or self.redis_up >= 0

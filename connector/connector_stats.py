@@ -36,6 +36,9 @@ COUNTER_NAMES: tuple[str, ...] = (
     "redis_lookup_skips",  # lookups that skipped Redis because it was unavailable
     "redis_unavailable_steps",  # steps that saw Redis unavailable
     "events_emitted",
+    "refused_loads",  # hits vLLM accepted only in part: not loaded (vLLM computes them)
+    "saves_skipped_after_failed_load",  # blocks of a step whose load failed: never stored
+    "redis_unavailable_saves",  # saves planned for the CPU tier only: Redis was down
 )
 
 

@@ -1,5 +1,10 @@
 """The scheduler half: what to load (the longest prefix the tiers supply) and what to store.
 
+It runs in vLLM's engine-core process and keeps books only: which key sits in which CPU-tier
+slot (a slot directory, no bytes), which Redis keys the workers found, which jobs are still
+out. It never touches the network or a KV tensor; the workers (one per TP rank, other
+processes) do, and report back through :class:`~connector.connector_metadata.WorkerReport`.
+
 Pure logic over small interfaces, so it is tested without vLLM:
 
 * a request exposes ``request_id``, ``block_hashes`` (one hash per hash unit, cumulative),
@@ -9,26 +14,37 @@ Pure logic over small interfaces, so it is tested without vLLM:
 Rules (see docs/connector.md): a hit is a run of FULL attention blocks, optionally ended by
 one PARTIAL entry; every group must be restorable at the hit's end (attention blocks for
 every attention group, the recurrent state for every Mamba group) or the hit is rounded down
-to the longest end where it is. Fullness comes from ``block_hash_num_tokens`` only.
+to the longest end where it is. Fullness comes from ``block_hash_num_tokens`` only. A key
+held only in Redis is asked about asynchronously (the lookup answers ``None``, "ask again",
+until the workers' probe is back) and restored as an asynchronous load.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from connector.connector_metadata import TIER_CPU, TIER_REDIS, LoadOp, SaveOp, StepPlan
-from connector.worker_side import MEDIUM_CPU, TierChange, TierRuntime
+from connector.connector_config import TieredConfig
+from connector.connector_metadata import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
+from connector.connector_stats import ConnectorCounters
+from connector.scheduler_jobs import JobBook, TierChange
+from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKey, BlockKind, kind_for
 
 log = logging.getLogger(__name__)
 
 ATTENTION = "attention"
 MAMBA = "mamba"
+TIER_CPU = "cpu"
+TIER_REDIS = "redis"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 _EVENT_INFO_MAX = 1 << 16
+_BAD_KEYS_MAX = 1 << 14
 
 
 class RequestLike(Protocol):
@@ -77,42 +93,61 @@ class _Lookup:
     end: int
     needs: list[_Need]
     tiers: dict[BlockKey, str]
-    pins: dict[BlockKey, int]
+    slots: dict[BlockKey, int]  # pinned CPU slots and reserved fetch slots
     offered: int  # tokens offered to vLLM: end - start, or one less for a whole-prompt hit
+    load_async: bool
+
+
+@dataclass(slots=True)
+class _Probe:
+    job: int
+    keys: tuple[BlockKey, ...]
+    sent_at: float
+    present: dict[BlockKey, bool] | None = None
 
 
 @dataclass(slots=True)
 class _Tracked:
     request: Any
     saved: set[tuple[int, int, int]] = field(default_factory=set)  # (group, index, tokens)
-    partial: dict[tuple[int, int], BlockKey] = field(default_factory=dict)
     cursor: dict[int, int] = field(default_factory=dict)  # group -> first block not done
 
 
 def whole_prompt_offer(end: int, num_tokens: int) -> int:
     """The hit length to give vLLM for a hit ending at ``end``.
 
-    vLLM (0.32) accepts a synchronous external hit of at most ``num_tokens - 1`` tokens (a
-    hit of the whole prompt leaves nothing to schedule: ``assert num_new_tokens > 0`` in
-    ``Scheduler.schedule``), so a whole-prompt hit is offered one token short; the last
-    token is recomputed, as vLLM does after an asynchronous whole-prompt load.
+    vLLM (0.32) accepts an external hit of at most ``num_tokens - 1`` tokens (a hit of the
+    whole prompt leaves nothing to schedule), so a whole-prompt hit is offered one token
+    short; the last token is recomputed, as vLLM does after an asynchronous whole-prompt load.
     """
     return min(end, num_tokens - 1)
 
 
 class TieredScheduler:
-    """Plans loads and saves for one engine; all tier access goes through ``runtime``."""
+    """Plans loads, fetches, saves and probes for one engine (all TP ranks at once)."""
 
-    def __init__(self, runtime: TierRuntime, groups: list[GroupSpec], hash_unit: int,
+    def __init__(self, config: TieredConfig, groups: list[GroupSpec], hash_unit: int,
+                 num_slots: int, slot_bytes: int, world_size: int,
                  fingerprint: Callable[[str], str],
                  blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
                  pool_block: Callable[[int], BlockLike]) -> None:
-        self.rt = runtime
+        self.config = config
         self.groups = groups
         self.hash_unit = hash_unit
+        self.world_size = world_size
         self._fingerprint = fingerprint
         self._blocks_of = blocks_of
         self._pool_block = pool_block
+        self.counters = ConnectorCounters()
+        self.outbox: deque[TierChange] = deque()
+        self.directory = CpuTier(num_slots * slot_bytes, slot_bytes, with_slab=False,
+                                 on_evict=self._on_evict)
+        self.jobs = JobBook(world_size)
+        self.redis_configured = bool(config.redis_url)
+        self.redis_up = self.redis_configured  # until a worker says otherwise
+        if self.redis_configured:
+            self.counters.set_gauge("redis_configured", 1)
+        self.counters.set_gauge("redis_available", int(self.redis_up))
         self.attention = [g for g in groups if g.kind == ATTENTION]
         self.mamba = [g for g in groups if g.kind == MAMBA]
         self.supported = bool(self.attention) and all(
@@ -125,22 +160,26 @@ class TieredScheduler:
                 raise ValueError(f"group {g.group} block size {g.block_size} is not a multiple "
                                  f"of the hash unit {hash_unit}")
         self._pending: dict[str, _Lookup] = {}
+        self._probes: dict[str, _Probe] = {}
         self._tracked: dict[str, _Tracked] = {}
-        self._loads: list[LoadOp] = []
-        self._async_reqs: list[str] = []
-        # Hybrid hits are handed to vLLM as asynchronous loads (copied in the step they are
-        # planned, reported done through get_finished): vLLM then caches the restored blocks,
-        # Mamba state included, before the request runs, so later requests hit them in vLLM's
-        # own cache. A synchronous restore's Mamba block is the request's running state and
-        # is overwritten by the step, so the next turn had to load it from kvtier again.
-        self.load_async = bool(self.mamba)
+        self._plan = StepPlan()
         self._hit_tiers: dict[str, dict[str, int]] = {}
+        self._in_redis: OrderedDict[BlockKey, None] = OrderedDict()
+        self._bad: OrderedDict[BlockKey, None] = OrderedDict()  # failed fetches: not offered
         self.event_info: OrderedDict[BlockKey, EventInfo] = OrderedDict()
+        # Hybrid hits are asynchronous loads: vLLM caches the restored blocks, Mamba state
+        # included, before the request runs, so later turns hit vLLM's own cache. A hit that
+        # needs Redis is asynchronous too: the workers fetch it in the background.
+        self.hybrid = bool(self.mamba)
+        self.probe_timeout_s = max(1.0, 8 * config.redis_timeout_s)
+
+    def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
+        self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
 
     # ------------------------------------------------------------------ keys
     def tenant(self, request: RequestLike) -> str:
         salt = getattr(request, "cache_salt", None) or ""
-        base = self.rt.config.tenant
+        base = self.config.tenant
         return f"{base}/{salt}" if salt else base
 
     def key(self, request: RequestLike, fp: str, group: GroupSpec, num_tokens: int) -> BlockKey:
@@ -152,31 +191,42 @@ class TieredScheduler:
         return BlockKey(fp, group.group, bytes(block_hash), num_tokens, kind)
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, request: RequestLike, num_computed: int) -> int:
-        """Tokens beyond ``num_computed`` that the tiers can restore for every group.
+    def lookup(self, request: RequestLike, num_computed: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed`` every group can restore, and whether the load is
+        asynchronous; ``(None, False)`` while a Redis probe for this request is out.
 
-        The hit's entries end up in the CPU tier (Redis values are fetched and validated
-        here) and pinned until the worker has loaded them, so a load cannot miss.
+        The hit's CPU entries are pinned and its Redis entries get reserved slots until the
+        plan that loads them, so a load cannot lose its source.
         """
         self._drop_pending(request.request_id)
-        cpu = self.rt.cpu
-        if not self.supported or cpu is None:
-            return 0
-        self.rt.counters.add("lookups")
-        self.rt.counters.add("lookup_tokens", request.num_tokens - num_computed)
-        # Attention-only models may restore the whole prompt: vLLM then recomputes only the
-        # last token (offered = prompt - 1, loads synchronous). With a Mamba group the hit
-        # must end where a state was saved, at most num_tokens - 1 (the state at the prompt
-        # end already contains the last token, which vLLM would feed through it again).
+        if not self.supported:
+            return 0, False
+        # Attention-only models may restore the whole prompt (vLLM then recomputes only the
+        # last token). With a Mamba group the hit must end where a state was saved, at most
+        # num_tokens - 1 (the state at the prompt end already contains the last token).
         limit = request.num_tokens if not self.mamba else request.num_tokens - 1
         max_end = min(limit, len(request.block_hashes) * self.hash_unit)
         if max_end - num_computed < self.hash_unit:
-            return 0
+            return 0, False
         fp = self._fingerprint(self.tenant(request))
-        unit = self.hash_unit
-        ends = list(range(num_computed + unit, max_end + 1, unit))
-        # Keys per candidate end: prefix keys (FULL attention blocks, cumulative) and end keys
-        # (the PARTIAL attention entry and every Mamba state, only for the end itself).
+        ends = list(range(num_computed + self.hash_unit, max_end + 1, self.hash_unit))
+        prefix, ending = self._candidates(request, fp, ends)
+        ordered = list(dict.fromkeys(
+            k.key for end in ends for k in prefix[end] + ending[end]))
+        tiers = dict.fromkeys(
+            (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
+             if ok), TIER_CPU)
+        missing = tuple(k for k in ordered if k not in tiers and k not in self._bad)
+        if missing and not self._redis_answer(request.request_id, missing, tiers):
+            return None, False
+        self.counters.add("lookups")
+        self.counters.add("lookup_tokens", request.num_tokens - num_computed)
+        return self._choose(request, num_computed, ends, prefix, ending, tiers)
+
+    def _candidates(self, request: RequestLike, fp: str, ends: list[int]
+                    ) -> tuple[dict[int, list[_Need]], dict[int, list[_Need]]]:
+        """Keys per candidate end: prefix keys (FULL attention blocks, cumulative) and end
+        keys (the PARTIAL attention entry and every Mamba state, only for the end itself)."""
         prefix: dict[int, list[_Need]] = {}
         ending: dict[int, list[_Need]] = {}
         for end in ends:
@@ -191,28 +241,64 @@ class TieredScheduler:
                 _Need(g.group, (end - 1) // g.block_size, self.key(request, fp, g, end))
                 for g in self.mamba
             ]
-        tiers = self._locate(ends, prefix, ending)
+        return prefix, ending
+
+    def _redis_answer(self, req_id: str, missing: tuple[BlockKey, ...],
+                      tiers: dict[BlockKey, str]) -> bool:
+        """Fill ``tiers`` with the Redis-held keys among ``missing``; False = ask again.
+
+        The first call sends a probe to the workers; the answer comes through a later
+        worker report. A probe that outlives ``probe_timeout_s`` (or Redis known down) is
+        answered from the CPU tier alone (counted as ``redis_lookup_skips``).
+        """
+        if not self.redis_configured:
+            return True
+        probe = self._probes.get(req_id)
+        if probe is None or not set(missing) <= set(probe.keys):
+            if not self.redis_up:
+                self.counters.add("redis_lookup_skips")
+                return True
+            job = self.jobs.open_probe(missing)
+            self._probes[req_id] = _Probe(job, missing, time.monotonic())
+            self._plan.probes.append(ProbeOp(job, missing))
+            return False
+        if probe.present is None:
+            if time.monotonic() - probe.sent_at < self.probe_timeout_s:
+                return False
+            self.counters.add("redis_lookup_skips")
+            del self._probes[req_id]
+            return True
+        del self._probes[req_id]
+        for k in missing:
+            if probe.present.get(k):
+                tiers[k] = TIER_REDIS
+        return True
+
+    def _choose(self, request: RequestLike, num_computed: int, ends: list[int],
+                prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
+                tiers: dict[BlockKey, str]) -> tuple[int, bool]:
         for _attempt in range(3):
             best, needs, present = self._best(ends, prefix, ending, tiers)
             if best == 0:
                 if present:
-                    self.rt.counters.add("rounded_down_tokens", present - num_computed)
-                return 0
-            if self.mamba and not self.rt.config.hybrid_hits:
+                    self.counters.add("rounded_down_tokens", present - num_computed)
+                return 0, False
+            if self.mamba and not self.config.hybrid_hits:
                 # Operator switch: store hybrid blocks, never restore them (counted).
-                self.rt.counters.add("rounded_down_tokens", max(present, best) - num_computed)
-                self.rt.counters.add("hybrid_hits_withheld", best - num_computed)
-                return 0
-            pins = self._pin_hit(needs, tiers)
-            if pins is None:
-                continue  # a key was bad, gone or found no slot: a miss now; choose again
+                self.counters.add("rounded_down_tokens", max(present, best) - num_computed)
+                self.counters.add("hybrid_hits_withheld", best - num_computed)
+                return 0, False
+            slots = self._hold_hit(needs, tiers)
+            if slots is None:
+                continue  # a key found no slot: a miss now; choose a shorter end
             if present > best:
-                self.rt.counters.add("rounded_down_tokens", present - best)
+                self.counters.add("rounded_down_tokens", present - best)
+            load_async = self.hybrid or any(tiers[n.key] == TIER_REDIS for n in needs)
             offered = whole_prompt_offer(best, request.num_tokens) - num_computed
-            self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers, pins,
-                                                        offered)
-            return offered
-        return 0
+            self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers,
+                                                        slots, offered, load_async)
+            return offered, load_async
+        return 0, False
 
     @staticmethod
     def _best(ends: list[int], prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
@@ -232,116 +318,71 @@ class TieredScheduler:
                 needs = chain + ending[end]
         return best, list(needs), present
 
-    def _pin_hit(self, needs: list[_Need], tiers: dict[BlockKey, str]
-                 ) -> dict[BlockKey, int] | None:
-        """Pin every key of a hit in the CPU tier (all or nothing), fetching Redis-held keys.
+    def _hold_hit(self, needs: list[_Need], tiers: dict[BlockKey, str]
+                  ) -> dict[BlockKey, int] | None:
+        """Pin every CPU key of a hit and reserve a slot for every Redis key (all or none).
 
-        Redis values are fetched in one call and validated, then every key is pinned in hit
-        order, a fetched one right after it is put, so bringing in one key never evicts an
-        earlier key of the same hit. (Putting them all first, then pinning, thrashed in a CPU
-        tier full of other requests' pins: the hit's keys evicted each other, the pins failed
-        on every attempt, each attempt re-fetched from Redis and evicted more entries, and the
-        request got no hit at all.) On failure every pin is released and the failed key is
-        dropped from ``tiers``, so the next attempt chooses a shorter end. ``None`` then.
+        Keys are held in hit order, so holding one never evicts an earlier key of the same
+        hit. On failure everything is let go, the failed key leaves ``tiers`` (the next
+        attempt chooses a shorter end) and ``None`` is returned.
         """
-        cpu = self.rt.cpu
-        assert cpu is not None
-        remote = [n for n in needs if tiers.get(n.key) == TIER_REDIS and not cpu.contains(n.key)]
-        payloads: dict[BlockKey, Any] = {}
-        if remote:
-            assert self.rt.layout is not None
-            sizes = {g.group: g.nbytes for g in self.rt.layout.groups}
-            values = self.rt.redis.get_many([n.key for n in remote]) \
-                if self.rt.refresh_redis_gauge() else [None] * len(remote)
-            for need, payload in zip(remote, values, strict=True):
-                if payload is None or memoryview(payload).nbytes != sizes.get(need.group):
-                    tiers.pop(need.key, None)
-                    self.rt.counters.add("redis_misses_at_fetch")
-                else:
-                    payloads[need.key] = payload
-            if len(payloads) < len(remote):
-                return None
-        pins: dict[BlockKey, int] = {}
+        held: dict[BlockKey, int] = {}
         for need in needs:
-            slot = cpu.acquire(need.key)
-            if slot is None and need.key in payloads:
-                if cpu.put(need.key, payloads[need.key]):
-                    self.rt.outbox.append(TierChange(need.key, MEDIUM_CPU, stored=True))
-                    slot = cpu.acquire(need.key)
-                else:
-                    self.rt.counters.add("store_drops")  # every slot pinned or being written
+            if need.key in held:
+                continue
+            if tiers[need.key] == TIER_CPU:
+                slot = self.directory.acquire(need.key)
+            else:
+                slot = self.directory.reserve(need.key)
+                if slot is None:
+                    self.counters.add("store_drops")  # every slot pinned or being written
             if slot is None:
                 tiers.pop(need.key, None)
-                self._unpin(list(pins))
+                self._let_go(held, tiers)
                 return None
-            pins[need.key] = slot
-        return pins
+            held[need.key] = slot
+        return held
+
+    def _let_go(self, held: dict[BlockKey, int], tiers: dict[BlockKey, str]) -> None:
+        for key in held:
+            if tiers.get(key, TIER_CPU) == TIER_REDIS:
+                self.directory.abort(key)
+            else:
+                self._unpin(key)
 
     def _drop_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
-            self._unpin(list(pending.pins))
+            self._let_go(pending.slots, pending.tiers)
 
-    def _unpin(self, keys: list[BlockKey]) -> None:
-        cpu = self.rt.cpu
-        assert cpu is not None
-        for key in keys:
-            try:
-                cpu.release(key)
-            except KeyError:
-                log.warning("kvtier: %s was not pinned", key.name)
-
-    def _locate(self, ends: list[int], prefix: dict[int, list[_Need]],
-                ending: dict[int, list[_Need]]) -> dict[BlockKey, str]:
-        """Which tier holds each candidate key: CPU first, then Redis for the rest."""
-        cpu = self.rt.cpu
-        assert cpu is not None
-        ordered: list[BlockKey] = []
-        for end in ends:
-            ordered.extend(n.key for n in prefix[end])
-            ordered.extend(n.key for n in ending[end])
-        ordered = list(dict.fromkeys(ordered))
-        found = dict.fromkeys(
-            (k for k, ok in zip(ordered, cpu.contains_many(ordered), strict=True) if ok), TIER_CPU)
-        missing = [k for k in ordered if k not in found]
-        if missing and self.rt.redis is not None:
-            if not self.rt.refresh_redis_gauge():
-                self.rt.counters.add("redis_lookup_skips")
-            else:
-                # Only keys that could extend the run matter: stop after the first missing
-                # FULL prefix key in Redis.
-                for k, ok in zip(missing, self.rt.redis.exists_many(missing), strict=True):
-                    if ok:
-                        found[k] = TIER_REDIS
-        return found
+    def _unpin(self, key: BlockKey) -> None:
+        try:
+            self.directory.release(key)
+        except KeyError:
+            log.warning("kvtier: %s was not pinned", key.name)
 
     # ------------------------------------------------------------------ allocation
     def on_alloc(self, request: RequestLike, blocks: Sequence[Sequence[BlockLike]],
                  num_external: int) -> None:
-        """vLLM allocated blocks; turn an accepted hit into load operations."""
+        """vLLM allocated blocks; turn an accepted hit into loads (and fetches)."""
         req_id = request.request_id
         self._tracked.setdefault(req_id, _Tracked(request))
         pending = self._pending.pop(req_id, None)
         if pending is None:
             return
-        if num_external <= 0:
-            self._unpin(list(pending.pins))
-            return
-        accepted = pending.start + num_external
-        # A whole-prompt hit is offered one token short (vLLM recomputes the last token), but
-        # its last entry is loaded whole: that token's KV is the same either way.
-        end = pending.end if num_external == pending.offered else accepted
         if num_external != pending.offered:
-            log.warning("kvtier: vLLM accepted %d external tokens for %s, planned %d",
-                        num_external, req_id, pending.offered)
+            # vLLM took less (or more) than offered: a hit cut short would leave a hole with
+            # no Mamba state at its end, so the load is refused and vLLM computes it all.
+            if num_external > 0:
+                log.warning("kvtier: vLLM accepted %d external tokens for %s, offered %d; "
+                            "not loading", num_external, req_id, pending.offered)
+                self.counters.add("refused_loads")
+            self._let_go(pending.slots, pending.tiers)
+            return
         per_tier = {TIER_CPU: 0, TIER_REDIS: 0}
         lead = self.attention[0]
-        ops: list[LoadOp] = []
-        unused: list[BlockKey] = []
+        fetched: dict[BlockKey, int] = {}
         for need in pending.needs:
-            if need.key.num_tokens > end:
-                unused.append(need.key)
-                continue
             group_blocks = blocks[need.group]
             block = group_blocks[need.block_index] \
                 if need.block_index < len(group_blocks) else None
@@ -349,21 +390,31 @@ class TieredScheduler:
                 raise RuntimeError(
                     f"kvtier: vLLM allocated no block for group {need.group} index "
                     f"{need.block_index} of {req_id}; refusing a partial restore")
-            tier = pending.tiers.get(need.key, TIER_CPU)
-            ops.append(LoadOp(req_id, need.group, block.block_id, need.key, tier,
-                              pending.pins[need.key]))
+            tier = pending.tiers[need.key]
+            slot = pending.slots[need.key]
+            if tier == TIER_REDIS and need.key not in fetched:
+                fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
+                self._plan.fetches.append(FetchOp(fetched[need.key], req_id, slot, need.key))
+            self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, slot, need.key,
+                                           after_fetch=tier == TIER_REDIS))
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)
-                per_tier[tier] += max(min(need.key.num_tokens, accepted) - start, 0)
-        self._unpin(unused)
-        self._loads.extend(ops)
-        if self.load_async:
-            self._async_reqs.append(req_id)
-        self.rt.counters.add("hit_requests")
-        self.rt.counters.add("hit_tokens_cpu", per_tier[TIER_CPU])
-        self.rt.counters.add("hit_tokens_redis", per_tier[TIER_REDIS])
-        self._hit_tiers[req_id] = per_tier
+                per_tier[tier] += max(min(need.key.num_tokens, pending.end) - start, 0)
+        # A CPU slot is read by this step's loads, which every worker runs before any later
+        # save can reuse it: the pins go now. Fetch slots stay reserved until their job ends.
+        for key in pending.slots:
+            if pending.tiers[key] == TIER_CPU:
+                self._unpin(key)
+        if pending.load_async:
+            self._plan.async_reqs.append(req_id)
+        self.counters.add("hit_requests")
+        self.counters.add("hit_tokens_cpu", min(per_tier[TIER_CPU], num_external))
+        self.counters.add("hit_tokens_redis", num_external - min(per_tier[TIER_CPU],
+                                                                 num_external))
+        self._hit_tiers[req_id] = {TIER_CPU: min(per_tier[TIER_CPU], num_external),
+                                   TIER_REDIS: num_external - min(per_tier[TIER_CPU],
+                                                                  num_external)}
 
     def hit_tiers(self, req_id: str) -> dict[str, int]:
         """Tokens of ``req_id``'s last hit by tier (for vLLM's hit-source split)."""
@@ -377,17 +428,15 @@ class TieredScheduler:
     def plan(self, computed_after: dict[str, int],
              boundary_states: dict[str, list[tuple[int, int, int]]],
              gone: set[str]) -> StepPlan:
-        """This step's loads and saves.
+        """This step's loads, fetches, probes and saves.
 
         ``computed_after``: request id -> tokens computed once this step has run.
         ``boundary_states``: vLLM's exact Mamba state hand-offs (group, block id, tokens).
         ``gone``: requests finished or preempted this step (their hand-offs are dropped).
         """
-        plan = StepPlan(loads=self._loads, async_reqs=self._async_reqs)
-        self._loads, self._async_reqs = [], []
-        if not self.supported or self.rt.cpu is None:
+        plan, self._plan = self._plan, StepPlan()
+        if not self.supported:
             return plan
-        self._mirror_mamba_loads(plan, computed_after)
         for req_id, done in computed_after.items():
             tracked = self._tracked.get(req_id)
             if tracked is None or req_id in gone:
@@ -399,36 +448,6 @@ class TieredScheduler:
                 continue
             self._plan_mamba(tracked, entries, computed_after.get(req_id, 0), plan)
         return plan
-
-    def _mirror_mamba_loads(self, plan: StepPlan, computed_after: dict[str, int]) -> None:
-        """Also write each restored Mamba state into the step's running-state block.
-
-        In "align" mode vLLM's worker copies the state of block ``(L-1)//B`` into the running
-        block ``ceil(end/B)-1`` before the forward (``preprocess_mamba``) — before connector
-        loads run. When the two differ, the copy would take the not-yet-loaded block; writing
-        the restored state into the running block too gives the kernel what the copy would.
-        """
-        cpu = self.rt.cpu
-        assert cpu is not None
-        extra: list[LoadOp] = []
-        for op in plan.loads:
-            g = self._group(op.group)
-            if g.kind != MAMBA or op.req_id not in computed_after:
-                continue
-            bs = g.block_size
-            start_idx = (op.key.num_tokens - 1) // bs
-            run_idx = -(-computed_after[op.req_id] // bs) - 1
-            if run_idx == start_idx:
-                continue
-            group_blocks = self._blocks_of(op.req_id)[op.group]
-            if run_idx >= len(group_blocks) or group_blocks[run_idx].is_null:
-                raise RuntimeError(f"kvtier: no running Mamba block {run_idx} for {op.req_id}")
-            slot = cpu.acquire(op.key)  # a second pin: the worker releases once per op
-            if slot is None:
-                raise RuntimeError(f"kvtier: pinned entry {op.key.name} vanished")
-            extra.append(LoadOp(op.req_id, op.group, group_blocks[run_idx].block_id, op.key,
-                                op.tier, slot))
-        plan.loads.extend(extra)
 
     def _plan_attention(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
         request = tracked.request
@@ -444,26 +463,17 @@ class TieredScheduler:
                 if block.is_null:
                     continue
                 n = block.block_hash_num_tokens
-                if n is None or n > done:
-                    continue
-                kind = kind_for(n, index, g.block_size)
-                if (g.group, index, n) in tracked.saved:
+                if n is None or n > done or (g.group, index, n) in tracked.saved:
                     continue
                 tracked.saved.add((g.group, index, n))
-                if kind is BlockKind.PARTIAL and not self.rt.config.store_partial:
+                kind = kind_for(n, index, g.block_size)
+                if kind is BlockKind.PARTIAL and not self.config.store_partial:
                     continue
                 if n % self.hash_unit or n // self.hash_unit > len(request.block_hashes):
                     continue
                 fp = fp or self._fingerprint(self.tenant(request))
-                key = self.key(request, fp, g, n)
-                supersedes = None
-                if kind is BlockKind.FULL:
-                    supersedes = tracked.partial.pop((g.group, index), None)
-                else:
-                    tracked.partial[(g.group, index)] = key
-                plan.saves.append(SaveOp(request.request_id, g.group, block.block_id, key,
-                                         supersedes))
-                self._remember(request, key, g)
+                self._save(plan, request, g, block.block_id, self.key(request, fp, g, n),
+                           (g.group, index, n))
             tracked.cursor[g.group] = self._advance(tracked, g, group_blocks, first, done)
 
     @staticmethod
@@ -493,15 +503,40 @@ class TieredScheduler:
                 continue
             block = self._pool_block(block_id)
             n = block.block_hash_num_tokens
-            if block.is_null or (n is not None and n != tokens):
+            # A hand-off whose block has no hash, or a hash of another length, is not the
+            # state at ``tokens``: skip it.
+            if block.is_null or n != tokens:
                 continue
             kind = kind_for(tokens, (tokens - 1) // g.block_size, g.block_size)
-            if kind is BlockKind.PARTIAL and not self.rt.config.store_partial:
+            if kind is BlockKind.PARTIAL and not self.config.store_partial:
                 continue
             fp = fp or self._fingerprint(self.tenant(request))
-            key = self.key(request, fp, g, tokens)
-            plan.saves.append(SaveOp(request.request_id, g.group, block_id, key))
-            self._remember(request, key, g)
+            self._save(plan, request, g, block_id, self.key(request, fp, g, tokens), None)
+
+    def _save(self, plan: StepPlan, request: RequestLike, g: GroupSpec, block_id: int,
+              key: BlockKey, mark: tuple[int, int, int] | None) -> None:
+        """Give ``key`` a slot now (committed: the workers fill it in this step, before any
+        later step's load reads it) and plan the copy; a slot for Redis stays pinned until
+        every rank has written it."""
+        if self.directory.contains(key):
+            return
+        slot = self.directory.reserve(key)
+        if slot is None:
+            self.counters.add("store_drops")
+            if mark is not None:
+                self._tracked[request.request_id].saved.discard(mark)
+            return
+        self.directory.commit(key)
+        to_redis = self.redis_configured and self.redis_up
+        if to_redis:
+            self.directory.acquire(key)
+        elif self.redis_configured:
+            self.counters.add("redis_unavailable_saves")
+        job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
+        plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
+                                 to_redis))
+        self.outbox.append(TierChange(key, MEDIUM_CPU, stored=True))
+        self._remember(request, key, g)
 
     def _remember(self, request: RequestLike, key: BlockKey, g: GroupSpec) -> None:
         """Keep what the BlockStored events of ``key`` will need."""
@@ -512,23 +547,79 @@ class TieredScheduler:
         unit = self.hash_unit
         if g.kind == MAMBA:
             info = EventInfo((), None, 0, MAMBA)  # placeholder shape, as vLLM announces state
-        elif key.kind is BlockKind.FULL:
-            start = n - g.block_size
-            parent = bytes(request.block_hashes[start // unit - 1]) if start > 0 else None
-            info = EventInfo(tuple(request.all_token_ids[start:n]), parent, g.block_size,
-                             ATTENTION)
         else:
-            start = n - unit
+            start = n - g.block_size if key.kind is BlockKind.FULL else n - unit
             parent = bytes(request.block_hashes[start // unit - 1]) if start > 0 else None
-            info = EventInfo(tuple(request.all_token_ids[start:n]), parent, unit, ATTENTION)
+            info = EventInfo(tuple(request.all_token_ids[start:n]), parent,
+                             g.block_size if key.kind is BlockKind.FULL else unit, ATTENTION)
         self.event_info[key] = info
         while len(self.event_info) > _EVENT_INFO_MAX:
             self.event_info.popitem(last=False)
+
+    # ------------------------------------------------------------------ worker reports
+    def on_report(self, report: WorkerReport) -> None:
+        """Apply what the workers finished: saves, fetches, probes, Redis health."""
+        if report.redis_up >= 0:
+            self.redis_up = bool(report.redis_up)
+            self.counters.set_gauge("redis_available", report.redis_up)
+        for job, (ok, n, gather_failed) in report.saves.items():
+            done = self.jobs.report(job, ok, n, gather_failed)
+            if done is not None:
+                self._save_done(*done)
+        for job, (ok, n) in report.fetches.items():
+            done = self.jobs.report(job, ok, n)
+            if done is not None:
+                self._fetch_done(*done)
+        for job, (counts, n) in report.probes.items():
+            done = self.jobs.report_probe(job, counts, n)
+            if done is not None:
+                self._probe_done(job, *done)
+
+    def _save_done(self, info: Any, all_ok: bool) -> None:
+        key = info.key
+        if info.to_redis:
+            self._unpin(key)
+        if not all_ok:
+            # A rank could not copy the block (or reach Redis): its slot is not trusted.
+            if info.gather_failed and self.directory.remove(key):
+                self.counters.add("store_drops")
+                self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+            tracked = self._tracked.get(info.req_id)
+            if tracked is not None and info.mark is not None:
+                tracked.saved.discard(info.mark)
+                tracked.cursor.pop(info.mark[0], None)
+            return
+        if info.to_redis and key not in self._in_redis:
+            self._in_redis[key] = None
+            self.outbox.append(TierChange(key, MEDIUM_STORAGE, stored=True))
+            while len(self._in_redis) > self.directory.num_slots * 4:
+                self._in_redis.popitem(last=False)
+
+    def _fetch_done(self, info: Any, all_ok: bool) -> None:
+        key = info.key
+        if all_ok:
+            self.directory.commit(key)
+            self.outbox.append(TierChange(key, MEDIUM_CPU, stored=True))
+            self._bad.pop(key, None)
+            return
+        self.directory.abort(key)
+        self.counters.add("redis_misses_at_fetch")
+        self._bad[key] = None
+        while len(self._bad) > _BAD_KEYS_MAX:
+            self._bad.popitem(last=False)
+
+    def _probe_done(self, job: int, keys: tuple[BlockKey, ...], counts: list[int]) -> None:
+        for probe in self._probes.values():
+            if probe.job == job:
+                probe.present = {k: c >= self.world_size
+                                 for k, c in zip(keys, counts, strict=True)}
+                return
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._drop_pending(req_id)
+        self._probes.pop(req_id, None)
         self._hit_tiers.pop(req_id, None)
 
     def preempted(self, req_id: str) -> None:
@@ -536,5 +627,20 @@ class TieredScheduler:
         tracked = self._tracked.get(req_id)
         if tracked is not None:
             tracked.saved.clear()
-            tracked.partial.clear()
             tracked.cursor.clear()
+
+    def reset(self) -> int:
+        """Empty the CPU tier's directory (connector-cache reset); entries removed."""
+        removed = 0
+        for key in self.directory.keys():
+            if self.directory.remove(key):
+                removed += 1
+                self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+        self._in_redis.clear()
+        return removed
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters.snapshot())
+        out["cpu_tier"] = self.directory.stats()
+        out["open_jobs"] = len(self.jobs)
+        return out

@@ -4,15 +4,17 @@ Load with ``kv_connector="TieredOffloadingConnector"``, ``kv_connector_module_pa
 "connector"`` (or nothing once kvtier is installed: the ``vllm.general_plugins`` entry point
 registers the name) and ``kv_role="kv_both"``. Settings: :mod:`connector.connector_config`.
 
-This module is the only one of kvtier that imports vLLM. It adapts vLLM's objects to the
-scheduler half (:mod:`connector.scheduler_side`) and the worker half
-(:mod:`connector.worker_side`), which run in one process and share a :class:`TierRuntime`.
+This module adapts vLLM's objects to the scheduler half (:mod:`connector.scheduler_side`,
+vLLM's engine-core process) and the worker half (:mod:`connector.worker_side`, one per TP
+rank, in vLLM's worker processes). The halves share nothing but vLLM's channels: the step
+plan in the connector metadata, and the workers' :class:`WorkerReport`, transfer results and
+stats on the way back. It works with vLLM's default executors (multiprocess), the OpenAI
+server, tensor parallelism and data parallelism (each DP engine is its own engine).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -30,16 +34,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector import connector_stats
-from connector.connector_config import ConnectorConfigError, load_config
-from connector.connector_metadata import TIER_CPU, TIER_REDIS, StepPlan
-from connector.scheduler_side import ATTENTION, MAMBA, GroupSpec, TieredScheduler
-from connector.worker_side import MEDIUM_CPU, TierChange, TieredWorker, TierRuntime
-from offload_tiers.keys import Namespace
+from connector.connector_config import ConnectorConfigError, TieredConfig, load_config
+from connector.connector_metadata import StepPlan, WorkerReport
+from connector.namespace import expected_slot_bytes, identity_from_vllm, slot_count
+from connector.scheduler_jobs import TierChange
+from connector.scheduler_side import (
+    ATTENTION,
+    MAMBA,
+    TIER_CPU,
+    TIER_REDIS,
+    GroupSpec,
+    TieredScheduler,
+)
+from connector.worker_side import TieredWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,50 +61,35 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.connector")
 
-# Runtimes of the engines in this process, by engine id: the scheduler half finds the tiers
-# its worker half created. Kept after shutdown (without tiers) so stats stay readable.
-_RUNTIMES: dict[str, TierRuntime] = {}
-_RUNTIMES_LOCK = threading.Lock()
-
-NOT_COLOCATED = (
-    "TieredOffloadingConnector runs its scheduler and worker halves in one process "
-    "(vLLM's UniProcExecutor: tensor_parallel_size=1, pipeline_parallel_size=1, "
-    "data_parallel_size=1). Found {detail}. Fix: run one engine per GPU/CPU with "
-    "tensor_parallel_size=1, or use another connector for multi-process workers."
+PIPELINE_UNSUPPORTED = (
+    "TieredOffloadingConnector does not support pipeline_parallel_size={pp} yet (each stage "
+    "would hold a different set of layers). Fix: use tensor_parallel_size and/or "
+    "data_parallel_size, with pipeline_parallel_size=1."
 )
 
 
-def runtime_stats(engine_id: str | None = None) -> dict[str, Any]:
-    """Cumulative kvtier counters of an engine in this process (the last one by default).
-
-    Keys: ``hit_tokens_cpu``, ``hit_tokens_redis``, ``lookups``, ``bytes_loaded``, ...
-    (see :data:`connector.connector_stats.COUNTER_NAMES`), ``redis_available`` and the
-    tiers' own stats under ``cpu_tier`` / ``redis_tier``. Empty when no engine ran.
-    """
-    with _RUNTIMES_LOCK:
-        if engine_id is None:
-            if not _RUNTIMES:
-                return {}
-            engine_id = next(reversed(_RUNTIMES))
-        runtime = _RUNTIMES.get(engine_id)
-    return runtime.stats() if runtime is not None else {}
-
-
-def engine_ids() -> list[str]:
-    """Engine ids with kvtier runtimes in this process, oldest first."""
-    with _RUNTIMES_LOCK:
-        return list(_RUNTIMES)
-
-
 class TieredConnectorMetadata(KVConnectorMetadata):
-    """One step's plan (keys, slots, block ids) from the scheduler half to the worker."""
+    """One step's plan (keys, slots, block ids, job ids) from the scheduler to every worker."""
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class TieredWorkerMetadata(KVConnectorWorkerMetadata):
+    """One rank's :class:`WorkerReport`; vLLM merges the ranks' with :meth:`aggregate`."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TieredWorkerMetadata)
+        self.report.merge(other.report)
+        return self
 
 
 class TieredConnectorStats(KVConnectorStats):
@@ -171,62 +169,54 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
-        self.engine_id = str(self._kv_transfer_config.engine_id)
         self.groups = _group_specs(kv_cache_config)
         self.worker: TieredWorker | None = None
         self.scheduler: TieredScheduler | None = None
         self._block_pool: Any = None
-        self._namespaces: dict[str, str] = {}
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1 or parallel.data_parallel_size > 1:
-            raise RuntimeError(NOT_COLOCATED.format(
-                detail=f"world_size={parallel.world_size}, "
-                       f"data_parallel_size={parallel.data_parallel_size}"))
+        if parallel.pipeline_parallel_size > 1:
+            raise ConnectorConfigError(PIPELINE_UNSUPPORTED.format(
+                pp=parallel.pipeline_parallel_size))
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ConnectorConfigError(
                 "TieredOffloadingConnector needs prefix caching (block hashes). "
                 "Fix: pass enable_prefix_caching=True")
+        self.identity = identity_from_vllm(vllm_config, kv_cache_config, self.config.model_id,
+                                           self.config.weights_version,
+                                           str(current_platform.device_type))
+        slot_bytes = expected_slot_bytes(kv_cache_config)
+        num_slots = slot_count(self.config.cpu_bytes, slot_bytes)
+        self.tp_size = int(parallel.tensor_parallel_size)
         if role == KVConnectorRole.WORKER:
-            runtime = TierRuntime(self.config)
-            with _RUNTIMES_LOCK:
-                _RUNTIMES[self.engine_id] = runtime
-            self.runtime = runtime
-            self.worker = TieredWorker(runtime)
-            log.info("kvtier worker: settings %s", self.config.describe())
+            self._start_worker(num_slots)
             return
-        with _RUNTIMES_LOCK:
-            runtime_or_none = _RUNTIMES.get(self.engine_id)
-        if runtime_or_none is None or runtime_or_none.cpu is None:
-            raise RuntimeError(NOT_COLOCATED.format(
-                detail="no worker half of this engine in the scheduler's process"))
-        self.runtime = runtime_or_none
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # kvtier is a cache: a block that fails to load is recomputed, never fatal.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         _, hash_unit = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        self._generation = 0
+        self._namespaces: dict[str, str] = {}
         self.scheduler = TieredScheduler(
-            self.runtime, self.groups, int(hash_unit), self._fingerprint,
-            self._blocks_of, self._pool_block)
-        log.info("kvtier scheduler: groups %s, hash unit %d, layout %s",
-                 [(g.group, g.kind, g.block_size) for g in self.groups], hash_unit,
-                 self.runtime.layout.descriptor() if self.runtime.layout else "?")
+            self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
+            int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block)
+        log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
+                 "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
+                 hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())
+
+    def _start_worker(self, num_slots: int) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        redis = _redis_tier(self.config) if self.config.redis_url else None
+        self.worker = TieredWorker(self.config, int(get_tensor_model_parallel_rank()),
+                                   self.tp_size, num_slots, redis)
 
     # ================================================================ helpers
     def _fingerprint(self, tenant: str) -> str:
         fp = self._namespaces.get(tenant)
         if fp is None:
-            model_config = self._vllm_config.model_config
-            layout = self.runtime.layout
-            assert layout is not None
-            fp = Namespace(
-                model=self.config.model_id or str(model_config.model),
-                dtype=str(model_config.dtype).replace("torch.", ""),
-                kv_layout=layout.descriptor(),
-                block_size=int(self._vllm_config.cache_config.block_size),
-                tp_rank=0, tp_size=1, tenant=tenant,
-            ).fingerprint
+            fp = self.identity.fingerprint(tenant, self._generation)
             self._namespaces[tenant] = fp
         return fp
 
@@ -244,14 +234,22 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                    list(self._kv_cache_config.kv_cache_groups[g.group].layer_names))
                   for g in self.groups]
         layout = self.worker.register(kv_caches, groups, int(self._kv_cache_config.num_blocks))
-        log.info("kvtier: %d-byte slots, layout %s", layout.slot_bytes, layout.descriptor())
+        log.info("kvtier worker (TP rank %d/%d): %d slots of %d bytes, layout %s",
+                 self.worker.tp_rank, self.tp_size, self.worker.num_slots, layout.slot_bytes,
+                 layout.descriptor())
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def _plan(self) -> StepPlan | None:
         if self.worker is None or not self.has_connector_metadata():
-            return
+            return None
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredConnectorMetadata)
-        self.worker.load(meta.plan)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None:
+            assert self.worker is not None
+            self.worker.start_step(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -261,31 +259,32 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saves run once per step in wait_for_save, after the forward
 
     def wait_for_save(self) -> None:
-        if self.worker is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TieredConnectorMetadata)
-        self.worker.save(meta.plan)
+        plan = self._plan()
+        if plan is not None:
+            assert self.worker is not None
+            self.worker.save(plan)
 
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous (hybrid) loads ran; saves never outlive a step."""
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads that finished (failed ones also in ``failed_recving``)."""
         if self.worker is None:
-            return None, None
-        return None, self.worker.take_finished_recving() or None
+            return KVConnectorTransferResults()
+        done, failed = self.worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed synchronous loads (single-group models; hybrid loads are
+        asynchronous and fail through ``failed_recving``)."""
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
-            return set()
-        errors = self.worker.take_load_errors()
-        if errors and len(self.groups) > 1:
-            raise RuntimeError("kvtier: a load failed on a multi-group model; vLLM cannot "
-                               "recompute single blocks there, so the step is refused")
-        return errors
+            return None
+        report = self.worker.take_report()
+        return TieredWorkerMetadata(report) if report else None
 
     def shutdown(self) -> None:
-        """Either half shutting down ends the engine: close the tiers (stats stay readable)."""
-        self.runtime.close()
+        if self.worker is not None:
+            self.worker.close()
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
@@ -295,8 +294,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
-        hit = self.scheduler.lookup(request, num_computed_tokens)
-        return hit, hit > 0 and self.scheduler.load_async
+        return self.scheduler.lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -333,9 +331,12 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         gone = preempted | set(scheduler_output.finished_req_ids or ())
         state = scheduler_output.kv_connector_block_state
         boundary = state.boundary_state_offloads if state is not None else {}
-        plan = self.scheduler.plan(computed_after, boundary or {}, gone)
-        self.runtime.refresh_redis_gauge()
-        return TieredConnectorMetadata(plan)
+        return TieredConnectorMetadata(self.scheduler.plan(computed_after, boundary or {}, gone))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if self.scheduler is not None and isinstance(meta, TieredWorkerMetadata):
+            self.scheduler.on_report(meta.report)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -346,7 +347,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
             self, request: Request,
             block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves finish inside the step that computed the blocks (wait_for_save), so no
+        # A save copies its block inside the step that computed it (wait_for_save), so no
         # block outlives its request on kvtier's account.
         return self.request_finished(request, [])
 
@@ -354,13 +355,12 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is None:
             return ()
         events: list[KVCacheEvent] = []
-        outbox = self.runtime.outbox
+        outbox = self.scheduler.outbox
         while outbox:
-            change = outbox.popleft()
-            event = self._event(change)
+            event = self._event(outbox.popleft())
             if event is not None:
                 events.append(event)
-        self.runtime.counters.add("events_emitted", len(events))
+        self.scheduler.counters.add("events_emitted", len(events))
         return events
 
     def _event(self, change: TierChange) -> KVCacheEvent | None:
@@ -384,9 +384,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.scheduler is None:
-            return None  # the scheduler half reports for both halves (one process)
-        delta = self.runtime.counters.take_delta()
+        half = self.scheduler if self.scheduler is not None else self.worker
+        if half is None:
+            return None
+        delta = half.counters.take_delta()
         return TieredConnectorStats(data=delta) if delta else None
 
     @classmethod
@@ -404,11 +405,26 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                                  per_engine_labelvalues)
 
     def reset_cache(self) -> bool | None:
-        """Empty the CPU tier (Redis is shared with other engines and is left alone)."""
-        cpu = self.runtime.cpu
-        if cpu is None:
+        """Connector-cache reset (e.g. after a weight update): empty the CPU tier and move to
+        a new namespace generation, so no entry stored before — in the CPU tier or in Redis —
+        is ever served again. Redis values of older generations are left to expire (TTL) or
+        to the janitor; other engines sharing Redis are not affected."""
+        if self.scheduler is None:
             return True
-        for key in cpu.keys():
-            if cpu.remove(key):
-                self.runtime.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+        self.scheduler.reset()
+        self._generation += 1
+        self._namespaces.clear()
+        log.info("kvtier: connector cache reset; namespace generation %d", self._generation)
         return True
+
+
+def _redis_tier(config: TieredConfig) -> Any:
+    from offload_tiers.redis_tier import RedisTier
+
+    redis = RedisTier.from_url(
+        config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
+        socket_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
+    if not redis.available:
+        log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
+                    "until it does", redis.target.redacted, redis.last_error)
+    return redis

@@ -1,8 +1,17 @@
-"""The worker half: owns the tiers, copies blocks between vLLM's KV cache and them.
+"""The worker half (one per TP rank): owns the bytes, copies blocks, talks to Redis.
 
-``TierRuntime`` is what the two halves share inside one process: the CPU tier (created once
-the worker knows the slot size from the KV tensors), the Redis tier, the counters and an
-outbox of tier changes from which the scheduler half builds vLLM's KV events.
+Rules this module keeps:
+
+* The scheduler decides which slot holds which key; this rank's slab holds its shard of
+  every slot. ``holds[slot]`` is the key a slot really contains here: a load from a slot
+  that holds something else (a failed copy, a fetch that did not validate) is a failed
+  load, never a wrong block.
+* The forward step never waits on Redis: probes and fetches run on kvtier's I/O threads,
+  writes on the Redis tier's write-behind thread (``write_mode: back``, the default), and
+  results are picked up at the next step. ``write_mode: through`` writes in the step.
+* A request whose load failed in this step saves nothing in it: its blocks were computed
+  over bad context.
+* Every job in the plan is reported back exactly once (:class:`WorkerReport`).
 """
 
 from __future__ import annotations
@@ -10,293 +19,306 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from connector.connector_config import TieredConfig
-from connector.connector_metadata import TIER_CPU, TIER_REDIS, LoadOp, SaveOp, StepPlan
+from connector.connector_metadata import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
 from connector.connector_stats import ConnectorCounters
 from connector.kv_layout import KVLayout, build_layout
+from connector.namespace import rank_fingerprint
 from connector.transfer import BlockTransfer
-from offload_tiers.cpu_tier import CpuTier
+from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.keys import BlockKey, BlockKind
 
 log = logging.getLogger(__name__)
 
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
-
-
-@dataclass(frozen=True, slots=True)
-class TierChange:
-    """An entry appeared in (stored=True) or left (stored=False) a tier."""
-
-    key: BlockKey
-    medium: str
-    stored: bool
-
-
-class TierRuntime:
-    """The tiers and bookkeeping shared by the scheduler and worker halves of one engine."""
-
-    def __init__(self, config: TieredConfig) -> None:
-        self.config = config
-        self.counters = ConnectorCounters()
-        self.outbox: deque[TierChange] = deque()
-        self.cpu: CpuTier | None = None
-        self.layout: KVLayout | None = None
-        self.redis: Any = None
-        self.closed = False
-        self.on_close: list[Any] = []
-        self._final_cpu_stats: dict[str, Any] | None = None
-        self._lock = threading.Lock()
-        if config.redis_url:
-            from offload_tiers.redis_tier import RedisTier
-
-            self.redis = RedisTier.from_url(
-                config.redis_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-                socket_timeout_s=config.redis_timeout_s,
-                ssl_ca_certs=config.redis_ssl_ca_certs,
-            )
-            self.counters.set_gauge("redis_configured", 1)
-            if not self.redis.available:
-                log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU "
-                            "tier until it does", self.redis.target.redacted,
-                            self.redis.last_error)
-        self.refresh_redis_gauge()
-
-    def attach_cpu(self, layout: KVLayout) -> None:
-        """Create the CPU tier sized for ``layout``'s slots."""
-        self.layout = layout
-        slot_bytes = layout.slot_bytes
-        if self.config.cpu_bytes < slot_bytes:
-            raise ValueError(
-                f"cpu_bytes={self.config.cpu_bytes} holds no block of {slot_bytes} bytes. "
-                f"Fix: set cpu_bytes >= {slot_bytes}"
-            )
-        self.cpu = CpuTier(self.config.cpu_bytes, slot_bytes, on_evict=self._on_evict)
-
-    def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
-        self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
-
-    def redis_available(self) -> bool:
-        return self.redis is not None and bool(self.redis.available)
-
-    def refresh_redis_gauge(self) -> bool:
-        up = self.redis_available()
-        self.counters.set_gauge("redis_available", int(up))
-        return up
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative counters plus each tier's own stats."""
-        out: dict[str, Any] = dict(self.counters.snapshot())
-        out["redis_available"] = int(self.redis_available())
-        if self.cpu is not None:
-            out["cpu_tier"] = self.cpu.stats()
-        elif self._final_cpu_stats is not None:
-            out["cpu_tier"] = self._final_cpu_stats
-        if self.redis is not None:
-            out["redis_tier"] = self.redis.stats()
-        return out
-
-    def close(self) -> None:
-        """Flush and close Redis, free the CPU slab; counters stay readable. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.redis is not None:
-            self.redis.close(timeout=2.0)
-        if self.cpu is not None:
-            self._final_cpu_stats = self.cpu.stats()
-            self.cpu = None
-        for callback in self.on_close:
-            callback()
-
 
 class TieredWorker:
-    """Registers the KV tensors; executes each step's loads (before) and saves (after)."""
+    """One rank's slab, transfers and Redis I/O."""
 
-    def __init__(self, runtime: TierRuntime) -> None:
-        self.runtime = runtime
+    def __init__(self, config: TieredConfig, tp_rank: int, tp_size: int, num_slots: int,
+                 redis: Any = None) -> None:
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.num_slots = num_slots
+        self.counters = ConnectorCounters()
+        self.redis = redis
+        if redis is not None:
+            self.counters.set_gauge("redis_configured", 1)
+        self.layout: KVLayout | None = None
         self.transfer: BlockTransfer | None = None
+        self.slab: Any = None
+        self._slab_owner: Any = None
+        self.holds: list[BlockKey | None] = [None] * num_slots
+        self._rank_fps: dict[str, str] = {}
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io")
+        self._lock = threading.Lock()
+        self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
+        self._waiting: dict[str, list[LoadOp]] = {}  # req -> loads waiting on its fetches
+        self._fetching: dict[str, int] = {}  # req -> fetch batches still running
+        self._fetch_failed: set[str] = set()
+        self._finished: set[str] = set()
+        self._async: set[str] = set()  # requests loaded asynchronously, not yet finished
+        self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._finished_recving: set[str] = set()
-        self._counted_unavailable = False  # this step's redis_unavailable_steps is counted
+        self._failed_now: set[str] = set()  # requests whose load failed in this step
+        self._report = WorkerReport()
+        self.closed = False
 
+    # ------------------------------------------------------------------ setup
     def register(self, kv_caches: dict[str, Any], groups: list[tuple[int, str, int, list[str]]],
                  num_blocks: int) -> KVLayout:
         layout = build_layout(kv_caches, groups, num_blocks)
-        self.runtime.attach_cpu(layout)
-        assert self.runtime.cpu is not None
-        self.transfer = BlockTransfer(kv_caches, layout, self.runtime.cpu.slab)
-        self.runtime.on_close.append(self._drop_transfer)
+        self.layout = layout
+        self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
+        self.transfer = BlockTransfer(kv_caches, layout, self.slab)
         return layout
 
-    def _drop_transfer(self) -> None:
-        self.transfer = None  # releases the slab and the KV tensors
+    def storage_key(self, key: BlockKey) -> BlockKey:
+        """The key this rank stores ``key`` under (its own fingerprint)."""
+        fp = self._rank_fps.get(key.fingerprint)
+        if fp is None:
+            assert self.layout is not None
+            fp = rank_fingerprint(key.fingerprint, self.tp_rank, self.tp_size,
+                                  self.layout.descriptor())
+            self._rank_fps[key.fingerprint] = fp
+        return BlockKey(fp, key.group, key.block_hash, key.num_tokens, key.kind)
+
+    def _nbytes(self, group: int) -> int:
+        assert self.transfer is not None
+        return self.transfer.group(group).nbytes
 
     # ------------------------------------------------------------------ loads
-    def load(self, plan: StepPlan) -> None:
-        """Write every planned block from its pinned CPU slot, then unpin.
-
-        A failed copy is remembered for ``take_load_errors`` (vLLM then recomputes those
-        blocks); it never leaves a block half-used without saying so.
-        """
-        # Asynchronous loads are done once this returns (copied now, or failed and reported).
-        self._finished_recving.update(plan.async_reqs)
-        if not plan.loads or self.transfer is None:
+    def start_step(self, plan: StepPlan) -> None:
+        """Before the forward: probes and fetches go to the I/O threads, CPU loads run."""
+        self._failed_now = set()
+        if self.transfer is None:
             return
-        rt = self.runtime
-        assert rt.cpu is not None
-        corrupt = rt.config.debug_corrupt_loads
-        for group, ops in _by_group(plan.loads).items():
+        for probe in plan.probes:
+            self._io.submit(self._probe, probe)
+        by_req: dict[str, list[FetchOp]] = {}
+        for op in plan.fetches:
+            by_req.setdefault(op.req_id, []).append(op)
+            self.holds[op.slot] = None
+        for req_id, ops in by_req.items():
+            self._fetching[req_id] = self._fetching.get(req_id, 0) + 1
+            self._io.submit(self._fetch, req_id, ops)
+        self._async.update(plan.async_reqs)
+        now: list[LoadOp] = []
+        for op in plan.loads:
+            if op.after_fetch:
+                self._waiting.setdefault(op.req_id, []).append(op)
+            else:
+                now.append(op)
+        self._scatter(now)
+        for req_id in plan.async_reqs:
+            if req_id not in self._fetching:
+                self._finish_recv(req_id)
+
+    def _scatter(self, ops: list[LoadOp]) -> None:
+        """Write blocks from their slots; a slot that does not hold its key fails its load."""
+        assert self.transfer is not None
+        corrupt = self.config.debug_corrupt_loads
+        for group, group_ops in _by_group(ops).items():
+            good = [op for op in group_ops if self.holds[op.slot] == op.key]
+            for op in group_ops:
+                if self.holds[op.slot] != op.key:
+                    self._fail_load(op, "slot does not hold the key")
+            if not good:
+                continue
             try:
-                moved = self.transfer.scatter(group, [o.block_id for o in ops],
-                                              [o.slot for o in ops], corrupt=corrupt)
+                moved = self.transfer.scatter(group, [o.block_id for o in good],
+                                              [o.slot for o in good], corrupt=corrupt)
             except Exception:
                 log.exception("kvtier: load into group %d failed; vLLM recomputes", group)
-                self._fail(ops)
+                for op in good:
+                    self._fail_load(op, "copy failed")
                 continue
-            finally:
-                for op in ops:
-                    try:
-                        rt.cpu.release(op.key)
-                    except KeyError:
-                        log.warning("kvtier: slot of %s was not pinned", op.key.name)
-            rt.counters.add("bytes_loaded", moved)
-            rt.counters.add("blocks_loaded_cpu", sum(o.tier == TIER_CPU for o in ops))
-            rt.counters.add("blocks_loaded_redis", sum(o.tier == TIER_REDIS for o in ops))
+            self.counters.add("bytes_loaded", moved)
+            self.counters.add("blocks_loaded_cpu", sum(not o.after_fetch for o in good))
+            self.counters.add("blocks_loaded_redis", sum(o.after_fetch for o in good))
 
-    def _fail(self, ops: list[LoadOp]) -> None:
-        self._load_errors.update(op.block_id for op in ops)
-        self.runtime.counters.add("load_errors", len(ops))
+    def _fail_load(self, op: LoadOp, why: str) -> None:
+        """An asynchronous load fails its request (``failed_recving``: hybrid models have no
+        usable block ids); a synchronous one reports its block (single-group models only)."""
+        log.warning("kvtier: load of %s for %s failed (%s); vLLM recomputes", op.key.name,
+                    op.req_id, why)
+        self._failed_now.add(op.req_id)
+        if op.req_id in self._async:
+            self._fetch_failed.add(op.req_id)
+        else:
+            self._load_errors.add(op.block_id)
+        self.counters.add("load_errors")
 
-    def take_finished_recving(self) -> set[str]:
-        """Requests whose asynchronous loads ran since the last call."""
-        done, self._finished_recving = self._finished_recving, set()
+    def _finish_recv(self, req_id: str) -> None:
+        self._finished.add(req_id)
+        self._async.discard(req_id)
+        if req_id in self._fetch_failed:
+            self._fetch_failed.discard(req_id)
+            self._failed_recving.add(req_id)
+
+    # ------------------------------------------------------------------ I/O threads
+    def _probe(self, probe: ProbeOp) -> None:
+        try:
+            present = self.redis.exists_many([self.storage_key(k) for k in probe.keys]) \
+                if self.redis is not None else [False] * len(probe.keys)
+        except Exception:
+            log.exception("kvtier: Redis probe failed")
+            present = [False] * len(probe.keys)
+        self._done.append(("probe", (probe.job, [int(p) for p in present])))
+
+    def _fetch(self, req_id: str, ops: list[FetchOp]) -> None:
+        """Read values from Redis straight into their slots, validated (I/O thread)."""
+        oks = [False] * len(ops)
+        try:
+            if self.redis is not None:
+                dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in ops]
+                oks = self.redis.get_many_into([self.storage_key(op.key) for op in ops], dests)
+        except Exception:
+            log.exception("kvtier: fetching from Redis failed")
+        self._done.append(("fetch", (req_id, ops, oks)))
+
+    def _on_written(self, job: int, nbytes: int) -> Callable[[bool], None]:
+        def done(ok: bool) -> None:
+            self._done.append(("write", (job, ok, nbytes)))
         return done
+
+    def collect(self) -> None:
+        """Main thread: apply what the I/O threads finished since the last call."""
+        while self._done:
+            kind, value = self._done.popleft()
+            if kind == "probe":
+                job, present = value
+                self._report.probes[job] = (present, 1)
+            elif kind == "fetch":
+                self._fetched(*value)
+            else:
+                job, ok, nbytes = value
+                self._report_save(job, ok=ok, gathered=True)
+                if ok:
+                    self.counters.add("blocks_written_redis")
+                    self.counters.add("bytes_written_redis", nbytes)
+                else:
+                    self.counters.add("redis_write_failures")
+                    self.counters.add("store_drops")
+
+    def _fetched(self, req_id: str, ops: list[FetchOp], oks: list[bool]) -> None:
+        for op, ok in zip(ops, oks, strict=True):
+            self.holds[op.slot] = op.key if ok else None
+            self._report.fetches[op.job] = [int(ok), 1]
+            if not ok:
+                self.counters.add("redis_misses_at_fetch")
+                self._fetch_failed.add(req_id)
+        self._fetching[req_id] -= 1
+        if self._fetching[req_id]:
+            return
+        del self._fetching[req_id]
+        waiting = self._waiting.pop(req_id, [])
+        if req_id not in self._fetch_failed and self.transfer is not None:
+            self._scatter(waiting)
+        self._finish_recv(req_id)
+
+    # ------------------------------------------------------------------ saves
+    def save(self, plan: StepPlan) -> None:
+        """After the forward: copy blocks into their slots, then hand them to Redis."""
+        if not plan.saves:
+            return
+        if self.transfer is None:
+            for op in plan.saves:
+                self._report_save(op.job, ok=False, gathered=False)
+            return
+        keep: list[SaveOp] = []
+        for op in plan.saves:
+            if op.req_id in self._failed_now:
+                self.counters.add("saves_skipped_after_failed_load")
+                self._report_save(op.job, ok=False, gathered=False)
+            else:
+                self.holds[op.slot] = None
+                keep.append(op)
+        for group, ops in _by_group(keep).items():
+            try:
+                moved = self.transfer.gather(group, [op.block_id for op in ops],
+                                             [op.slot for op in ops])
+            except Exception:
+                log.exception("kvtier: gathering blocks into the CPU tier failed")
+                for op in ops:
+                    self._report_save(op.job, ok=False, gathered=False)
+                self.counters.add("store_drops", len(ops))
+                continue
+            self.counters.add("bytes_saved_cpu", moved)
+            self.counters.add("blocks_saved", len(ops))
+            self.counters.add("partial_blocks_saved",
+                              sum(op.key.kind is BlockKind.PARTIAL for op in ops))
+            for op in ops:
+                self.holds[op.slot] = op.key
+            self._to_redis(ops)
+
+    def _to_redis(self, ops: list[SaveOp]) -> None:
+        local = [op for op in ops if not op.to_redis]
+        for op in local:
+            self._report_save(op.job, ok=True, gathered=True)
+        remote = [op for op in ops if op.to_redis]
+        if not remote:
+            return
+        if self.redis is None or not self.redis.available:
+            self.counters.add("redis_unavailable_steps")
+            for op in remote:
+                self._report_save(op.job, ok=False, gathered=True)
+            self.counters.add("store_drops", len(remote))
+            self.counters.add("redis_write_failures", len(remote))
+            return
+        items = [(self.storage_key(op.key),
+                  memoryview(self.slab[op.slot, :self._nbytes(op.group)])) for op in remote]
+        if self.config.write_mode == "through":
+            # Which values of a short batch landed is unknown: count none (never over-claim).
+            all_ok = self.redis.put_many(items) == len(items)
+            for op, (_, view) in zip(remote, items, strict=True):
+                self._on_written(op.job, view.nbytes)(all_ok)
+            return
+        for op, (key, view) in zip(remote, items, strict=True):
+            # The slot stays pinned by the scheduler until this job is reported: no copy.
+            self.redis.submit_put(key, view, on_done=self._on_written(op.job, view.nbytes))
+
+    def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
+        self._report.saves[job] = [int(ok), 1, int(not gathered)]
+
+    # ------------------------------------------------------------------ to vLLM
+    def take_transfer_results(self) -> tuple[set[str], set[str]]:
+        """Requests done receiving (failed ones included) and the failed ones."""
+        self.collect()
+        done, failed = self._finished, self._failed_recving
+        self._finished, self._failed_recving = set(), set()
+        return done, failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    # ------------------------------------------------------------------ saves
-    def save(self, plan: StepPlan) -> None:
-        """Copy planned blocks into CPU slots, then write them to Redis.
+    def take_report(self) -> WorkerReport:
+        self.collect()
+        report, self._report = self._report, WorkerReport()
+        if self.redis is not None:
+            report.redis_up = int(bool(self.redis.available))
+            self.counters.set_gauge("redis_available", report.redis_up)
+        return report
 
-        A step may save more blocks than the CPU tier has slots (a batched prefill into a
-        small tier): a reserved slot cannot be evicted until it is committed, so the saves
-        go in chunks — reserve until the tier is out of slots, gather, commit and write that
-        chunk to Redis, then go on (the committed entries are evictable again). Only a block
-        that finds no slot even then (every slot pinned by loads) is dropped.
-        """
-        if not plan.saves or self.transfer is None:
+    def close(self) -> None:
+        """Finish queued writes (bounded), stop the I/O threads, drop the slab. Idempotent."""
+        if self.closed:
             return
-        rt = self.runtime
-        assert rt.cpu is not None
-        self._counted_unavailable = False
-        reserved: list[tuple[SaveOp, int]] = []
-        for op in plan.saves:
-            if rt.cpu.contains(op.key):
-                continue
-            nbytes = self.transfer.group(op.group).nbytes
-            slot = rt.cpu.reserve(op.key, nbytes)
-            if slot is None and reserved:
-                self._save_chunk(reserved)
-                reserved = []
-                slot = rt.cpu.reserve(op.key, nbytes)
-            if slot is None:
-                rt.counters.add("store_drops")
-                continue
-            reserved.append((op, slot))
-        if reserved:
-            self._save_chunk(reserved)
-
-    def _save_chunk(self, reserved: list[tuple[SaveOp, int]]) -> None:
-        """Gather reserved blocks into their slots, commit them, then write them to Redis."""
-        rt = self.runtime
-        assert rt.cpu is not None and self.transfer is not None
-        committed: list[tuple[SaveOp, int]] = []
-        for group, items in _by_group_pairs(reserved).items():
-            try:
-                moved = self.transfer.gather(group, [op.block_id for op, _ in items],
-                                             [slot for _, slot in items])
-            except Exception:
-                log.exception("kvtier: gathering blocks into the CPU tier failed")
-                for op, _ in items:
-                    rt.cpu.abort(op.key)
-                rt.counters.add("store_drops", len(items))
-                continue
-            rt.counters.add("bytes_saved_cpu", moved)
-            for op, slot in items:
-                rt.cpu.commit(op.key)
-                committed.append((op, slot))
-                rt.outbox.append(TierChange(op.key, MEDIUM_CPU, stored=True))
-                rt.counters.add("blocks_saved")
-                if op.key.kind is BlockKind.PARTIAL:
-                    rt.counters.add("partial_blocks_saved")
-                if op.supersedes is not None and rt.cpu.remove(op.supersedes):
-                    rt.outbox.append(TierChange(op.supersedes, MEDIUM_CPU, stored=False))
-                    rt.counters.add("promotions")
-        if rt.redis is not None and committed:
-            self._write_redis(committed)
-
-    def _write_redis(self, committed: list[tuple[SaveOp, int]]) -> None:
-        rt = self.runtime
-        assert rt.cpu is not None
-        if not rt.refresh_redis_gauge():
-            rt.counters.add("store_drops", len(committed))
-            rt.counters.add("redis_write_failures", len(committed))
-            if not self._counted_unavailable:  # once per step, however many chunks
-                rt.counters.add("redis_unavailable_steps")
-                self._counted_unavailable = True
-            return
-        superseded = [op.supersedes for op, _ in committed if op.supersedes is not None]
-        if rt.config.write_mode == "through":
-            items = [(op.key, bytes(rt.cpu.view(slot))) for op, slot in committed]
-            stored = rt.redis.put_many(items)
-            nbytes = sum(len(p) for _, p in items)
-            if stored == len(items):
-                rt.counters.add("blocks_written_redis", stored)
-                rt.counters.add("bytes_written_redis", nbytes)
-                for op, _ in committed:
-                    rt.outbox.append(TierChange(op.key, MEDIUM_STORAGE, stored=True))
-            else:
-                # Which ones landed is unknown: announce none (never over-announce).
-                rt.counters.add("redis_write_failures", len(items) - stored)
-                rt.counters.add("store_drops", len(items) - stored)
-        else:
-            for op, slot in committed:
-                self._submit(op.key, bytes(rt.cpu.view(slot)))
-        if superseded and rt.redis_available():
-            rt.redis.delete_many(superseded)
-            for key in superseded:
-                rt.outbox.append(TierChange(key, MEDIUM_STORAGE, stored=False))
-
-    def _submit(self, key: BlockKey, payload: bytes) -> None:
-        rt = self.runtime
-
-        def done(ok: bool) -> None:
-            if ok:
-                rt.counters.add("blocks_written_redis")
-                rt.counters.add("bytes_written_redis", len(payload))
-                rt.outbox.append(TierChange(key, MEDIUM_STORAGE, stored=True))
-            else:
-                rt.counters.add("redis_write_failures")
-                rt.counters.add("store_drops")
-
-        rt.redis.submit_put(key, payload, on_done=done)
+        self.closed = True
+        self._io.shutdown(wait=True, cancel_futures=True)
+        if self.redis is not None:
+            self.redis.close(timeout=2.0)
+        self.transfer = None
+        self.slab = self._slab_owner = None
 
 
-def _by_group(ops: list[LoadOp]) -> dict[int, list[LoadOp]]:
-    out: dict[int, list[LoadOp]] = {}
+def _by_group(ops: list[Any]) -> dict[int, list[Any]]:
+    out: dict[int, list[Any]] = {}
     for op in ops:
-        out.setdefault(op.group, []).append(op)
-    return out
-
-
-def _by_group_pairs(items: list[tuple[SaveOp, int]]) -> dict[int, list[tuple[SaveOp, int]]]:
-    out: dict[int, list[tuple[SaveOp, int]]] = {}
-    for op, slot in items:
-        out.setdefault(op.group, []).append((op, slot))
+        out.setdefault(op.key.group if isinstance(op, FetchOp) else op.group, []).append(op)
     return out

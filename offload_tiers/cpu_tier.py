@@ -14,6 +14,10 @@ every field (fingerprint, group, hash, num_tokens, kind), so a PARTIAL entry nev
 a FULL lookup. Promotion partial→full is ``promote(partial_key, full_key, data)``: store
 the FULL entry, then drop the PARTIAL one.
 
+A tier built with ``with_slab=False`` is a *slot directory*: the same bookkeeping (slots,
+LRU, pins) with no bytes, for a process that decides where blocks go while others hold them
+(vLLM's scheduler, whose workers own the slabs). Its byte methods raise ``RuntimeError``.
+
 The slab is a numpy ``uint8`` array of shape ``(num_slots, slot_bytes)`` (a worker can wrap
 it with ``torch.from_numpy`` and gather/scatter many slots in one indexed copy). It is
 page-locked through torch when torch is importable and CUDA is present, plain numpy memory
@@ -98,6 +102,13 @@ def _allocate(num_slots: int, slot_bytes: int, pin: bool) -> tuple[np.ndarray, o
     return np.empty((num_slots, slot_bytes), dtype=np.uint8), None
 
 
+def allocate_slab(num_slots: int, slot_bytes: int,
+                  pin: bool | None = None) -> tuple[np.ndarray, object | None]:
+    """A ``(num_slots, slot_bytes)`` uint8 host array (page-locked when CUDA is present and
+    ``pin`` is not False) and the object that owns its memory (keep both alive)."""
+    return _allocate(num_slots, slot_bytes, _cuda_available() if pin is None else pin)
+
+
 class CpuTier:
     """Fixed-size slots in one preallocated host-memory slab; thread-safe; O(1) LRU eviction.
 
@@ -108,7 +119,7 @@ class CpuTier:
     """
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin_memory: bool | None = None,
-                 on_evict: EvictCallback | None = None) -> None:
+                 on_evict: EvictCallback | None = None, with_slab: bool = True) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
         num_slots = capacity_bytes // slot_bytes
@@ -116,13 +127,14 @@ class CpuTier:
             raise ValueError(
                 f"capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} bytes"
             )
-        want_pin = _cuda_available() if pin_memory is None else pin_memory
+        want_pin = with_slab and (_cuda_available() if pin_memory is None else pin_memory)
         if want_pin and pin_memory and not _cuda_available():
             log.warning("pin_memory requested but torch/CUDA is unavailable; using plain memory")
             want_pin = False
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        self.slab, self._owner = _allocate(num_slots, slot_bytes, want_pin)
+        self.has_slab = with_slab
+        self.slab, self._owner = _allocate(num_slots if with_slab else 0, slot_bytes, want_pin)
         self.pinned_memory = want_pin
         self.on_evict = on_evict
         self._lock = threading.RLock()
@@ -197,8 +209,14 @@ class CpuTier:
     #: larger ones are copied outside it (reserve, copy, commit) so readers are not held up.
     SMALL_COPY = 256 * 1024
 
+    def _need_slab(self) -> None:
+        if not self.has_slab:
+            raise RuntimeError("this CPU tier is a slot directory (with_slab=False): it holds "
+                               "no bytes")
+
     def put(self, key: BlockKey, data: BytesLike) -> bool:
         """Copy ``data`` into a slot and publish it. False when no slot can be had."""
+        self._need_slab()
         src = _as_u8(data)
         n = src.nbytes
         if n > self.slot_bytes:
@@ -252,7 +270,8 @@ class CpuTier:
         self._c.evictions += 1
         if self.on_evict is not None:
             try:
-                self.on_evict(entry.key, self.view(entry.slot))
+                view = self.view(entry.slot) if self.has_slab else memoryview(b"")
+                self.on_evict(entry.key, view)
             except Exception:
                 self._c.evict_callback_errors += 1
                 log.exception("on_evict callback failed for %s", entry.key.name)
@@ -307,10 +326,12 @@ class CpuTier:
 
     def view(self, slot: int) -> memoryview:
         """Zero-copy view of a slot's stored bytes (valid while reserved or acquired)."""
+        self._need_slab()
         return memoryview(self.slab[slot, : self._slot_len[slot]])
 
     def get(self, key: BlockKey) -> bytes | None:
         """A copy of ``key``'s bytes, or None."""
+        self._need_slab()
         ik = _ik(key)
         with self._lock:
             slot = self._acquire(ik)
@@ -328,6 +349,7 @@ class CpuTier:
 
     def read_into(self, key: BlockKey, out: BytesLike) -> int | None:
         """Copy ``key``'s bytes into ``out`` (no allocation); the byte count, or None."""
+        self._need_slab()
         dst = out if isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1 \
             else _as_u8(out)
         ik = _ik(key)
