@@ -40,7 +40,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector import connector_stats
-from connector.connector_config import ConnectorConfigError, TieredConfig, load_config
+from connector.connector_config import ConnectorConfigError, load_config
 from connector.connector_metadata import StepPlan, WorkerReport
 from connector.namespace import expected_slot_bytes, identity_from_vllm, slot_count
 from connector.scheduler_jobs import TierChange
@@ -52,7 +52,7 @@ from connector.scheduler_side import (
     GroupSpec,
     TieredScheduler,
 )
-from connector.worker_side import TieredWorker
+from connector.worker_side import TieredWorker, make_redis_tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -208,7 +208,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def _start_worker(self, num_slots: int) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        redis = _redis_tier(self.config) if self.config.redis_url else None
+        redis = make_redis_tier(self.config) if self.config.redis_url else None
         self.worker = TieredWorker(self.config, int(get_tensor_model_parallel_rank()),
                                    self.tp_size, num_slots, redis)
 
@@ -416,15 +416,3 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespaces.clear()
         log.info("kvtier: connector cache reset; namespace generation %d", self._generation)
         return True
-
-
-def _redis_tier(config: TieredConfig) -> Any:
-    from offload_tiers.redis_tier import RedisTier
-
-    redis = RedisTier.from_url(
-        config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-        socket_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
-    if not redis.available:
-        log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
-                    "until it does", redis.target.redacted, redis.last_error)
-    return redis

@@ -35,6 +35,24 @@ from offload_tiers.keys import BlockKey, BlockKind
 log = logging.getLogger(__name__)
 
 
+def make_redis_tier(config: TieredConfig) -> Any:
+    """The Redis tier a worker stores through, from the connector's settings (no vLLM here).
+
+    Never raises for an unreachable or refusing server (TLS, ACL, password): the tier starts
+    unavailable, says why in ``last_error`` (no password in it) and the worker serves from the
+    CPU tier until Redis answers.
+    """
+    from offload_tiers.redis_tier import RedisTier
+
+    redis = RedisTier.from_url(
+        config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
+        socket_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
+    if not redis.available:
+        log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
+                    "until it does", redis.target.redacted, redis.last_error)
+    return redis
+
+
 class TieredWorker:
     """One rank's slab, transfers and Redis I/O."""
 
