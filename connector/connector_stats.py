@@ -39,6 +39,18 @@ COUNTER_NAMES: tuple[str, ...] = (
     "refused_loads",  # hits vLLM accepted only in part: not loaded (vLLM computes them)
     "saves_skipped_after_failed_load",  # blocks of a step whose load failed: never stored
     "redis_unavailable_saves",  # saves planned for the CPU tier only: Redis was down
+    "cpu_evictions",  # CPU-tier entries evicted to make room
+    "redis_unavailable_events",  # a worker's Redis went from answering to not answering
+    "redis_recoveries",  # ... and back
+    "redis_corrupt_values",  # Redis values that failed validation (header, checksum, length)
+    "failed_restores",  # restores (requests) whose Redis values did not validate: recomputed
+    "failed_restore_tokens",
+)
+
+#: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).
+GAUGE_NAMES: tuple[str, ...] = (
+    "redis_available", "redis_configured", "cpu_tier_slots", "cpu_tier_entries",
+    "cpu_tier_pinned", "cpu_tier_reserved",
 )
 
 
@@ -50,6 +62,7 @@ class ConnectorCounters:
         self._values: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._gauges: dict[str, int | float] = {"redis_available": 0, "redis_configured": 0}
         self._last: dict[str, int] = dict(self._values)
+        self._last_gauges: dict[str, int | float] = {}
 
     def add(self, name: str, amount: int = 1) -> None:
         if amount:
@@ -68,12 +81,13 @@ class ConnectorCounters:
             return out
 
     def take_delta(self) -> dict[str, int | float]:
-        """Counts since the last call (gauges as current values); empty when nothing moved."""
+        """Counts since the last call, plus the gauges when anything moved; else empty."""
         with self._lock:
             delta = {k: v - self._last[k] for k, v in self._values.items() if v != self._last[k]}
             self._last = dict(self._values)
-            if delta:
+            if delta or self._gauges != self._last_gauges:
                 delta.update(self._gauges)
+                self._last_gauges = dict(self._gauges)
             return delta
 
 

@@ -1,8 +1,10 @@
 """Settings for a vLLM engine on the CPU with kvtier's tiny models (demo, tests, benchmarks).
 
-One place for what took hours to find: the in-process engine, the CPU backend's limits
-(float32, eager, block size a multiple of 32), and what the hybrid model needs for partial
-prefix entries. Importing this module does not import vLLM.
+One place for what took hours to find: the CPU backend's limits (float32, eager, block size a
+multiple of 32), what the hybrid model needs for partial prefix entries, and how to run
+tensor parallelism on a 2-core machine. Engines run with vLLM's default executors (engine
+core and workers in their own processes), as users run them. Importing this module does not
+import vLLM.
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# In-process engine (~5 s start instead of ~30 s), no hub access, small KV cache.
+# No hub access, small KV cache. (vLLM's default multiprocess executors: no
+# VLLM_ENABLE_V1_MULTIPROCESSING override.)
 CPU_ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
 MODELS = ("llama", "hybrid")
+
+# tensor_parallel_size=2 on the CPU backend: one core per rank (else vLLM refuses with
+# "Not enough allowed NUMA nodes").
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def apply_cpu_engine_env() -> None:
@@ -36,7 +42,7 @@ def engine_kwargs(model: str, model_dir: str, **overrides: Any) -> dict[str, Any
     """
     kwargs: dict[str, Any] = dict(
         model=str(model_dir), dtype="float32", enforce_eager=True, block_size=32,
-        max_model_len=1024, enable_prefix_caching=True, seed=0,
+        max_model_len=1024, enable_prefix_caching=True, seed=0, disable_log_stats=False,
     )
     if model == "llama":
         kwargs.update(max_num_seqs=4)

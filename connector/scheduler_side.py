@@ -164,6 +164,8 @@ class TieredScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._hit_tiers: dict[str, dict[str, int]] = {}
+        # req -> [token split, fetch jobs still out, all ok so far]
+        self._restoring: dict[str, list[Any]] = {}
         self._in_redis: OrderedDict[BlockKey, None] = OrderedDict()
         self._bad: OrderedDict[BlockKey, None] = OrderedDict()  # failed fetches: not offered
         self.event_info: OrderedDict[BlockKey, EventInfo] = OrderedDict()
@@ -172,9 +174,24 @@ class TieredScheduler:
         # needs Redis is asynchronous too: the workers fetch it in the background.
         self.hybrid = bool(self.mamba)
         self.probe_timeout_s = max(1.0, 8 * config.redis_timeout_s)
+        self._gauges_at = float("-inf")
 
     def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
         self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+        self.counters.add("cpu_evictions")
+
+    def refresh_gauges(self, min_interval_s: float = 1.0) -> None:
+        """The CPU tier's occupancy gauges (at most once per ``min_interval_s``: O(entries))."""
+        now = time.monotonic()
+        if now - self._gauges_at < min_interval_s:
+            return
+        self._gauges_at = now
+        st = self.directory.stats()
+        for name, value in (("cpu_tier_slots", st["num_slots"]),
+                            ("cpu_tier_entries", st["entries"]),
+                            ("cpu_tier_pinned", st["pinned"]),
+                            ("cpu_tier_reserved", st["reserved"])):
+            self.counters.set_gauge(name, int(value))
 
     # ------------------------------------------------------------------ keys
     def tenant(self, request: RequestLike) -> str:
@@ -408,13 +425,34 @@ class TieredScheduler:
                 self._unpin(key)
         if pending.load_async:
             self._plan.async_reqs.append(req_id)
+        cpu_tokens = min(per_tier[TIER_CPU], num_external)
+        split = {TIER_CPU: cpu_tokens, TIER_REDIS: num_external - cpu_tokens}
+        self._hit_tiers[req_id] = split
+        if fetched:
+            # Counted once every fetch is back and valid (a bad value is no hit).
+            self._restoring[req_id] = [split, set(fetched.values()), True]
+        else:
+            self._count_hit(split)
+
+    def _count_hit(self, split: dict[str, int]) -> None:
         self.counters.add("hit_requests")
-        self.counters.add("hit_tokens_cpu", min(per_tier[TIER_CPU], num_external))
-        self.counters.add("hit_tokens_redis", num_external - min(per_tier[TIER_CPU],
-                                                                 num_external))
-        self._hit_tiers[req_id] = {TIER_CPU: min(per_tier[TIER_CPU], num_external),
-                                   TIER_REDIS: num_external - min(per_tier[TIER_CPU],
-                                                                  num_external)}
+        self.counters.add("hit_tokens_cpu", split[TIER_CPU])
+        self.counters.add("hit_tokens_redis", split[TIER_REDIS])
+
+    def _restore_progress(self, req_id: str, job: int, ok: bool) -> None:
+        entry = self._restoring.get(req_id)
+        if entry is None:
+            return
+        entry[1].discard(job)
+        entry[2] = entry[2] and ok
+        if entry[1]:
+            return
+        del self._restoring[req_id]
+        if entry[2]:
+            self._count_hit(entry[0])
+        else:
+            self.counters.add("failed_restores")
+            self.counters.add("failed_restore_tokens", sum(entry[0].values()))
 
     def hit_tiers(self, req_id: str) -> dict[str, int]:
         """Tokens of ``req_id``'s last hit by tier (for vLLM's hit-source split)."""
@@ -569,7 +607,7 @@ class TieredScheduler:
         for job, (ok, n) in report.fetches.items():
             done = self.jobs.report(job, ok, n)
             if done is not None:
-                self._fetch_done(*done)
+                self._fetch_done(job, *done)
         for job, (counts, n) in report.probes.items():
             done = self.jobs.report_probe(job, counts, n)
             if done is not None:
@@ -595,8 +633,9 @@ class TieredScheduler:
             while len(self._in_redis) > self.directory.num_slots * 4:
                 self._in_redis.popitem(last=False)
 
-    def _fetch_done(self, info: Any, all_ok: bool) -> None:
+    def _fetch_done(self, job: int, info: Any, all_ok: bool) -> None:
         key = info.key
+        self._restore_progress(info.req_id, job, all_ok)
         if all_ok:
             self.directory.commit(key)
             self.outbox.append(TierChange(key, MEDIUM_CPU, stored=True))

@@ -106,7 +106,7 @@ class TieredConnectorStats(KVConnectorStats):
         return {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in connector_stats.COUNTER_NAMES)
+        return not self.data
 
 
 class TieredPromMetrics(KVConnectorPromMetrics):
@@ -122,10 +122,12 @@ class TieredPromMetrics(KVConnectorPromMetrics):
                                        documentation=f"kvtier connector: {name}",
                                        labelnames=labelnames)
             self._counters[name] = self.make_per_engine(metric)
-        gauge = self._gauge_cls(name="vllm:kvtier_redis_available",
-                                documentation="1 when kvtier's Redis tier answers",
-                                labelnames=labelnames, multiprocess_mode="mostrecent")
-        self._available = self.make_per_engine(gauge)
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name in connector_stats.GAUGE_NAMES:
+            gauge = self._gauge_cls(name=f"vllm:kvtier_{name}",
+                                    documentation=f"kvtier connector: {name}",
+                                    labelnames=labelnames, multiprocess_mode="mostrecent")
+            self._gauges[name] = self.make_per_engine(gauge)
 
     def make_per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values)
@@ -135,8 +137,9 @@ class TieredPromMetrics(KVConnectorPromMetrics):
         for name, value in transfer_stats_data.items():
             if name in self._counters and value:
                 self._counters[name][engine_idx].inc(value)
-        if "redis_available" in transfer_stats_data:
-            self._available[engine_idx].set(transfer_stats_data["redis_available"])
+        for name, per_engine in self._gauges.items():
+            if name in transfer_stats_data:
+                per_engine[engine_idx].set(transfer_stats_data[name])
 
 
 def _group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
@@ -387,6 +390,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         half = self.scheduler if self.scheduler is not None else self.worker
         if half is None:
             return None
+        if self.scheduler is not None:
+            self.scheduler.refresh_gauges()
         delta = half.counters.take_delta()
         return TieredConnectorStats(data=delta) if delta else None
 

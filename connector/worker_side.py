@@ -84,6 +84,7 @@ class TieredWorker:
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # requests whose load failed in this step
         self._report = WorkerReport()
+        self._redis_seen: dict[str, int] = {}
         self.closed = False
 
     # ------------------------------------------------------------------ setup
@@ -228,7 +229,6 @@ class TieredWorker:
             self.holds[op.slot] = op.key if ok else None
             self._report.fetches[op.job] = [int(ok), 1]
             if not ok:
-                self.counters.add("redis_misses_at_fetch")
                 self._fetch_failed.add(req_id)
         self._fetching[req_id] -= 1
         if self._fetching[req_id]:
@@ -321,7 +321,19 @@ class TieredWorker:
         if self.redis is not None:
             report.redis_up = int(bool(self.redis.available))
             self.counters.set_gauge("redis_available", report.redis_up)
+            self._follow_redis_events()
         return report
+
+    def _follow_redis_events(self) -> None:
+        """Mirror the Redis tier's outage/recovery counts into the connector's counters."""
+        st = self.redis.stats()
+        for name, ours in (("unavailable_events", "redis_unavailable_events"),
+                           ("recoveries", "redis_recoveries"),
+                           ("corrupt", "redis_corrupt_values")):
+            seen = self._redis_seen.get(name, 0)
+            if st[name] > seen:
+                self.counters.add(ours, st[name] - seen)
+                self._redis_seen[name] = st[name]
 
     def close(self) -> None:
         """Finish queued writes (bounded), stop the I/O threads, drop the slab. Idempotent."""

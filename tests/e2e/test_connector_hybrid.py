@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 
 from connector.tiny_models import prompt_words
-from tests.support.connector_runner import counters, multi_turn, run_in_subprocess
+from tests.support.connector_runner import (
+    counters,
+    kvtier_stats,
+    multi_turn,
+    run_in_subprocess,
+)
 from tests.support.redis_server import RedisServer
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
@@ -38,40 +43,74 @@ def baseline(tiny_hybrid_dir: Path) -> list[list[int]]:
     return [o["token_ids"] for o in result["outputs"]]
 
 
+class EventSink:
+    """A real ZMQ SUB socket, bound: vLLM's KV-event publisher connects to it (an endpoint
+    without ``*``), and every batch is decoded with kvtier's own decoder."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        from connector.events import decode_batch
+
+        while not self._stop.is_set():
+            try:
+                frames = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self.events.extend(decode_batch(frames[-1]).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
 @pytest.fixture(scope="module")
 def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any]]:
-    """The kvtier engine's conversation, with Redis faults between turns."""
+    """The kvtier engine's conversation (vLLM's default executors), with Redis faults
+    between turns; kvtier's counters come from vLLM's metrics, its events from the wire."""
     apply_cpu_engine_env()
     from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
 
-    import connector.tiered_connector as tc
-
-    events: list[Any] = []
-    original = tc.TieredOffloadingConnector.take_events
-
-    def recording(self: Any) -> Any:
-        out = list(original(self))
-        events.extend(out)
-        return out
-
-    tc.TieredOffloadingConnector.take_events = recording  # type: ignore[method-assign]
+    sink = EventSink()
     extra = {"cpu_bytes": 64 << 20, "redis_url": redis_srv.url, "redis_prefix": "hyb",
-             "redis_timeout_s": 0.2}
-    llm = LLM(**hybrid_engine_kwargs(tiny_hybrid_dir,
+             "redis_timeout_s": 0.5}
+    events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                   endpoint=sink.endpoint, topic="kv")
+    llm = LLM(**hybrid_engine_kwargs(tiny_hybrid_dir, kv_events_config=events_config,
                                      kv_transfer_config=kvtier_transfer_config(extra)))
-    engine_id = tc.engine_ids()[-1]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     per_turn: list[dict[str, Any]] = []
     outputs: list[list[int]] = []
 
+    def stats() -> dict[str, Any]:
+        return counters(kvtier_stats(llm))
+
     def generate(name: str, prompt: str) -> str:
-        before = counters(tc.runtime_stats(engine_id))
+        before = stats()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        after = counters(tc.runtime_stats(engine_id))
-        per_turn.append({k: after[k] - before.get(k, 0) for k in after
-                         if isinstance(after[k], int)} | {
-                             "redis_available": after["redis_available"],
-                             "num_cached_tokens": out.num_cached_tokens})
+        after = stats()
+        per_turn.append({k: after[k] - before.get(k, 0) for k in after} | {
+            "redis_available": after.get("redis_available"),
+            "num_cached_tokens": out.num_cached_tokens})
         outputs.append(list(out.outputs[0].token_ids))
         return out.outputs[0].text
 
@@ -80,15 +119,16 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
         multi_turn(generate, llm.reset_prefix_cache, FIRST_PROMPT, TURNS, hooks)
         # Redis is back: kvtier notices (background probe with backoff) and writes again.
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not tc.runtime_stats(engine_id)["redis_available"]:
+        while time.monotonic() < deadline and not stats().get("redis_available"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
+                         use_tqdm=False)  # the workers report with each step
             time.sleep(0.2)
-        recovered = tc.runtime_stats(engine_id)["redis_available"]
-        cpu_keys = list(tc._RUNTIMES[engine_id].cpu.keys())
-        yield {"outputs": outputs, "per_turn": per_turn, "events": events,
-               "stats": tc.runtime_stats(engine_id), "recovered": recovered,
-               "cpu_keys": cpu_keys}
+        recovered = stats().get("redis_available")
+        time.sleep(0.5)  # let the last event batches arrive
+        yield {"outputs": outputs, "per_turn": per_turn, "events": list(sink.events),
+               "stats": stats(), "recovered": recovered}
     finally:
-        tc.TieredOffloadingConnector.take_events = original  # type: ignore[method-assign]
+        sink.close()
         if redis_srv.proc is not None and redis_srv.proc.poll() is None:
             redis_srv.resume()
 
@@ -124,19 +164,23 @@ def test_second_engine_serves_hybrid_prefix_from_redis(
 
 
 def test_partial_entries_stored_as_partial(run: dict[str, Any]) -> None:
-    from offload_tiers.keys import BlockKind, kind_for
+    """PARTIAL entries reach the CPU tier as PARTIAL: announced with the hash unit (32) as
+    their block size and one hash, never as a 64-token block."""
+    from connector.events import BlockStored
 
-    keys = run["cpu_keys"]
-    assert any(k.kind is BlockKind.PARTIAL for k in keys)
-    for key in keys:
-        assert key.kind is kind_for(key.num_tokens, (key.num_tokens - 1) // 64, 64)
     assert run["stats"]["partial_blocks_saved"] > 0
+    cpu = [e for e in run["events"] if isinstance(e, BlockStored) and e.medium == "CPU"
+           and e.kv_cache_spec_kind == "full_attention"]
+    partial = [e for e in cpu if e.block_size == 32]
+    assert partial, "no PARTIAL entry announced for the CPU tier"
+    assert all(len(e.block_hashes) == 1 and len(e.token_ids) == 32 for e in partial)
 
 
 def test_events_shaped_as_vllm_shapes_them(run: dict[str, Any]) -> None:
-    from vllm.distributed.kv_events import BlockStored
+    from connector.events import BlockStored
 
-    stored = [e for e in run["events"] if isinstance(e, BlockStored)]
+    stored = [e for e in run["events"] if isinstance(e, BlockStored)
+              and e.medium in ("CPU", "STORAGE")]
     attn = [e for e in stored if e.kv_cache_spec_kind == "full_attention"]
     partial = [e for e in attn if e.block_size == 32]
     full = [e for e in attn if e.block_size == 64]

@@ -106,6 +106,10 @@ def test_corrupt_or_foreign_redis_values_are_misses_with_correct_output(
     assert b2["delta"].get("hit_tokens_redis", 0) == 0
     assert b2["token_ids"] == baseline["B2"]["token_ids"]
     assert b2["num_cached_tokens"] == 0
+    # Rejected for what they are: values that fail validation (a foreign header at the
+    # probe, a flipped payload at the fetch's checksum), never loaded as KV.
+    assert b2["delta"].get("redis_corrupt_values", 0) >= 1
+    assert second["stats"]["load_errors"] == 0
 
 
 def test_negative_control_corrupted_loads_change_the_output(

