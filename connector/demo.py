@@ -228,6 +228,10 @@ def _print_result(result: dict[str, Any]) -> None:
             shown = ", ".join(f"{k}={int(v)}" for k, v in counters.items()
                               if not k.startswith(("bytes_", "events_")))
             print(f"kvtier counters, {phase} pass: {shown}")
+    starts = result.get("startup_s", {})
+    shown = ", ".join(f"{name} {secs:.0f} s" for name, secs in starts.items() if secs)
+    print(f"engine start (vLLM's default executors: engine core and worker in their own "
+          f"processes): {shown}")
     print("identical = greedy outputs equal vLLM's without kvtier: "
           + ("yes, all" if result["outputs_identical"] else "NO — see the rows marked NO"))
     print(f"total {result['elapsed_s']:.0f} s")

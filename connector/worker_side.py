@@ -248,9 +248,14 @@ class TieredWorker:
             for op in plan.saves:
                 self._report_save(op.job, ok=False, gathered=False)
             return
+        # A slot given twice in one plan (a small tier evicting this step's own saves) keeps
+        # the scheduler's last choice; the earlier save is gone from its books already.
+        last = {op.slot: op for op in plan.saves}
         keep: list[SaveOp] = []
         for op in plan.saves:
-            if op.req_id in self._failed_now:
+            if last[op.slot] is not op:
+                self._report_save(op.job, ok=True, gathered=True)
+            elif op.req_id in self._failed_now:
                 self.counters.add("saves_skipped_after_failed_load")
                 self._report_save(op.job, ok=False, gathered=False)
             else:

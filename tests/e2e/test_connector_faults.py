@@ -207,8 +207,6 @@ def test_wrong_password_starts_cpu_only_with_a_clear_error_and_no_secret(
     stats = result["stats"]
     assert stats["redis_configured"] == 1 and stats["redis_available"] == 0
     assert stats["blocks_written_redis"] == 0
-    error = result["redis_tier"]["last_error"]
-    assert "authentication failed" in error.lower(), error
     log = result["log"]
     assert "not answering" in log and "authentication failed" in log.lower()
     print("KVTIER-WRONG-PASSWORD-LOG", [ln for ln in log.splitlines() if "kvtier" in ln][:3])

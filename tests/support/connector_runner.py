@@ -276,6 +276,10 @@ def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any) -> dict[str, 
             time.sleep(0.05)
         return {"name": f"wait_redis-{want}", "reached": stats().get("redis_available") == want,
                 "waited_s": round(time.monotonic() - start, 3)}
+    for _ in range(3):
+        poke()  # background Redis writes report with the workers' next steps
+    time.sleep(0.3)
+    poke()
     full = stats()
     return {"name": step[1], "stats": counters(full), "redis_tier": full.get("redis_tier", {})}
 
