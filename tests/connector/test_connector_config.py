@@ -11,7 +11,15 @@ from connector.connector_config import ConnectorConfigError, load_config
 
 def test_defaults() -> None:
     cfg = load_config(None)
-    assert cfg.redis_url is None and cfg.write_mode == "through" and cfg.store_partial
+    assert cfg.redis_url is None and cfg.store_partial and cfg.hybrid_hits
+    assert cfg.write_mode == "back"  # a step never waits on a Redis round trip
+    assert cfg.weights_version == "" and cfg.tenant == ""
+
+
+def test_weights_version_is_a_setting() -> None:
+    cfg = load_config({"weights_version": "step-1000", "write_mode": "through"})
+    assert cfg.weights_version == "step-1000" and cfg.write_mode == "through"
+    assert cfg.describe()["weights_version"] == "step-1000"
 
 
 def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
@@ -28,6 +36,7 @@ def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
     ({"cpu_byte": 1 << 30}, "cpu_byte: unknown setting"),
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
     ({"redis_ssl_ca_certs": "/nonexistent/ca.pem"}, "redis_ssl_ca_certs"),
+    ({"weights_version": ["a"]}, "weights_version"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
     with pytest.raises(ConnectorConfigError) as err:

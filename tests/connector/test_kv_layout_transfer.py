@@ -68,3 +68,23 @@ def test_corrupt_switch_changes_loaded_floats() -> None:
     assert not torch.equal(caches["attn"][2], want)
     mover.scatter(0, [2], [0])
     assert torch.equal(caches["attn"][2], want)
+
+
+def test_descriptor_tells_layouts_apart() -> None:
+    """The descriptor is part of each rank's storage namespace (connector.namespace)."""
+    caches = _caches()
+    cpu = build_layout(caches, [(0, "attention", 8, ["attn"])], NB).descriptor()
+    again = build_layout(_caches(), [(0, "attention", 8, ["attn"])], NB).descriptor()
+    cuda = build_layout(caches, [(0, "attention", 8, ["kv2"])], NB).descriptor()
+    half = build_layout({"attn": caches["attn"].half()}, [(0, "attention", 8, ["attn"])],
+                        NB).descriptor()
+    assert cpu == again
+    assert len({cpu, cuda, half}) == 3
+    assert "@0" in cpu and "@1" in cuda and "float16" in half
+
+
+def test_a_layer_missing_or_no_tensors_is_an_error() -> None:
+    with pytest.raises(LayoutError, match="no KV tensor"):
+        build_layout(_caches(), [(0, "attention", 8, ["nope"])], NB)
+    with pytest.raises(LayoutError, match="no KV tensors"):
+        build_layout({}, [(0, "attention", 8, [])], NB)

@@ -1,0 +1,109 @@
+"""What the halves tell each other (StepPlan, WorkerReport) and the scheduler's JobBook."""
+
+from __future__ import annotations
+
+import pickle
+
+from connector.connector_metadata import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
+from connector.scheduler_jobs import JobBook
+from offload_tiers.keys import BlockKey, BlockKind
+
+K1 = BlockKey("ab" * 16, 0, b"h0", 32, BlockKind.FULL)
+K2 = BlockKey("ab" * 16, 1, b"h1", 48, BlockKind.PARTIAL)
+
+
+def test_merge_sums_every_job_over_ranks() -> None:
+    rank0 = WorkerReport(saves={1: [1, 1, 0], 2: [1, 1, 0]}, fetches={5: [1, 1]},
+                         probes={9: ([1, 0, 1], 1)}, redis_up=1)
+    rank1 = WorkerReport(saves={1: [0, 1, 1], 3: [1, 1, 0]}, fetches={5: [0, 1]},
+                         probes={9: ([1, 1, 0], 1)}, redis_up=0)
+    merged = rank0.merge(rank1)
+    assert merged is rank0
+    assert merged.saves == {1: [1, 2, 1], 2: [1, 1, 0], 3: [1, 1, 0]}
+    assert merged.fetches == {5: [1, 2]}
+    assert merged.probes == {9: ([2, 1, 1], 2)}
+    assert merged.redis_up == 0  # the lowest over ranks
+    rank2 = WorkerReport(saves={1: [1, 1, 0]})
+    assert merged.merge(rank2).saves[1] == [2, 3, 1]
+
+
+def test_merge_copies_and_never_aliases_the_other_report() -> None:
+    other = WorkerReport(saves={1: [1, 1, 0]}, probes={2: ([1], 1)})
+    merged = WorkerReport().merge(other)
+    merged.merge(WorkerReport(saves={1: [1, 1, 0]}, probes={2: ([1], 1)}))
+    assert other.saves == {1: [1, 1, 0]} and other.probes == {2: ([1], 1)}
+
+
+def test_redis_up_merges_as_the_lowest_configured_answer() -> None:
+    def up(*values: int) -> int:
+        report = WorkerReport()
+        for v in values:
+            report.merge(WorkerReport(redis_up=v))
+        return report.redis_up
+
+    assert up() == -1 and up(-1, -1) == -1  # no rank has Redis configured
+    assert up(-1, 1) == 1 and up(1, -1) == 1
+    assert up(1, 1) == 1 and up(1, 0) == 0 and up(0, 1) == 0
+
+
+def test_empty_report_is_false_and_health_alone_is_true() -> None:
+    assert not WorkerReport()
+    assert WorkerReport(redis_up=0) and WorkerReport(redis_up=1)
+    assert WorkerReport(saves={1: [1, 1, 0]}) and WorkerReport(probes={1: ([], 1)})
+    assert not StepPlan()
+    assert StepPlan(async_reqs=["r"]) and StepPlan(probes=[ProbeOp(1, (K1,))])
+
+
+def test_plan_and_report_pickle() -> None:
+    """The halves run in different processes: vLLM serialises both."""
+    plan = StepPlan(loads=[LoadOp("r", 0, 3, 1, K1), LoadOp("r", 1, 4, 2, K2, after_fetch=True)],
+                    fetches=[FetchOp(7, "r", 2, K2)],
+                    saves=[SaveOp(8, "r", 0, 5, 3, K1, to_redis=True)],
+                    probes=[ProbeOp(9, (K1, K2))], async_reqs=["r"])
+    again = pickle.loads(pickle.dumps(plan))  # noqa: S301 - our own bytes
+    assert again == plan
+    report = WorkerReport(saves={8: [1, 1, 0]}, fetches={7: [1, 1]}, probes={9: ([1, 1], 1)},
+                          redis_up=1)
+    assert pickle.loads(pickle.dumps(report)) == report  # noqa: S301
+
+
+def test_a_job_is_done_after_every_rank_reported_and_ok_only_if_all_were() -> None:
+    book = JobBook(world_size=2)
+    save = book.open_save(K1, 3, "r", (0, 0, 32), True)
+    fetch = book.open_fetch(K2, 4, "r")
+    assert save != fetch and len(book) == 2
+    assert book.report(save, ok=1, reports=1) is None
+    done = book.report(save, ok=0, reports=1, gather_failed=1)
+    assert done is not None
+    entry, all_ok = done
+    assert not all_ok and entry.gather_failed
+    assert (entry.key, entry.slot, entry.req_id, entry.mark, entry.to_redis) == (
+        K1, 3, "r", (0, 0, 32), True)
+    assert book.report(save, ok=1, reports=1) is None  # done jobs are forgotten
+    merged = book.report(fetch, ok=2, reports=2)  # both ranks in one merged report
+    assert merged is not None and merged[1] and not merged[0].gather_failed
+    assert len(book) == 0
+    assert book.report(12345, ok=1, reports=1) is None  # unknown job
+
+
+def test_one_rank_of_one_is_every_rank() -> None:
+    book = JobBook(world_size=1)
+    job = book.open_fetch(K1, 0, "r")
+    done = book.report(job, ok=1, reports=1)
+    assert done is not None and done[1]
+
+
+def test_probe_counts_are_summed_until_every_rank_answered() -> None:
+    book = JobBook(world_size=2)
+    job = book.open_probe((K1, K2))
+    assert book.report_probe(job, [1, 1], 1) is None
+    assert book.report_probe(job, [1, 0], 1) == ((K1, K2), [2, 1])
+    assert book.report_probe(job, [1, 1], 1) is None and len(book) == 0
+    assert book.report(job, ok=1, reports=1) is None  # probes and slot jobs are apart
+
+
+def test_job_ids_are_unique_across_kinds() -> None:
+    book = JobBook(world_size=1)
+    ids = [book.open_save(K1, 0, "r", None, False), book.open_fetch(K1, 1, "r"),
+           book.open_probe((K1,)), book.open_save(K2, 2, "r", None, True)]
+    assert len(set(ids)) == 4 and ids == sorted(ids)
