@@ -167,7 +167,11 @@ class TieredScheduler:
         # req -> [token split, fetch jobs still out, all ok so far]
         self._restoring: dict[str, list[Any]] = {}
         self._in_redis: OrderedDict[BlockKey, None] = OrderedDict()
-        self._bad: OrderedDict[BlockKey, None] = OrderedDict()  # failed fetches: not offered
+        # Keys whose Redis value failed a fetch: not offered again until this engine rewrites
+        # them or ``bad_key_ttl_s`` passes (so a corrupt value cannot make a request retry
+        # forever, and a value rewritten by another engine is served again later).
+        self._bad: OrderedDict[BlockKey, float] = OrderedDict()
+        self.bad_key_ttl_s = 30.0
         self.event_info: OrderedDict[BlockKey, EventInfo] = OrderedDict()
         # Hybrid hits are asynchronous loads: vLLM caches the restored blocks, Mamba state
         # included, before the request runs, so later turns hit vLLM's own cache. A hit that
@@ -233,7 +237,7 @@ class TieredScheduler:
         tiers = dict.fromkeys(
             (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
              if ok), TIER_CPU)
-        missing = tuple(k for k in ordered if k not in tiers and k not in self._bad)
+        missing = tuple(k for k in ordered if k not in tiers and not self._is_bad(k))
         if missing and not self._redis_answer(request.request_id, missing, tiers):
             return None, False
         self.counters.add("lookups")
@@ -627,6 +631,8 @@ class TieredScheduler:
                 tracked.saved.discard(info.mark)
                 tracked.cursor.pop(info.mark[0], None)
             return
+        if info.to_redis:
+            self._bad.pop(key, None)  # rewritten by this engine: valid again
         if info.to_redis and key not in self._in_redis:
             self._in_redis[key] = None
             self.outbox.append(TierChange(key, MEDIUM_STORAGE, stored=True))
@@ -643,9 +649,19 @@ class TieredScheduler:
             return
         self.directory.abort(key)
         self.counters.add("redis_misses_at_fetch")
-        self._bad[key] = None
+        self._bad[key] = time.monotonic() + self.bad_key_ttl_s
+        self._bad.move_to_end(key)
         while len(self._bad) > _BAD_KEYS_MAX:
             self._bad.popitem(last=False)
+
+    def _is_bad(self, key: BlockKey) -> bool:
+        until = self._bad.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._bad[key]
+        return False
 
     def _probe_done(self, job: int, keys: tuple[BlockKey, ...], counts: list[int]) -> None:
         for probe in self._probes.values():

@@ -116,6 +116,15 @@ class TieredWorker:
         self._failed_now = set()
         if self.transfer is None:
             return
+        self._async.update(plan.async_reqs)
+        now: list[LoadOp] = []
+        for op in plan.loads:
+            if op.after_fetch:
+                self._waiting.setdefault(op.req_id, []).append(op)
+            else:
+                now.append(op)
+        # CPU loads first: a fetch planned in the same step may reuse a slot they read.
+        self._scatter(now)
         for probe in plan.probes:
             self._io.submit(self._probe, probe)
         by_req: dict[str, list[FetchOp]] = {}
@@ -125,14 +134,6 @@ class TieredWorker:
         for req_id, ops in by_req.items():
             self._fetching[req_id] = self._fetching.get(req_id, 0) + 1
             self._io.submit(self._fetch, req_id, ops)
-        self._async.update(plan.async_reqs)
-        now: list[LoadOp] = []
-        for op in plan.loads:
-            if op.after_fetch:
-                self._waiting.setdefault(op.req_id, []).append(op)
-            else:
-                now.append(op)
-        self._scatter(now)
         for req_id in plan.async_reqs:
             if req_id not in self._fetching:
                 self._finish_recv(req_id)

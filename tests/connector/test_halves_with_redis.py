@@ -496,14 +496,9 @@ def test_restore_into_a_cpu_tier_full_of_pins_takes_what_fits(engines: Make) -> 
     assert _same_blocks(first, [0, 1], second, [8, 9])
 
 
-# ---------------------------------------------------------------------------- known defects
-# Strict xfails: each fails today for the reason given and must pass once it is fixed
-# (then drop the mark).
-@pytest.mark.xfail(strict=True, reason=(
-    "on_alloc releases a CPU hit's pins at once; a Redis hit looked up later in the same "
-    "schedule() may reserve (evict) that slot, and the worker clears holds[slot] for the "
-    "fetch before it runs the CPU loads: the load fails (never a wrong block, but vLLM "
-    "recomputes)"))
+# ------------------------------------------------------------- defects found while porting
+# A CPU hit's pins go at on_alloc; a Redis hit looked up later in the same schedule() may
+# reserve (evict) that slot: the worker must run the CPU loads before it starts the fetch.
 def test_a_cpu_load_survives_a_fetch_reserved_later_in_the_same_step(engines: Make) -> None:
     source = engines(num_slots=4)
     x = Req("x", 40)
@@ -540,10 +535,8 @@ def test_a_cpu_load_survives_a_fetch_reserved_later_in_the_same_step(engines: Ma
     assert _same_blocks(e, [1], e, [5]) and _same_blocks(source, [3], e, [8])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a key whose fetch failed stays in the scheduler's bad-key list until a fetch of it "
-    "succeeds, which never happens since bad keys are never probed: even after this engine "
-    "stored a good value again, it is never served from Redis (no expiry either)"))
+# A key whose fetch failed is not offered again for a while, but it must be once this
+# engine has stored a good value again.
 def test_a_key_whose_fetch_failed_is_served_again_once_rewritten(engines: Make,
                                                                  redis_url: str,
                                                                  key_prefix: str) -> None:
