@@ -44,9 +44,18 @@ class FetchOp:
     key: BlockKey
 
 
+#: The slot of a save that found no CPU-tier slot: the worker copies the block into a buffer
+#: of its own, which only the Redis writer reads.
+OVERFLOW_SLOT = -1
+
+
 @dataclass(frozen=True, slots=True)
 class SaveOp:
-    """Copy block ``block_id`` of ``group`` into ``slot``; then to Redis when ``to_redis``."""
+    """Copy block ``block_id`` of ``group`` into ``slot``; then to Redis when ``to_redis``.
+
+    ``slot`` is :data:`OVERFLOW_SLOT` when the CPU tier had no slot to give: the block then
+    goes to Redis only.
+    """
 
     job: int
     req_id: str

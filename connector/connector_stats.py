@@ -45,6 +45,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "redis_corrupt_values",  # Redis values that failed validation (header, checksum, length)
     "failed_restores",  # restores (requests) whose Redis values did not validate: recomputed
     "failed_restore_tokens",
+    "overflow_saves",  # saves that found every CPU slot pinned: written to Redis only
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from connector.connector_config import TieredConfig
-from connector.connector_metadata import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
+from connector.connector_metadata import (
+    OVERFLOW_SLOT,
+    FetchOp,
+    LoadOp,
+    ProbeOp,
+    SaveOp,
+    StepPlan,
+    WorkerReport,
+)
 from connector.connector_stats import ConnectorCounters
 from connector.scheduler_jobs import JobBook, TierChange
 from offload_tiers.cpu_tier import CpuTier
@@ -563,13 +571,22 @@ class TieredScheduler:
         if self.directory.contains(key):
             return
         slot = self.directory.reserve(key)
+        to_redis = self.redis_configured and self.redis_up
+        if slot is None and to_redis:
+            # Every slot is pinned (loads, queued Redis writes): the block goes to Redis
+            # through a buffer of the worker's own, bounded by its write queue.
+            self.counters.add("overflow_saves")
+            job = self.jobs.open_save(key, OVERFLOW_SLOT, request.request_id, mark, True)
+            plan.saves.append(SaveOp(job, request.request_id, g.group, block_id,
+                                     OVERFLOW_SLOT, key, True))
+            self._remember(request, key, g)
+            return
         if slot is None:
             self.counters.add("store_drops")
             if mark is not None:
                 self._tracked[request.request_id].saved.discard(mark)
             return
         self.directory.commit(key)
-        to_redis = self.redis_configured and self.redis_up
         if to_redis:
             self.directory.acquire(key)
         elif self.redis_configured:
@@ -619,7 +636,7 @@ class TieredScheduler:
 
     def _save_done(self, info: Any, all_ok: bool) -> None:
         key = info.key
-        if info.to_redis:
+        if info.to_redis and info.slot != OVERFLOW_SLOT:
             self._unpin(key)
         if not all_ok:
             # A rank could not copy the block (or reach Redis): its slot is not trusted.

@@ -40,10 +40,15 @@ class BlockTransfer:
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
-    def gather(self, group: int, block_ids: list[int], slots: list[int]) -> int:
-        """Copy blocks ``block_ids`` of ``group`` into slab rows ``slots``; bytes copied."""
+    def gather(self, group: int, block_ids: list[int], slots: list[int], *,
+               dest: torch.Tensor | None = None) -> int:
+        """Copy blocks ``block_ids`` of ``group`` into slab rows ``slots``; bytes copied.
+
+        ``dest`` replaces the slab (a uint8 ``[rows, >= slot bytes]`` buffer of the caller's).
+        """
         if not block_ids:
             return 0
+        target = self.slab if dest is None else dest
         layout = self._groups[group]
         ids = self._ids(block_ids)
         rows = torch.tensor(slots, dtype=torch.long)
@@ -60,10 +65,10 @@ class BlockTransfer:
                     staged.append((s, host))
             self._stream.synchronize()
             for s, host in staged:
-                self.slab[rows, s.offset:s.offset + s.nbytes] = host
+                target[rows, s.offset:s.offset + s.nbytes] = host
         else:
             for s in layout.slices:
-                self.slab[rows, s.offset:s.offset + s.nbytes] = self._read(s, ids, n)
+                target[rows, s.offset:s.offset + s.nbytes] = self._read(s, ids, n)
         return n * layout.nbytes
 
     def _read(self, s: TensorSlice, ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -23,8 +23,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+import torch
+
 from connector.connector_config import TieredConfig
-from connector.connector_metadata import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
+from connector.connector_metadata import (
+    OVERFLOW_SLOT,
+    FetchOp,
+    LoadOp,
+    ProbeOp,
+    SaveOp,
+    StepPlan,
+    WorkerReport,
+)
 from connector.connector_stats import ConnectorCounters
 from connector.kv_layout import KVLayout, build_layout
 from connector.namespace import rank_fingerprint
@@ -251,58 +262,75 @@ class TieredWorker:
             return
         # A slot given twice in one plan (a small tier evicting this step's own saves) keeps
         # the scheduler's last choice; the earlier save is gone from its books already.
-        last = {op.slot: op for op in plan.saves}
+        last = {op.slot: op for op in plan.saves if op.slot != OVERFLOW_SLOT}
         keep: list[SaveOp] = []
         for op in plan.saves:
-            if last[op.slot] is not op:
+            if op.slot != OVERFLOW_SLOT and last[op.slot] is not op:
                 self._report_save(op.job, ok=True, gathered=True)
             elif op.req_id in self._failed_now:
                 self.counters.add("saves_skipped_after_failed_load")
                 self._report_save(op.job, ok=False, gathered=False)
             else:
-                self.holds[op.slot] = None
+                if op.slot != OVERFLOW_SLOT:
+                    self.holds[op.slot] = None
                 keep.append(op)
         for group, ops in _by_group(keep).items():
-            try:
+            slotted = [op for op in ops if op.slot != OVERFLOW_SLOT]
+            if slotted and self._gather(group, slotted, None):
+                for op in slotted:
+                    self.holds[op.slot] = op.key
+                self._to_redis([(op, memoryview(self.slab[op.slot, :self._nbytes(group)]))
+                                for op in slotted])
+            overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
+            if overflow:
+                # Rows of a buffer of this step's own; the Redis writer keeps it alive.
+                buf = np.empty((len(overflow), self._nbytes(group)), dtype=np.uint8)
+                if self._gather(group, overflow, buf):
+                    self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(overflow)])
+
+    def _gather(self, group: int, ops: list[SaveOp], buf: np.ndarray | None) -> bool:
+        assert self.transfer is not None
+        try:
+            if buf is None:
                 moved = self.transfer.gather(group, [op.block_id for op in ops],
                                              [op.slot for op in ops])
-            except Exception:
-                log.exception("kvtier: gathering blocks into the CPU tier failed")
-                for op in ops:
-                    self._report_save(op.job, ok=False, gathered=False)
-                self.counters.add("store_drops", len(ops))
-                continue
-            self.counters.add("bytes_saved_cpu", moved)
-            self.counters.add("blocks_saved", len(ops))
-            self.counters.add("partial_blocks_saved",
-                              sum(op.key.kind is BlockKind.PARTIAL for op in ops))
+            else:
+                moved = self.transfer.gather(group, [op.block_id for op in ops],
+                                             list(range(len(ops))), dest=torch.from_numpy(buf))
+        except Exception:
+            log.exception("kvtier: gathering blocks into the CPU tier failed")
             for op in ops:
-                self.holds[op.slot] = op.key
-            self._to_redis(ops)
+                self._report_save(op.job, ok=False, gathered=False)
+            self.counters.add("store_drops", len(ops))
+            return False
+        self.counters.add("bytes_saved_cpu", moved)
+        self.counters.add("blocks_saved", len(ops))
+        self.counters.add("partial_blocks_saved",
+                          sum(op.key.kind is BlockKind.PARTIAL for op in ops))
+        return True
 
-    def _to_redis(self, ops: list[SaveOp]) -> None:
-        local = [op for op in ops if not op.to_redis]
-        for op in local:
-            self._report_save(op.job, ok=True, gathered=True)
-        remote = [op for op in ops if op.to_redis]
+    def _to_redis(self, items: list[tuple[SaveOp, memoryview]]) -> None:
+        for op, _ in items:
+            if not op.to_redis:
+                self._report_save(op.job, ok=True, gathered=True)
+        remote = [(op, view) for op, view in items if op.to_redis]
         if not remote:
             return
         if self.redis is None or not self.redis.available:
             self.counters.add("redis_unavailable_steps")
-            for op in remote:
+            for op, _ in remote:
                 self._report_save(op.job, ok=False, gathered=True)
             self.counters.add("store_drops", len(remote))
             self.counters.add("redis_write_failures", len(remote))
             return
-        items = [(self.storage_key(op.key),
-                  memoryview(self.slab[op.slot, :self._nbytes(op.group)])) for op in remote]
+        keyed = [(self.storage_key(op.key), view) for op, view in remote]
         if self.config.write_mode == "through":
             # Which values of a short batch landed is unknown: count none (never over-claim).
-            all_ok = self.redis.put_many(items) == len(items)
-            for op, (_, view) in zip(remote, items, strict=True):
+            all_ok = self.redis.put_many(keyed) == len(keyed)
+            for op, view in remote:
                 self._on_written(op.job, view.nbytes)(all_ok)
             return
-        for op, (key, view) in zip(remote, items, strict=True):
+        for (op, view), (key, _) in zip(remote, keyed, strict=True):
             # The slot stays pinned by the scheduler until this job is reported: no copy.
             self.redis.submit_put(key, view, on_done=self._on_written(op.job, view.nbytes))
 

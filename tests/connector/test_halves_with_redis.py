@@ -17,6 +17,7 @@ import redis
 import torch
 
 from connector.connector_config import TieredConfig
+from connector.connector_metadata import OVERFLOW_SLOT
 from connector.scheduler_side import ATTENTION, GroupSpec
 from offload_tiers.keys import BlockKey, BlockKind
 from tests.support.halves import BS, HYBRID, Halves, as_bytes, identity
@@ -446,28 +447,38 @@ def test_weights_version_setting_and_reset_generation_move_the_namespace(
 
 
 # ---------------------------------------------------------------------------- a full tier
-def test_a_step_saving_more_blocks_than_cpu_slots_saves_the_rest_next_step(
+def test_a_step_saving_more_blocks_than_cpu_slots_writes_the_rest_to_redis_directly(
         engines: Make, redis_url: str, key_prefix: str) -> None:
     """A batched prefill saves 20 blocks into a 16-slot CPU tier.
 
-    Slots waiting for their Redis write are pinned, so one step saves 16 (4 counted as
-    drops) and the next step saves the other 4 of the running request; none is lost.
+    Slots waiting for their Redis write are pinned, so 16 blocks take a slot and the other
+    4 go to Redis through a buffer of the worker's own (overflow saves), in the same step:
+    none is lost even if the request finishes in that step.
     """
     e = engines(num_slots=16, num_blocks=24)
     e.fill(range(20), seed=11)
     req = Req("a", 20 * BS + 5)
     e.admit(req, [[Blk(i, (i + 1) * BS) for i in range(20)]], 0)
     first = e.step({"a": 20 * BS + 5})
-    assert len(first.plan.saves) == 16
-    assert e.sched.counters.snapshot()["store_drops"] == 4
-    second = e.step({"a": 20 * BS + 5})
-    assert [op.key.num_tokens for op in second.plan.saves] == [17 * BS, 18 * BS, 19 * BS,
-                                                               20 * BS]
+    assert len(first.plan.saves) == 20
+    overflow = [op for op in first.plan.saves if op.slot == OVERFLOW_SLOT]
+    assert [op.key.num_tokens for op in overflow] == [17 * BS, 18 * BS, 19 * BS, 20 * BS]
+    snap = e.sched.counters.snapshot()
+    assert snap["store_drops"] == 0 and snap["overflow_saves"] == 4
     assert e.counter("blocks_written_redis") == [20]
     assert len(_names(redis_url, key_prefix)) == 20
+    second = e.step({"a": 20 * BS + 5})
+    assert second.plan.saves == []
     cpu = e.cpu()
-    assert cpu["entries"] == 16 and cpu["evictions"] == 4
-    assert cpu["reserved"] == 0 and cpu["pinned"] == 0
+    assert cpu["entries"] == 16 and cpu["reserved"] == 0 and cpu["pinned"] == 0
+    # The overflow blocks are valid in Redis: a fresh engine restores all 20.
+    other = engines(num_slots=32, num_blocks=48)
+    again = Req("b", 20 * BS + 5)
+    again.block_hashes = req.block_hashes
+    assert other.lookup(again) == (20 * BS, True)
+    other.admit(again, [[Blk(24 + i) for i in range(21)]], 20 * BS)
+    assert other.step().finished == {"b"}
+    assert _same_blocks(e, list(range(20)), other, list(range(24, 44)))
 
 
 def test_restore_into_a_cpu_tier_full_of_pins_takes_what_fits(engines: Make) -> None:

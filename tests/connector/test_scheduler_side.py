@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from connector.connector_config import TieredConfig
-from connector.connector_metadata import WorkerReport
+from connector.connector_metadata import OVERFLOW_SLOT, WorkerReport
 from connector.scheduler_side import (
     ATTENTION,
     MAMBA,
@@ -337,15 +337,21 @@ def test_redis_reported_down_means_no_probes_and_cpu_only_saves() -> None:
     assert s.lookup(Req("q", 100), 0) == (None, False)  # asks Redis again
 
 
-def test_a_full_tier_of_pins_drops_the_saves_and_replans_them() -> None:
+def test_a_full_tier_of_pins_sends_the_rest_to_redis_and_replans_failed_ones() -> None:
     blocks = {"r": [[Blk(i, (i + 1) * UNIT) for i in range(6)]]}
     s = _sched(LLAMA, blocks, num_slots=4, redis_url=DEAD_REDIS)
     s.on_alloc(Req("r", 6 * UNIT + 1), blocks["r"], 0)
     first = s.plan({"r": 6 * UNIT}, {}, set()).saves
-    assert len(first) == 4 and s.counters.snapshot()["store_drops"] == 2
-    s.on_report(WorkerReport(saves={op.job: [1, 1, 0] for op in first}))
+    overflow = [op for op in first if op.slot == OVERFLOW_SLOT]
+    assert len(first) == 6 and [op.key.num_tokens for op in overflow] == [5 * UNIT, 6 * UNIT]
+    snap = s.counters.snapshot()
+    assert snap["store_drops"] == 0 and snap["overflow_saves"] == 2
+    # The slotted writes landed; the overflow writes failed on the worker: re-planned.
+    s.on_report(WorkerReport(saves={op.job: [int(op.slot != OVERFLOW_SLOT), 1, 0]
+                                    for op in first}))
     second = s.plan({"r": 6 * UNIT}, {}, set()).saves
     assert [op.key.num_tokens for op in second] == [5 * UNIT, 6 * UNIT]
+    assert s.directory.stats()["pinned"] == 2  # the re-planned ones, pinned for Redis again
 
 
 def test_reset_empties_the_directory_and_announces_it() -> None:
