@@ -71,9 +71,12 @@ def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
         ["reset"],
         ["generate", "P1B", P1B],            # served from the CPU tier meanwhile
         ["proxy", "latency", 0.0],
+        ["wait_redis", 1, 20.0],             # Redis up and in use again before the flapping
+        ["snapshot", "before-flap"],
         ["proxy", "flap", 0.005],            # RST every connection every 5 ms ...
         ["generate", "P3", P3],              # ... while this request runs
         ["proxy", "steady"],
+        ["snapshot", "after-flap"],
         ["wait_redis", 1, 20.0],
         ["generate", "P4", P4],
         ["snapshot", "recovered"],
@@ -111,6 +114,24 @@ def test_proxy_latency_and_resets_keep_serving_identical_outputs(
     assert hits(runs["P1B"])[0] > 0
     assert runs["proxy-steady"]["resets"] > 0  # connections really were dropped mid-request
     assert proxied["stats"]["load_errors"] == 0
+
+
+def test_flapping_connections_while_redis_is_in_use(proxied: dict[str, Any]) -> None:
+    """Redis was up and used through the proxy when the resets began; the request ran
+    through them (new connections kept being opened), and every save is accounted for."""
+    runs = by_name(proxied)
+    assert runs["wait_redis-1"]["reached"]
+    before, after = runs["before-flap"], runs["after-flap"]
+    assert before["stats"]["redis_available"] == 1
+    assert after["proxy_connections"] > before["proxy_connections"]  # traffic during flapping
+    assert runs["proxy-steady"]["resets"] > 0
+    assert runs["P3"]["token_ids"]  # served
+    # Drops counted, none silent: every block saved to the CPU tier was written to Redis,
+    # failed (counted), or saved CPU-only while Redis was known down (counted).
+    final = runs["recovered"]["stats"]
+    assert final["blocks_saved"] == (final["blocks_written_redis"]
+                                     + final["redis_write_failures"]
+                                     + final["redis_unavailable_saves"]), final
 
 
 def test_recovers_after_the_link_heals_and_its_writes_are_served(

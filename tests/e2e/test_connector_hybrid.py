@@ -114,19 +114,28 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
         outputs.append(list(out.outputs[0].token_ids))
         return out.outputs[0].text
 
-    hooks = {2: redis_srv.kill, 3: redis_srv.start, 4: redis_srv.pause, 5: redis_srv.resume}
-    try:
-        multi_turn(generate, llm.reset_prefix_cache, FIRST_PROMPT, TURNS, hooks)
-        # Redis is back: kvtier notices (background probe with backoff) and writes again.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not stats().get("redis_available"):
+    def wait_available(want: int, timeout_s: float = 30) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and stats().get("redis_available") != want:
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
                          use_tqdm=False)  # the workers report with each step
             time.sleep(0.2)
-        recovered = stats().get("redis_available")
+        return int(stats().get("redis_available", -1))
+
+    seen: dict[str, int] = {}
+
+    def pause_when_up() -> None:
+        seen["before_pause"] = wait_available(1)  # up again since the restart ...
+        redis_srv.pause()  # ... so the 0 seen during the pause is the pause's
+
+    hooks = {2: redis_srv.kill, 3: redis_srv.start, 4: pause_when_up, 5: redis_srv.resume}
+    try:
+        multi_turn(generate, llm.reset_prefix_cache, FIRST_PROMPT, TURNS, hooks)
+        # Redis is back: kvtier notices (background probe with backoff) and writes again.
+        recovered = wait_available(1)
         time.sleep(0.5)  # let the last event batches arrive
         yield {"outputs": outputs, "per_turn": per_turn, "events": list(sink.events),
-               "stats": stats(), "recovered": recovered}
+               "stats": stats(), "recovered": recovered, **seen}
     finally:
         sink.close()
         if redis_srv.proc is not None and redis_srv.proc.poll() is None:
@@ -203,6 +212,7 @@ def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
     # Saves with Redis down go to the CPU tier only (counted); nothing is written to Redis.
     assert turns[2]["redis_unavailable_saves"] + turns[2]["store_drops"] > 0
     assert turns[2]["blocks_written_redis"] == 0
+    assert run["before_pause"] == 1  # up after the restart, before the pause
     assert turns[4]["redis_available"] == 0  # paused before turn 4
     assert run["recovered"] == 1
 
@@ -228,4 +238,50 @@ def test_restored_state_is_kept_in_vllms_own_cache_for_the_next_turn(
     assert restored > 0 and base["T1-restored"]["num_cached_tokens"] == 0
     assert local >= restored  # vLLM's own cache serves at least the restored prefix
     for name in ("T1", "T1-restored", "T2"):
+        assert runs[name]["token_ids"] == base[name]["token_ids"], name
+
+
+def test_shared_partial_entry_survives_a_request_that_fills_its_block(
+        tiny_hybrid_dir: Path) -> None:
+    """A PARTIAL entry is a cache entry for every request sharing its prefix: a request that
+    fills the block (a FULL block of a different hash) must not take it away from the next
+    request with the same prompt (issue #10 item 4: 96 restored before, only 64 after)."""
+    prompt = prompt_words(61, 100)  # 100 tokens: blocks of 64, hash unit 32 -> hit ends at 96
+    short = prompt + " " + prompt_words(62, 2)
+    crossing = prompt + " " + prompt_words(63, 48)  # grows past 128: fills block 1
+    steps = [["generate", "P", prompt], ["reset"], ["generate", "P-short", short], ["reset"],
+             ["generate", "P-again", prompt], ["generate", "P-cross", crossing], ["reset"],
+             ["generate", "P-after", prompt]]
+    base = {o["name"]: o for o in run_in_subprocess(
+        {"model": "hybrid", "extra": None, "steps": steps})["outputs"]}
+    runs = {o["name"]: o for o in run_in_subprocess(
+        {"model": "hybrid", "extra": {"cpu_bytes": 64 << 20}, "steps": steps})["outputs"]}
+    served = {n: runs[n]["delta"].get("hit_tokens_cpu", 0) for n in runs}
+    print("KVTIER-SHARED-PARTIAL", served)
+    assert served["P-again"] == 96
+    assert served["P-after"] == 96  # still 96 after P-cross filled the block
+    for name in base:
+        assert runs[name]["token_ids"] == base[name]["token_ids"], name
+
+
+def test_failed_hybrid_restore_is_recomputed_and_the_engine_keeps_serving(
+        tiny_hybrid_dir: Path, redis_url: str, key_prefix: str) -> None:
+    """Every Redis value's payload flipped: the probe passes (headers intact), the fetch
+    fails its checksum, the request is reported in ``failed_recving`` and recomputed by vLLM
+    (issue #10 item 5: this raised RuntimeError in the engine before)."""
+    prompt = prompt_words(64, 130)
+    extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": key_prefix,
+             "redis_timeout_s": 2.0}
+    steps = [["generate", "P", prompt], ["generate", "Q", prompt_words(65, 70)]]
+    base = {o["name"]: o for o in run_in_subprocess(
+        {"model": "hybrid", "extra": None, "steps": steps})["outputs"]}
+    run_in_subprocess({"model": "hybrid", "extra": extra, "steps": steps[:1]})
+    again = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": [
+        ["damage_rank", redis_url, key_prefix, "flip"], *steps]})
+    runs = {o["name"]: o for o in again["outputs"]}
+    assert runs["damage_rank-flip"]["result"]["damaged"] > 0
+    assert runs["P"]["delta"].get("failed_restores", 0) == 1
+    assert runs["P"]["delta"].get("hit_tokens_redis", 0) == 0
+    assert runs["P"]["num_cached_tokens"] == 0
+    for name in ("P", "Q"):  # and the engine serves the next request too
         assert runs[name]["token_ids"] == base[name]["token_ids"], name

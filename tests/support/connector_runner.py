@@ -281,7 +281,8 @@ def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any) -> dict[str, 
     time.sleep(0.3)
     poke()
     full = stats()
-    return {"name": step[1], "stats": counters(full), "redis_tier": full.get("redis_tier", {})}
+    return {"name": step[1], "stats": counters(full), "redis_tier": full.get("redis_tier", {}),
+            "proxy_connections": proxy.connections if proxy is not None else None}
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
