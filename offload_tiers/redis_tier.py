@@ -45,6 +45,24 @@ _MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
 ReadReply = Callable[[Reader, int], Any]
 
 
+class _Lazy(Sequence[list]):
+    """``n`` commands, each built when the pipeline first asks for it."""
+
+    __slots__ = ("_n", "_build")
+
+    def __init__(self, n: int, build: Callable[[int], list]) -> None:
+        self._n = n
+        self._build = build
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> list:  # type: ignore[override]
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._build(i)
+
+
 def _whole_reply(reader: Reader, _i: int) -> Any:
     return reader.reply()
 
@@ -345,7 +363,7 @@ class RedisTier:
             done += 1
         return out
 
-    def _run(self, names: list[bytes], cmds: list[list], *, sizes: Sequence[int] | None = None,
+    def _run(self, names: list[bytes], cmds: Sequence[list], *, sizes: Sequence[int] | None = None,
              read: ReadReply | None = None) -> list[Any]:
         """One reply per command (None where its endpoint failed), batched per node."""
         replies: list[Any] = [None] * len(cmds)
@@ -375,7 +393,8 @@ class RedisTier:
         for label, (node, idx) in groups.items():
             pool = client.get_redis_connection(node).connection_pool
             node_read = None if read is None else _reindexed(read, idx)
-            got = self._exchange(self._endpoint(label), pool, [cmds[i] for i in idx],
+            got = self._exchange(self._endpoint(label), pool,
+                                 _Lazy(len(idx), lambda j, idx=idx: cmds[idx[j]]),
                                  sizes=None if sizes is None else [sizes[i] for i in idx],
                                  read=node_read)
             if got is None:
@@ -400,20 +419,26 @@ class RedisTier:
     def _put_flags(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> list[bool]:
         if not items:
             return []
-        names, cmds, sizes = [], [], []
-        for key, payload in items:
-            view = payload if isinstance(payload, bytes) else memoryview(payload).cast("B")
-            name = self._name(key)
-            names.append(name)
-            cmds.append(set_parts(name, codec.encode_header(key, view), view, self._px()))
-            sizes.append(len(view))
-        replies = self._run(names, cmds)
+        keys = [key for key, _ in items]
+        for key in keys:
+            codec.validate_key(key)  # every key, before anything is sent
+        views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for _, p in items]
+        names = [self._name(k) for k in keys]
+        digests = _digests(keys)
+
+        def build(i: int) -> list:  # run as the window is topped up: overlaps the server
+            header = codec.encode_header(keys[i], views[i], digest=digests[i], validated=True)
+            return set_parts(names[i], header, views[i], self._px())
+
+        sizes = [len(v) + codec.HEADER_SIZE for v in views]
+        replies = self._run(names, _Lazy(len(items), build), sizes=sizes)
         flags = [r == b"OK" or r is True for r in replies]
         stored = sum(flags)
         with self._lock:
             self._n["puts"] += stored
             self._n["put_failures"] += len(flags) - stored
-            self._n["put_bytes"] += sum(n for n, ok in zip(sizes, flags, strict=True) if ok)
+            self._n["put_bytes"] += sum(n - codec.HEADER_SIZE
+                                        for n, ok in zip(sizes, flags, strict=True) if ok)
         for reply in replies:
             if isinstance(reply, ResponseError):
                 log.debug("Redis refused a store: %s", self._scrub(str(reply)))
