@@ -20,6 +20,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -40,6 +41,7 @@ from offload_tiers.write_behind import DoneCallback, Item, WriteBehind
 log = logging.getLogger(__name__)
 
 _MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+_NODE_THREADS = 8  # Cluster nodes exchanged with at once
 
 #: Reads the reply to command ``i`` of a batch from the reader.
 ReadReply = Callable[[Reader, int], Any]
@@ -121,6 +123,7 @@ class RedisTier:
             kwargs.setdefault("health_check_interval", 0)
         self._client_kwargs = kwargs
         self._client: Any = None
+        self._nodes_pool: ThreadPoolExecutor | None = None  # Cluster: nodes served at once
         self._lock = threading.Lock()
         self._init_ep = _Endpoint(target.redacted, backoff=backoff_initial_s)
         self._eps: dict[str, _Endpoint] = {}
@@ -390,13 +393,13 @@ class RedisTier:
             self._topology_stale = True
             self._mark_failed(self._init_ep, exc)
             return replies
-        for label, (node, idx) in groups.items():
-            pool = client.get_redis_connection(node).connection_pool
-            node_read = None if read is None else _reindexed(read, idx)
-            got = self._exchange(self._endpoint(label), pool,
-                                 _Lazy(len(idx), lambda j, idx=idx: cmds[idx[j]]),
-                                 sizes=None if sizes is None else [sizes[i] for i in idx],
-                                 read=node_read)
+        jobs = list(groups.items())
+        if len(jobs) == 1:
+            results = [self._node_exchange(client, jobs[0], cmds, sizes, read)]
+        else:  # every node at once: each serves its share while the others do
+            results = list(self._node_pool().map(
+                lambda job: self._node_exchange(client, job, cmds, sizes, read), jobs))
+        for (_label, (_node, idx)), got in zip(jobs, results, strict=True):
             if got is None:
                 continue
             for i, reply in zip(idx, got, strict=True):
@@ -404,6 +407,28 @@ class RedisTier:
                     self._topology_stale = True
                 replies[i] = reply
         return replies
+
+    def _node_exchange(self, client: Any, job: tuple[str, tuple[Any, list[int]]],
+                       cmds: Sequence[list], sizes: Sequence[int] | None,
+                       read: ReadReply | None) -> list[Any] | None:
+        """One Cluster node's share of a batch (``job`` = (label, (node, indices)))."""
+        label, (node, idx) = job
+        ep = self._endpoint(label)
+        try:
+            pool = client.get_redis_connection(node).connection_pool
+        except Exception as exc:
+            self._mark_failed(ep, exc)
+            return None
+        return self._exchange(ep, pool, _Lazy(len(idx), lambda j: cmds[idx[j]]),
+                              sizes=None if sizes is None else [sizes[i] for i in idx],
+                              read=None if read is None else _reindexed(read, idx))
+
+    def _node_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._nodes_pool is None:
+                self._nodes_pool = ThreadPoolExecutor(max_workers=_NODE_THREADS,
+                                                      thread_name_prefix="kvtier-redis-node")
+            return self._nodes_pool
 
     def _px(self) -> int | None:
         if self.ttl_s is None:
@@ -610,6 +635,8 @@ class RedisTier:
             return
         self._writer.close(timeout)
         self._closed = True
+        if self._nodes_pool is not None:
+            self._nodes_pool.shutdown(wait=True)
         client, self._client = self._client, None
         if client is not None:
             try:

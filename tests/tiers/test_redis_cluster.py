@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +136,29 @@ def test_get_many_into_follows_a_moved_slot(cluster: RedisClusterProcs, key_pref
         assert t.get_many_into(keys, list(dests)) == [True] * 10  # topology refreshed
         assert dests[3].tobytes() == payload(moved, 5000)
         assert t.available
+
+
+def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -> None:
+    """Two paused masters cost one socket timeout, not two: node batches run side by side."""
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=1.0,
+                           backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
+    try:
+        keys = [key(i) for i in range(60)]
+        assert t.put_many([(k, payload(k, 1000)) for k in keys]) == 60
+        dests = np.zeros((60, 1000), np.uint8)
+        for server in cluster.servers[:2]:
+            server.pause()
+        try:
+            t0 = time.monotonic()
+            got = t.get_many_into(keys, list(dests))
+            elapsed = time.monotonic() - t0
+        finally:
+            for server in cluster.servers[:2]:
+                server.resume()
+        assert 0 < got.count(True) < 60  # the running master's share
+        assert all(dests[i].tobytes() == payload(k, 1000) for i, k in enumerate(keys) if got[i])
+        assert 0.9 < elapsed < 1.8, elapsed  # one after the other would take >= 2 s
+        assert wait_until(lambda: t.available)
+        assert t.get_many_into(keys, list(dests)) == [True] * 60
+    finally:
+        t.close(timeout=1)
