@@ -4,7 +4,14 @@ Key names are ``{prefix}:{fingerprint}:{group}:{hash hex}``; values are
 :mod:`offload_tiers.codec` (header + payload). Works with one server (``redis://``,
 ``rediss://``, ``unix://``, credentials in the URL) and with Redis Cluster
 (``redis+cluster://`` / ``rediss+cluster://`` or ``cluster=True``), where batches are
-split per node.
+split per node and the nodes are served at once (a thread per node share).
+
+Transport: redis-py makes and pools the connections (TLS, AUTH/ACL, HELLO, Cluster
+topology); the commands and replies of a batch travel as hand-packed RESP on the
+connection's socket (:mod:`offload_tiers.resp`), pipelined in a sliding window of at most
+``max_inflight`` commands and ``max_inflight_bytes``. ``get_many_into`` receives each GET
+reply straight into the caller's buffer (a CPU-tier slot) and checks header and checksum
+there; a SET's header is built as the window reaches it, so encoding overlaps the server.
 
 Failure model: every network operation is bounded by ``socket_timeout_s``; any failure
 marks the endpoint unavailable, after which calls touching it return at once (reads miss,
