@@ -7,8 +7,12 @@ Payloads are shaped like a real model's KV blocks: Llama-3-8B with 16-token bloc
 layers; and 64 KiB per-layer pages. In one run:
 
 * CPU tier put/get vs ``numpy.copyto`` of the same bytes (a plain memory copy: the limit);
-* Redis tier put_many/get_many vs raw redis-py pipelined SET/GET of the same payloads
-  (no header, no checksum), and vs ``redis-benchmark`` at the same value size;
+* Redis tier put_many/get_many/get_many_into (replies received straight into CPU-tier slot
+  rows) vs raw redis-py pipelined SET/GET of the same payloads (no header, no checksum);
+* the server's own limit: ``redis-benchmark`` SET/GET on the same server, at the same value
+  size and kvtier's pipeline depth, >= 64 MiB per shape and command, interleaved with
+  kvtier's passes (JSON ``ratios.redis_put_vs_server_limit`` / ``redis_get_vs_server_limit``:
+  put_many and get_many_into over redis-benchmark, the worse of the two shapes);
 * LMCache's Redis storage backend on the same payloads, from its own venv
   (``~/.cache/kvtier/lmcache-venv``); when it cannot run, the table says exactly why.
 
@@ -122,7 +126,8 @@ def bench_cpu(size: int, total: int, reps: int) -> dict:
 
 # ---------------------------------------------------------------------------- Redis tier
 def bench_redis(url: str, size: int, total: int, reps: int,
-                lmcache: LMCacheRunner | None = None) -> dict:
+                lmcache: LMCacheRunner | None = None,
+                server_limit: Callable[[], dict] | None = None) -> dict:
     n = max(4, total // size)
     batch = max(1, (32 * MiB) // size)
     rng = np.random.default_rng(2)
@@ -131,6 +136,8 @@ def bench_redis(url: str, size: int, total: int, reps: int,
     prefix = f"kvtier-bench-{os.getpid()}"
     tier = RedisTier.from_url(url, prefix=prefix, socket_timeout_s=60, strict=True)
     keys = keys_for(n, "redis")
+    slots = CpuTier(n * size, size, pin_memory=False).slab  # restores land in CPU-tier slots
+    slots[:] = 0
     raw_names = [f"{prefix}-raw:{i}".encode() for i in range(n)]
     chunks = [range(i, min(n, i + batch)) for i in range(0, n, batch)]
 
@@ -158,7 +165,14 @@ def bench_redis(url: str, size: int, total: int, reps: int,
             got = tier.get_many([keys[i] for i in chunk])
             assert all(g is not None for g in got), "Redis tier missed a block it stored"
 
-    t: dict[str, list[float]] = {k: [] for k in ("raw_put", "tier_put", "raw_get", "tier_get")}
+    def tier_get_into() -> None:
+        for chunk in chunks:
+            got = tier.get_many_into([keys[i] for i in chunk], [slots[i] for i in chunk])
+            assert all(got), "Redis tier missed a block it stored"
+
+    t: dict[str, list[float]] = {k: [] for k in ("raw_put", "tier_put", "raw_get", "tier_get",
+                                                 "tier_get_into")}
+    limits: dict[str, float] = {}
     try:
         raw_put()
         tier_put()
@@ -169,36 +183,55 @@ def bench_redis(url: str, size: int, total: int, reps: int,
                 t.setdefault("lmcache_put", []).append(dt)
             t["raw_get"].append(best(raw_get, 1))
             t["tier_get"].append(best(tier_get, 1))
+            t["tier_get_into"].append(best(tier_get_into, 1))
             if lmcache is not None and (dt := lmcache.timed("get")) is not None:
                 t.setdefault("lmcache_get", []).append(dt)
+            if server_limit is not None:
+                for k, v in server_limit().items():  # best of the runs, like the others
+                    limits[k] = max(limits.get(k, v), v) if isinstance(v, float) else v
         sample = tier.get(keys[0])
         assert sample is not None and bytes(sample) == payloads[0]
+        assert all(slots[i].tobytes() == payloads[i] for i in (0, n // 2, n - 1))
     finally:
         tier.delete_many(keys)
         for i in range(0, n, 512):
             raw.delete(*raw_names[i:i + 512])
         tier.close()
-    res = {name + "_gbps": gbps(n * size, min(ts)) for name, ts in t.items()}
+    res: dict = {name + "_gbps": gbps(n * size, min(ts)) for name, ts in t.items()}
     res.update(blocks=n, bytes=n * size, batch=batch)
+    if server_limit is not None:
+        res["server_limit"] = limits
     return res
 
 
+def kvtier_window(size: int) -> int:
+    """Commands kvtier keeps in flight for ``size``-byte values (RedisTier's defaults)."""
+    return max(1, min(64, (64 * MiB) // (size + 64)))
+
+
 def bench_redis_benchmark(host: str, port: int, size: int, total: int) -> dict:
+    """One ``redis-benchmark`` SET+GET run: the server's own limit at this value size, with
+    kvtier's pipelining (``-P`` = its window), one connection, ``total`` bytes per command
+    (at least 64 MiB and 4 pipeline rounds)."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {"skipped": "redis-benchmark is not installed"}
-    n = max(16, min(20000, total // size))
+    window = kvtier_window(size)
+    n = max(4 * window, -(-max(total, 64 * MiB) // size))
     cmd = [exe, "-h", host, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n),
-           "-c", "1", "-P", str(max(1, min(64, (32 * MiB) // size))), "--csv", "-q"]
+           "-c", "1", "-P", str(window), "--csv", "-q"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     except (subprocess.SubprocessError, OSError) as exc:
         return {"skipped": f"redis-benchmark failed: {exc}"}
-    res: dict[str, object] = {"requests": n, "command": " ".join(cmd)}
+    res: dict[str, object] = {"requests": n, "bytes_per_command": n * size,
+                              "pipeline": window, "command": " ".join(cmd)}
     for row in csv.reader(io.StringIO(proc.stdout)):
         if len(row) >= 2 and row[0] in ("SET", "GET"):
             rps = float(row[1])
             res[row[0].lower() + "_gbps"] = rps * size / 1e9
+    if "set_gbps" not in res or "get_gbps" not in res:
+        return {"skipped": f"redis-benchmark printed no SET/GET rows: {proc.stdout[-200:]!r}"}
     return res
 
 
@@ -394,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup_lmcache:
         setup_lmcache_venv()
     cpu_total = (64 if args.quick else 512) * MiB
-    redis_total = (32 if args.quick else 256) * MiB
+    redis_total = (64 if args.quick else 256) * MiB  # per shape and command, both contenders
     reps = 3 if args.quick else 5
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
@@ -413,11 +446,13 @@ def main(argv: list[str] | None = None) -> int:
         for shape, size in SHAPES.items():
             print(f"[{shape}] CPU tier ...", flush=True)
             cpu = bench_cpu(size, cpu_total, reps)
-            print(f"[{shape}] Redis tier ...", flush=True)
+            print(f"[{shape}] Redis tier, redis-benchmark ...", flush=True)
             lmc = LMCacheRunner(url, size, max(4, redis_total // size),
                                 args.lmcache_budget_s / len(SHAPES))
             try:
-                red = bench_redis(url, size, redis_total, reps, lmc)
+                red = bench_redis(url, size, redis_total, reps, lmc,
+                                  lambda size=size: bench_redis_benchmark(host, port, size,
+                                                                          redis_total))
             finally:
                 lmc.close()
             lm = dict(lmc.info)
@@ -429,8 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 red.pop("lmcache_put_gbps", None)
                 red.pop("lmcache_get_gbps", None)
                 lm = {"skipped": lmc.skipped or "LMCache produced no timings"}
-            print(f"[{shape}] redis-benchmark ...", flush=True)
-            rb = bench_redis_benchmark(host, port, size, redis_total)
+            rb = red.pop("server_limit")
             results["shapes"][shape] = {"size": size, "cpu": cpu, "redis": red,
                                         "redis_benchmark": rb, "lmcache": lm}
     finally:
@@ -448,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
             "redis_put_vs_raw": ratio(d["tier_put_gbps"], d["raw_put_gbps"]),
             "redis_get_vs_raw": ratio(d["tier_get_gbps"], d["raw_get_gbps"]),
         }
+        rb = r["redis_benchmark"]
+        if "set_gbps" in rb:
+            by_shape[shape]["redis_put_vs_server_limit"] = ratio(d["tier_put_gbps"],
+                                                                 rb["set_gbps"])
+            by_shape[shape]["redis_get_vs_server_limit"] = ratio(d["tier_get_into_gbps"],
+                                                                 rb["get_gbps"])
         lm = r["lmcache"]
         if "put_gbps" in lm:
             by_shape[shape]["redis_put_vs_lmcache"] = ratio(d["tier_put_gbps"], lm["put_gbps"])
@@ -457,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     results["ratios"]["worst_shape"] = {
         k: min(v[k] for v in by_shape.values()) for k in by_shape["block_2MiB"]
         if all(k in v for v in by_shape.values())}
+    for k in ("redis_put_vs_server_limit", "redis_get_vs_server_limit"):  # worst of the shapes
+        if k in results["ratios"]["worst_shape"]:
+            results["ratios"][k] = results["ratios"]["worst_shape"][k]
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -478,12 +521,14 @@ def print_table(results: dict) -> None:
              d["raw_put_gbps"]),
             (shape, "Redis get_many", d["tier_get_gbps"], "redis-py pipeline GET",
              d["raw_get_gbps"]),
+            (shape, "Redis get_many_into", d["tier_get_into_gbps"], "redis-py pipeline GET",
+             d["raw_get_gbps"]),
         ]
         if "set_gbps" in rb:
             rows.append((shape, "Redis put_many", d["tier_put_gbps"], "redis-benchmark SET",
                          rb["set_gbps"]))
-            rows.append((shape, "Redis get_many", d["tier_get_gbps"], "redis-benchmark GET",
-                         rb["get_gbps"]))
+            rows.append((shape, "Redis get_many_into", d["tier_get_into_gbps"],
+                         "redis-benchmark GET", rb["get_gbps"]))
         if "put_gbps" in lm:
             rows.append((shape, "Redis put_many", d["tier_put_gbps"], "LMCache Redis put",
                          lm["put_gbps"]))

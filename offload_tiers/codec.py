@@ -94,9 +94,11 @@ def checksum(payload: Buffer) -> int:
 
 
 def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None,
-                  payload_checksum: int | None = None) -> bytes:
-    """The 64-byte header for ``payload`` stored under ``key``."""
-    validate_key(key)
+                  payload_checksum: int | None = None, validated: bool = False) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key`` (``validated``: the caller
+    already ran :func:`validate_key` on it)."""
+    if not validated:
+        validate_key(key)
     length = memoryview(payload).nbytes
     return HEADER.pack(
         MAGIC, VALUE_VERSION, int(key.kind), 0,

@@ -4,7 +4,14 @@ Key names are ``{prefix}:{fingerprint}:{group}:{hash hex}``; values are
 :mod:`offload_tiers.codec` (header + payload). Works with one server (``redis://``,
 ``rediss://``, ``unix://``, credentials in the URL) and with Redis Cluster
 (``redis+cluster://`` / ``rediss+cluster://`` or ``cluster=True``), where batches are
-split per node.
+split per node and the nodes are served at once (a thread per node share).
+
+Transport: redis-py makes and pools the connections (TLS, AUTH/ACL, HELLO, Cluster
+topology); the commands and replies of a batch travel as hand-packed RESP on the
+connection's socket (:mod:`offload_tiers.resp`), pipelined in a sliding window of at most
+``max_inflight`` commands and ``max_inflight_bytes``. ``get_many_into`` receives each GET
+reply straight into the caller's buffer (a CPU-tier slot) and checks header and checksum
+there; a SET's header is built as the window reaches it, so encoding overlaps the server.
 
 Failure model: every network operation is bounded by ``socket_timeout_s``; any failure
 marks the endpoint unavailable, after which calls touching it return at once (reads miss,
@@ -19,7 +26,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -34,12 +42,43 @@ from offload_tiers import codec
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
 from offload_tiers.redis_url import RedisTarget, parse_redis_url
-from offload_tiers.resp import Packer, command, set_parts
+from offload_tiers.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
 from offload_tiers.write_behind import DoneCallback, Item, WriteBehind
 
 log = logging.getLogger(__name__)
 
 _MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+_NODE_THREADS = 8  # Cluster nodes exchanged with at once
+
+#: Reads the reply to command ``i`` of a batch from the reader.
+ReadReply = Callable[[Reader, int], Any]
+
+
+class _Lazy(Sequence[list]):
+    """``n`` commands, each built when the pipeline first asks for it."""
+
+    __slots__ = ("_n", "_build")
+
+    def __init__(self, n: int, build: Callable[[int], list]) -> None:
+        self._n = n
+        self._build = build
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> list:  # type: ignore[override]
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._build(i)
+
+
+def _whole_reply(reader: Reader, _i: int) -> Any:
+    return reader.reply()
+
+
+def _reindexed(read: ReadReply, idx: list[int]) -> ReadReply:
+    """``read`` for a per-node sub-batch: its i-th command is the batch's ``idx[i]``-th."""
+    return lambda reader, i: read(reader, idx[i])
 
 
 class RedisTierError(RuntimeError):
@@ -91,6 +130,7 @@ class RedisTier:
             kwargs.setdefault("health_check_interval", 0)
         self._client_kwargs = kwargs
         self._client: Any = None
+        self._nodes_pool: ThreadPoolExecutor | None = None  # Cluster: nodes served at once
         self._lock = threading.Lock()
         self._init_ep = _Endpoint(target.redacted, backoff=backoff_initial_s)
         self._eps: dict[str, _Endpoint] = {}
@@ -270,10 +310,14 @@ class RedisTier:
         return f"{self.prefix}:{key.name}".encode()
 
     def _exchange(self, ep: _Endpoint, pool: Any, cmds: Sequence[list], *,
+                  sizes: Sequence[int] | None = None, read: ReadReply | None = None,
                   probe: bool = False) -> list[Any] | None:
-        """Send ``cmds`` pipelined in bounded windows; their replies, or None on failure.
+        """Send ``cmds`` pipelined (bounded in flight); their replies, or None on failure.
 
-        Replies are values or ResponseError instances (a per-command error, not a failure).
+        redis-py connects (TLS, AUTH/ACL, HELLO); the commands and replies travel as hand-
+        packed RESP on its socket. ``read(reader, i)`` reads reply ``i`` (default: the whole
+        reply as a value). Replies are values or ResponseError instances (a per-command
+        error, not a failure). ``sizes`` are the bytes each command moves (default: its size).
         """
         if not probe and not ep.available:
             with self._lock:
@@ -282,22 +326,15 @@ class RedisTier:
         conn = None
         try:
             conn = pool.get_connection()
-            out: list[Any] = []
-            i = 0
-            while i < len(cmds):
-                packer = Packer()
-                j = i
-                while j < len(cmds) and j - i < self.max_inflight and (
-                        j == i or packer.nbytes < self.max_inflight_bytes):
-                    packer.add(cmds[j])
-                    j += 1
-                conn.send_packed_command(packer.finish(), check_health=False)
-                for _ in range(i, j):
-                    try:
-                        out.append(conn.read_response())
-                    except ResponseError as exc:
-                        out.append(exc)
-                i = j
+            sock = conn._sock
+            if sock is None:
+                raise ConnectionError("redis-py returned an unconnected connection")
+            reader = Reader(sock)
+            if sizes is None:
+                sizes = [sum(memoryview(part).nbytes for part in c) for c in cmds]
+            out = self._pipeline(sock, reader, cmds, sizes, read or _whole_reply)
+            if not reader.drained():
+                raise ProtocolError("bytes beyond the last reply")
             return out
         except Exception as exc:  # timeouts, resets, refused, auth, protocol: all the same
             if conn is not None:
@@ -312,14 +349,40 @@ class RedisTier:
             if conn is not None:
                 pool.release(conn)
 
-    def _run(self, names: list[bytes], cmds: list[list]) -> list[Any]:
+    def _pipeline(self, sock: Any, reader: Reader, cmds: Sequence[list], sizes: Sequence[int],
+                  read: ReadReply) -> list[Any]:
+        """A sliding window: at most ``max_inflight`` commands and ``max_inflight_bytes``
+        (one command may exceed it alone) in flight; topped up once half of it is answered,
+        so the server always has queued work while replies are read."""
+        n = len(cmds)
+        out: list[Any] = [None] * n
+        cap_n, cap_b = self.max_inflight, self.max_inflight_bytes
+        sent = done = inflight = 0
+        while done < n:
+            if sent < n and (sent == done or (sent - done <= cap_n // 2
+                                              and inflight <= cap_b // 2)):
+                packer = Packer()
+                while sent < n and sent - done < cap_n and (
+                        sent == done or inflight + sizes[sent] <= cap_b):
+                    packer.add(cmds[sent])
+                    inflight += sizes[sent]
+                    sent += 1
+                send_all(sock, packer.finish())
+            out[done] = read(reader, done)
+            inflight -= sizes[done]
+            done += 1
+        return out
+
+    def _run(self, names: list[bytes], cmds: Sequence[list], *, sizes: Sequence[int] | None = None,
+             read: ReadReply | None = None) -> list[Any]:
         """One reply per command (None where its endpoint failed), batched per node."""
         replies: list[Any] = [None] * len(cmds)
         client = self._get_client()
         if client is None or not cmds:
             return replies
         if not self.target.cluster:
-            got = self._exchange(self._endpoint("main"), client.connection_pool, cmds)
+            got = self._exchange(self._endpoint("main"), client.connection_pool, cmds,
+                                 sizes=sizes, read=read)
             return got if got is not None else replies
         if self._topology_stale:
             self._topology_stale = False
@@ -337,9 +400,13 @@ class RedisTier:
             self._topology_stale = True
             self._mark_failed(self._init_ep, exc)
             return replies
-        for label, (node, idx) in groups.items():
-            pool = client.get_redis_connection(node).connection_pool
-            got = self._exchange(self._endpoint(label), pool, [cmds[i] for i in idx])
+        jobs = list(groups.items())
+        if len(jobs) == 1:
+            results = [self._node_exchange(client, jobs[0], cmds, sizes, read)]
+        else:  # every node at once: each serves its share while the others do
+            results = list(self._node_pool().map(
+                lambda job: self._node_exchange(client, job, cmds, sizes, read), jobs))
+        for (_label, (_node, idx)), got in zip(jobs, results, strict=True):
             if got is None:
                 continue
             for i, reply in zip(idx, got, strict=True):
@@ -347,6 +414,28 @@ class RedisTier:
                     self._topology_stale = True
                 replies[i] = reply
         return replies
+
+    def _node_exchange(self, client: Any, job: tuple[str, tuple[Any, list[int]]],
+                       cmds: Sequence[list], sizes: Sequence[int] | None,
+                       read: ReadReply | None) -> list[Any] | None:
+        """One Cluster node's share of a batch (``job`` = (label, (node, indices)))."""
+        label, (node, idx) = job
+        ep = self._endpoint(label)
+        try:
+            pool = client.get_redis_connection(node).connection_pool
+        except Exception as exc:
+            self._mark_failed(ep, exc)
+            return None
+        return self._exchange(ep, pool, _Lazy(len(idx), lambda j: cmds[idx[j]]),
+                              sizes=None if sizes is None else [sizes[i] for i in idx],
+                              read=None if read is None else _reindexed(read, idx))
+
+    def _node_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._nodes_pool is None:
+                self._nodes_pool = ThreadPoolExecutor(max_workers=_NODE_THREADS,
+                                                      thread_name_prefix="kvtier-redis-node")
+            return self._nodes_pool
 
     def _px(self) -> int | None:
         if self.ttl_s is None:
@@ -362,20 +451,26 @@ class RedisTier:
     def _put_flags(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> list[bool]:
         if not items:
             return []
-        names, cmds, sizes = [], [], []
-        for key, payload in items:
-            view = payload if isinstance(payload, bytes) else memoryview(payload).cast("B")
-            name = self._name(key)
-            names.append(name)
-            cmds.append(set_parts(name, codec.encode_header(key, view), view, self._px()))
-            sizes.append(len(view))
-        replies = self._run(names, cmds)
+        keys = [key for key, _ in items]
+        for key in keys:
+            codec.validate_key(key)  # every key, before anything is sent
+        views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for _, p in items]
+        names = [self._name(k) for k in keys]
+        digests = _digests(keys)
+
+        def build(i: int) -> list:  # run as the window is topped up: overlaps the server
+            header = codec.encode_header(keys[i], views[i], digest=digests[i], validated=True)
+            return set_parts(names[i], header, views[i], self._px())
+
+        sizes = [len(v) + codec.HEADER_SIZE for v in views]
+        replies = self._run(names, _Lazy(len(items), build), sizes=sizes)
         flags = [r == b"OK" or r is True for r in replies]
         stored = sum(flags)
         with self._lock:
             self._n["puts"] += stored
             self._n["put_failures"] += len(flags) - stored
-            self._n["put_bytes"] += sum(n for n, ok in zip(sizes, flags, strict=True) if ok)
+            self._n["put_bytes"] += sum(n - codec.HEADER_SIZE
+                                        for n, ok in zip(sizes, flags, strict=True) if ok)
         for reply in replies:
             if isinstance(reply, ResponseError):
                 log.debug("Redis refused a store: %s", self._scrub(str(reply)))
@@ -428,7 +523,7 @@ class RedisTier:
             if reply is None:
                 out.append(None)
                 continue
-            if isinstance(reply, ResponseError) or not isinstance(reply, bytes):
+            if isinstance(reply, ResponseError) or not isinstance(reply, bytes | memoryview):
                 corrupt += 1
                 out.append(None)
                 continue
@@ -453,29 +548,37 @@ class RedisTier:
                       dests: Sequence[memoryview | np.ndarray]) -> list[bool]:
         """Read each key's validated payload into ``dests[i]``; True = hit, dest filled.
 
-        ``dests[i]`` is a writable, contiguous uint8 buffer of exactly the expected payload
-        length (e.g. a CPU-tier slot row). False = miss, bad value, wrong length or Redis
-        trouble: the dest's contents are then undefined. Never raises for Redis trouble.
+        ``dests[i]`` is a writable, contiguous buffer of exactly the expected payload length
+        (e.g. a CPU-tier slot row). Each reply is received straight into its dest and its
+        header and checksum are checked there; no payload object is made. False = miss, bad
+        value, other length or Redis trouble: the dest's contents are then undefined.
+        Never raises for Redis trouble; a read-only or non-contiguous dest is a ValueError.
         """
         if len(keys) != len(dests):
             raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
-        out: list[bool] = []
-        wrong_len = 0
-        for got, dest in zip(self.get_many(keys), dests, strict=True):
-            view = _writable_u8(dest)
-            if got is None:
-                out.append(False)
-            elif got.nbytes != view.nbytes:
-                wrong_len += 1
-                out.append(False)
-            else:
-                view[:] = got
-                out.append(True)
-        if wrong_len:
-            with self._lock:
-                self._n["hits"] -= wrong_len
-                self._n["misses"] += wrong_len
-                self._n["corrupt"] += wrong_len
+        if not keys:
+            return []
+        views = [_writable_u8(d) for d in dests]
+        digests = _digests(keys)
+        names = [self._name(k) for k in keys]
+
+        def read(reader: Reader, i: int) -> bool | str | ResponseError:
+            return _read_into(reader, keys[i], views[i], digests[i])
+
+        replies = self._run(names, [[command(b"GET", n)] for n in names],
+                            sizes=[v.nbytes + codec.HEADER_SIZE for v in views], read=read)
+        out = [r is True for r in replies]
+        hits = sum(out)
+        corrupt = 0
+        for key, reply in zip(keys, replies, strict=True):
+            if isinstance(reply, str | ResponseError):
+                corrupt += 1
+                log.debug("bad value at %s: %s", key.name, self._scrub(str(reply)))
+        with self._lock:
+            self._n["gets"] += len(keys)
+            self._n["hits"] += hits
+            self._n["misses"] += len(keys) - hits
+            self._n["corrupt"] += corrupt
         return out
 
     def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -494,7 +597,7 @@ class RedisTier:
         for n, key in enumerate(keys):
             header, length = replies[2 * n], replies[2 * n + 1]
             ok = False
-            if isinstance(header, bytes) and isinstance(length, int) and length > 0:
+            if isinstance(header, bytes | memoryview) and isinstance(length, int) and length > 0:
                 try:
                     codec.check_header(key, header, total_len=length)
                     ok = True
@@ -539,6 +642,8 @@ class RedisTier:
             return
         self._writer.close(timeout)
         self._closed = True
+        if self._nodes_pool is not None:
+            self._nodes_pool.shutdown(wait=True)
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -551,6 +656,41 @@ class RedisTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _digests(keys: Sequence[BlockKey]) -> list[bytes]:
+    """Each key's namespace digest (parsed once per distinct fingerprint)."""
+    seen: dict[str, bytes] = {}
+    return [seen.get(k.fingerprint) or seen.setdefault(k.fingerprint, codec.namespace_digest(k))
+            for k in keys]
+
+
+def _read_into(reader: Reader, key: BlockKey, dest: memoryview,
+               digest: bytes) -> bool | str | ResponseError:
+    """Read one GET reply: True = the payload is in ``dest`` and valid, False = no such key,
+    a str = why the value was refused (its bytes consumed), or the server's error reply."""
+    n = reader.bulk_len()
+    if n is None or isinstance(n, ResponseError):
+        return False if n is None else n
+    if n < codec.HEADER_SIZE:
+        reader.skip(n)
+        reader.crlf()
+        return f"truncated header ({n} < {codec.HEADER_SIZE} bytes)"
+    header = reader.read_bytes(codec.HEADER_SIZE)
+    try:
+        length, csum = codec.check_header(key, header, total_len=n, digest=digest)
+    except codec.CorruptValue as exc:
+        reason: str | None = exc.reason
+    else:
+        reason = None if length == dest.nbytes else (
+            f"payload is {length} bytes, the destination {dest.nbytes}")
+    if reason is not None:
+        reader.skip(n - codec.HEADER_SIZE)
+        reader.crlf()
+        return reason
+    reader.read_into(dest)
+    reader.crlf()
+    return True if codec.checksum(dest) == csum else "payload checksum mismatch"
 
 
 def _writable_u8(dest: memoryview | np.ndarray) -> memoryview:

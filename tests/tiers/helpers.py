@@ -1,8 +1,12 @@
-"""Small builders shared by the tier tests (pure data, no servers)."""
+"""Small builders shared by the tier tests (pure data, no servers), and a thread runner
+that makes a thread's exception the test's failure."""
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 from offload_tiers.keys import BlockKey, BlockKind, Namespace
 
@@ -31,3 +35,44 @@ def payload(k: BlockKey, size: int = 256, version: int = 0) -> bytes:
         out += hashlib.blake2b(f"{seed}:{counter}".encode()).digest()
         counter += 1
     return bytes(out[:size])
+
+
+def run_threads(workers: Sequence[Callable[[], None]],
+                loopers: Sequence[Callable[[], None]] = (), *,
+                stop: threading.Event | None = None, timeout: float = 120.0) -> None:
+    """Run every callable in its own thread: ``workers`` to the end, then set ``stop`` and
+    join ``loopers`` (which loop until it is set). Re-raises the first exception any thread
+    raised (the count of others in its notes); fails if a thread is still running after
+    ``timeout`` seconds."""
+    if loopers and stop is None:
+        raise ValueError("loopers need a stop event")
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                errors.append(exc)
+        return run
+
+    def start(fns: Sequence[Callable[[], None]]) -> list[threading.Thread]:
+        threads = [threading.Thread(target=guarded(fn), daemon=True) for fn in fns]
+        for th in threads:
+            th.start()
+        return threads
+
+    deadline = time.monotonic() + timeout
+    busy, looping = start(workers), start(loopers)
+    for th in busy:
+        th.join(max(0.0, deadline - time.monotonic()))
+    if stop is not None:
+        stop.set()
+    for th in looping:
+        th.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        if len(errors) > 1:
+            errors[0].add_note(f"{len(errors) - 1} more thread(s) raised too")
+        raise errors[0]
+    hung = sum(th.is_alive() for th in busy + looping)
+    assert hung == 0, f"{hung} thread(s) still running after {timeout} s"

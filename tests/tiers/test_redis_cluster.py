@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from offload_tiers.redis_tier import RedisTier
@@ -73,5 +75,90 @@ def test_cluster_node_paused_degrades_to_misses_for_its_slots(cluster: RedisClus
         stored = t.exists_many(more)
         assert 0 < sum(stored) < 60  # all but the paused node's share
         assert t.stats()["skipped_unavailable"] > 0
+    finally:
+        t.close(timeout=1)
+
+
+def test_get_many_into_per_node_and_a_paused_node(cluster: RedisClusterProcs,
+                                                  key_prefix: str) -> None:
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=0.5,
+                           backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
+    try:
+        keys = [key(i) for i in range(120)]
+        assert t.put_many([(k, payload(k, 20_000)) for k in keys]) == 120
+        dests = np.zeros((121, 20_000), np.uint8)
+        assert t.get_many_into(keys + [key(999)], list(dests)) == [True] * 120 + [False]
+        assert all(dests[i].tobytes() == payload(k, 20_000) for i, k in enumerate(keys))
+        cluster.servers[1].pause()
+        try:
+            dests[:] = 0
+            got = t.get_many_into(keys, list(dests[:120]))
+            assert 0 < got.count(False) < 120  # only the paused node's share
+            assert all(dests[i].tobytes() == payload(k, 20_000)
+                       for i, k in enumerate(keys) if got[i])
+            assert not t.available
+        finally:
+            cluster.servers[1].resume()
+        assert wait_until(lambda: t.available)
+        assert t.get_many_into(keys, list(dests[:120])) == [True] * 120
+    finally:
+        t.close(timeout=1)
+
+
+def _move_slot(cluster: RedisClusterProcs, slot: int) -> None:
+    """Migrate ``slot`` (and its keys) to another master, as a resharding would."""
+    clients = [s.client() for s in cluster.servers]
+    ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+    owner = next(i for i, c in enumerate(clients)
+                 if c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) > 0)
+    target = (owner + 1) % len(clients)
+    src, dst = clients[owner], clients[target]
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+    names = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    src.execute_command("MIGRATE", "127.0.0.1", cluster.servers[target].port, "", 0, 5000,
+                        "KEYS", *names)
+    for c in clients:
+        c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+
+
+def test_get_many_into_follows_a_moved_slot(cluster: RedisClusterProcs, key_prefix: str) -> None:
+    with RedisTier.from_url(cluster.url, prefix=key_prefix, strict=True) as t:
+        keys = [key(i) for i in range(10)]
+        assert t.put_many([(k, payload(k, 5000)) for k in keys]) == 10
+        moved = keys[3]
+        slot = cluster.servers[0].client().execute_command(
+            "CLUSTER", "KEYSLOT", f"{key_prefix}:{moved.name}")
+        _move_slot(cluster, slot)
+        dests = np.zeros((10, 5000), np.uint8)
+        first = t.get_many_into(keys, list(dests))
+        assert first == [i != 3 for i in range(10)]  # MOVED: a miss for that key, not a raise
+        assert t.get_many_into(keys, list(dests)) == [True] * 10  # topology refreshed
+        assert dests[3].tobytes() == payload(moved, 5000)
+        assert t.available
+
+
+def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -> None:
+    """Two paused masters cost one socket timeout, not two: node batches run side by side."""
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=1.0,
+                           backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
+    try:
+        keys = [key(i) for i in range(60)]
+        assert t.put_many([(k, payload(k, 1000)) for k in keys]) == 60
+        dests = np.zeros((60, 1000), np.uint8)
+        for server in cluster.servers[:2]:
+            server.pause()
+        try:
+            t0 = time.monotonic()
+            got = t.get_many_into(keys, list(dests))
+            elapsed = time.monotonic() - t0
+        finally:
+            for server in cluster.servers[:2]:
+                server.resume()
+        assert 0 < got.count(True) < 60  # the running master's share
+        assert all(dests[i].tobytes() == payload(k, 1000) for i, k in enumerate(keys) if got[i])
+        assert 0.9 < elapsed < 1.8, elapsed  # one after the other would take >= 2 s
+        assert wait_until(lambda: t.available)
+        assert t.get_many_into(keys, list(dests)) == [True] * 60
     finally:
         t.close(timeout=1)

@@ -26,8 +26,13 @@ def tier(redis_server: RedisServer, key_prefix: str) -> Iterator[RedisTier]:
 
 
 def _assert_clean(traffic: Traffic) -> None:
+    """No exception, no wrong value, and drops counted, none silent: the outage failed some
+    writes and every write is in the tier's counters exactly once."""
     assert traffic.exceptions == []
     assert traffic.wrong == []
+    assert traffic.hits > 0
+    traffic.assert_writes_accounted()
+    assert traffic.failed_writes >= 1
 
 
 def _figures(name: str, traffic: Traffic, tier: RedisTier, **extra: float) -> None:
@@ -36,7 +41,8 @@ def _figures(name: str, traffic: Traffic, tier: RedisTier, **extra: float) -> No
     fields = dict(ops=traffic.ops, hits=traffic.hits, wrong=len(traffic.wrong),
                   exceptions=len(traffic.exceptions), errors=s["errors"],
                   put_failures=s["put_failures"], dropped=s["dropped"] + s["dropped_unavailable"],
-                  corrupt=s["corrupt"], **{k: round(v, 3) for k, v in extra.items()})
+                  failed_writes=traffic.failed_writes, corrupt=s["corrupt"],
+                  **{k: round(v, 3) for k, v in extra.items()})
     print(f"\nFIGURES {name}: " + " ".join(f"{k}={v}" for k, v in fields.items()))
 
 

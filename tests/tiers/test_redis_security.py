@@ -7,14 +7,15 @@ import logging
 from pathlib import Path
 from urllib.parse import quote
 
+import numpy as np
 import pytest
 
 from offload_tiers.redis_tier import RedisTier, RedisTierError
 from offload_tiers.redis_url import parse_redis_url, redact_url
 from tests.support.redis_server import RedisServer
-from tests.support.redis_tls import start_tls_server
+from tests.support.redis_tls import start_tls_acl_server, start_tls_server
 from tests.support.tls_certs import make_tls_files
-from tests.tiers.helpers import key
+from tests.tiers.helpers import key, payload
 
 SECRET = "p@ss:w/rd%-Zq81"  # characters that need percent-encoding in a URL
 
@@ -142,4 +143,30 @@ def test_unix_socket(tmp_path: Path, key_prefix: str) -> None:
         with RedisTier.from_url(f"unix://{sock}?db=0", prefix=key_prefix, strict=True) as t:
             assert t.put_many([(key(0), b"unix")]) == 1 and bytes(t.get(key(0))) == b"unix"
     finally:
+        server.stop()
+
+
+def test_get_many_into_over_tls_with_an_acl_user(tmp_path: Path, key_prefix: str,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    files = make_tls_files(tmp_path / "tls")
+    server, port = start_tls_acl_server(tmp_path / "tls-acl", files, "kvtls", SECRET)
+    url = f"rediss://kvtls:{quote(SECRET, safe='')}@127.0.0.1:{port}/0"
+    t = RedisTier.from_url(url, prefix=key_prefix, ssl_ca_certs=str(files.ca_cert),
+                           socket_timeout_s=0.5, backoff_initial_s=0.05, strict=True)
+    try:
+        sizes = [100, 70_000, 2 << 20]  # TLS records are 16 KiB: values span many
+        keys = [key(i) for i in range(3)]
+        assert t.put_many([(k, payload(k, n)) for k, n in zip(keys, sizes, strict=True)]) == 3
+        server.client().set(f"{key_prefix}:{key(3).name}", b"not a kvtier value")
+        dests = [np.zeros(n, np.uint8) for n in sizes] + [np.zeros(10, np.uint8)] * 2
+        assert t.get_many_into(keys + [key(3), key(4)], dests) == [True] * 3 + [False] * 2
+        assert [d.tobytes() for d in dests[:3]] == [payload(k, n)
+                                                    for k, n in zip(keys, sizes, strict=True)]
+        with caplog.at_level(logging.DEBUG, logger="offload_tiers.redis_tier"):
+            server.kill()
+            assert t.get_many_into(keys, dests[:3]) == [False] * 3 and not t.available
+        _no_secret(t.last_error, str(t.stats()), caplog.text)
+        assert "kvtls:***@" in t.stats()["url"]
+    finally:
+        t.close(timeout=1)
         server.stop()

@@ -15,7 +15,7 @@ from offload_tiers import codec
 from offload_tiers.keys import BlockKind
 from offload_tiers.redis_tier import RedisTier
 from tests.support.redis_server import RedisServer
-from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload
+from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload, run_threads
 
 
 @pytest.fixture
@@ -186,30 +186,31 @@ def test_noeviction_full_server_fails_stores_without_raising(tmp_path, key_prefi
 
 
 def test_concurrent_threads_share_the_tier_without_torn_values(tier: RedisTier) -> None:
-    import threading
-
     keys = [key(i) for i in range(40)]
     wrong: list[str] = []
-    errors: list[str] = []
+    hits = [0] * 4
 
     def worker(seed: int) -> None:
-        try:
-            for n in range(30):
-                batch = keys[(n + seed) % 30:(n + seed) % 30 + 10]
-                tier.put_many([(k, payload(k, 20_000)) for k in batch[:5]])
-                tier.submit_put(batch[5], payload(batch[5], 20_000))
-                for k, got in zip(batch, tier.get_many(batch), strict=True):
-                    if got is not None and bytes(got) != payload(k, 20_000):
+        slab = np.zeros((10, 20_000), np.uint8)
+        for n in range(30):
+            batch = keys[(n + seed) % 30:(n + seed) % 30 + 10]
+            assert tier.put_many([(k, payload(k, 20_000)) for k in batch[:5]]) == 5
+            tier.submit_put(batch[5], payload(batch[5], 20_000))
+            for k, got in zip(batch, tier.get_many(batch), strict=True):
+                if got is not None:
+                    hits[seed] += 1
+                    if bytes(got) != payload(k, 20_000):
                         wrong.append(k.name)
-        except Exception as exc:
-            errors.append(repr(exc))
+            for k, ok, row in zip(batch, tier.get_many_into(batch, list(slab)), slab,
+                                  strict=True):
+                if ok:
+                    hits[seed] += 1
+                    if row.tobytes() != payload(k, 20_000):
+                        wrong.append(k.name)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert errors == [] and wrong == []
+    run_threads([lambda i=i: worker(i) for i in range(4)])
+    assert wrong == []
+    assert all(h >= 30 * 5 * 2 for h in hits)  # at least each thread's own fresh stores
     assert tier.flush(10) and tier.stats()["corrupt"] == 0
 
 

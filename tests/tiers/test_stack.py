@@ -13,7 +13,7 @@ from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKind
 from offload_tiers.redis_tier import RedisTier
 from offload_tiers.stack import TierAvailability, TierStack, chain_availability
-from tests.tiers.helpers import NS_B, key, payload
+from tests.tiers.helpers import NS_B, key, payload, run_threads
 
 SLOT = 1024
 
@@ -142,37 +142,27 @@ def test_concurrent_readers_and_writers_no_torn_values(redis_tier: RedisTier) ->
     s = make(redis_tier, "back", slots=6)
     keys = [key(i) for i in range(24)]
     wrong: list[str] = []
-    errors: list[str] = []
+    hits = [0, 0]
     stop = threading.Event()
 
     def writer(seed: int) -> None:
-        try:
-            for n in range(300):
-                k = keys[(n * 5 + seed) % len(keys)]
-                s.put(k, np.frombuffer(payload(k, SLOT), dtype=np.uint8))
-        except Exception as exc:
-            errors.append(repr(exc))
+        for n in range(300):
+            k = keys[(n * 5 + seed) % len(keys)]
+            s.put(k, np.frombuffer(payload(k, SLOT), dtype=np.uint8))
 
-    def reader() -> None:
-        try:
-            while not stop.is_set():
-                for k, v in zip(keys, s.get_many(keys), strict=True):
-                    if v is not None and bytes(v) != payload(k, SLOT):
+    def reader(me: int) -> None:
+        while not stop.is_set():
+            for k, v in zip(keys, s.get_many(keys), strict=True):
+                if v is not None:
+                    hits[me] += 1
+                    if bytes(v) != payload(k, SLOT):
                         wrong.append(k.name)
-                s.lookup_prefix(keys[:4])
-        except Exception as exc:
-            errors.append(repr(exc))
+            s.lookup_prefix(keys[:4])
 
-    writers = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
-    readers = [threading.Thread(target=reader) for _ in range(2)]
-    for th in writers + readers:
-        th.start()
-    for th in writers:
-        th.join()
-    stop.set()
-    for th in readers:
-        th.join()
-    assert errors == [] and wrong == []
+    run_threads([lambda i=i: writer(i) for i in range(3)],
+                [lambda i=i: reader(i) for i in range(2)], stop=stop)
+    assert wrong == []
+    assert hits[0] > 0 and hits[1] > 0
     st = s.stats()
     assert st["demotions"] > 0 and st["redis_hits"] > 0 and st["cpu"]["pinned"] == 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from offload_tiers.write_behind import Item, WriteBehind
+from tests.tiers.faults import wait_until
 
 
 def test_bounded_by_count_and_bytes_drops_and_reports() -> None:
@@ -23,8 +24,7 @@ def test_bounded_by_count_and_bytes_drops_and_reports() -> None:
         return Item(name, b"x" * n, n, lambda ok, name=name: done.__setitem__(name, ok))
 
     assert wb.submit(item("a"))
-    while wb.depth:  # the writer took "a" and waits on the gate
-        pass
+    assert wait_until(lambda: wb.depth == 0, timeout=10)  # the writer took "a", waits on the gate
     assert wb.submit(item("b")) and wb.submit(item("c")) and wb.submit(item("d"))
     assert not wb.submit(item("e"))  # 3 queued: full by count
     assert done["e"] is False and wb.dropped == 1
@@ -33,8 +33,7 @@ def test_bounded_by_count_and_bytes_drops_and_reports() -> None:
     assert written == ["a", "b", "c", "d"] and all(done[k] for k in "abcd")
     gate.clear()
     assert wb.submit(item("f", 600))
-    while wb.depth:  # the writer holds "f"
-        pass
+    assert wait_until(lambda: wb.depth == 0, timeout=10)  # the writer holds "f"
     assert wb.submit(item("g", 600))  # an empty queue always takes one item
     assert not wb.submit(item("h", 600))  # 600 + 600 > 1000 bytes: dropped
     assert done["h"] is False and wb.dropped == 2

@@ -1,0 +1,269 @@
+"""RedisTier.get_many_into against real Redis: each GET reply lands in its destination
+(a CPU-tier slot row), validated there; every bad value, wrong length or fault is a miss."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from offload_tiers import codec
+from offload_tiers.cpu_tier import CpuTier
+from offload_tiers.keys import BlockKind
+from offload_tiers.redis_tier import RedisTier
+from tests.support.redis_server import RedisServer
+from tests.tiers.faults import wait_until
+from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload
+
+FAST = dict(socket_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
+
+
+@pytest.fixture
+def tier(redis_url: str, key_prefix: str) -> Iterator[RedisTier]:
+    t = RedisTier.from_url(redis_url, prefix=key_prefix, strict=True)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def raw(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+def _rows(n: int, size: int, fill: int = 0xEE) -> np.ndarray:
+    return np.full((n, size), fill, dtype=np.uint8)
+
+
+def test_hits_land_in_cpu_tier_slots_and_misses_are_false(tier: RedisTier) -> None:
+    size = 40_000
+    keys = [key(i) for i in range(12)]
+    assert tier.put_many([(k, payload(k, size)) for k in keys[:10]]) == 10
+    cpu = CpuTier(12 * size, size)
+    slots = [cpu.reserve(k) for k in keys]
+    assert None not in slots
+    got = tier.get_many_into(keys, [cpu.slab[s] for s in slots])
+    assert got == [True] * 10 + [False, False]
+    for k, s, ok in zip(keys, slots, got, strict=True):
+        if ok:
+            cpu.commit(k)
+            assert bytes(cpu.view(s)) == payload(k, size)
+        else:
+            cpu.abort(k)
+    assert len(cpu) == 10
+    s = tier.stats()
+    assert s["gets"] == 12 and s["hits"] == 10 and s["misses"] == 2 and s["corrupt"] == 0
+
+
+def test_sizes_around_the_reader_buffers_and_an_empty_payload(tier: RedisTier) -> None:
+    sizes = [0, 1, 63, 64, 4000, 4096, 4097, 16 * 1024, 65_536, 65_537, 300_000, 2 << 20]
+    keys = [key(i) for i in range(len(sizes))]
+    assert tier.put_many([(k, payload(k, n)) for k, n in zip(keys, sizes, strict=True)]) == 12
+    dests = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    assert tier.get_many_into(keys, dests) == [True] * 12
+    assert [d.tobytes() for d in dests] == [payload(k, n)
+                                            for k, n in zip(keys, sizes, strict=True)]
+
+
+def test_more_keys_than_the_window_and_memoryview_dests(redis_url: str, key_prefix: str) -> None:
+    with RedisTier.from_url(redis_url, prefix=key_prefix, max_inflight=3,
+                            max_inflight_bytes=100_000, strict=True) as t:
+        keys = [key(i) for i in range(50)]
+        assert t.put_many([(k, payload(k, 30_000)) for k in keys[::2]]) == 25
+        buf = bytearray(50 * 30_000)
+        dests = [memoryview(buf)[i * 30_000:(i + 1) * 30_000] for i in range(50)]
+        assert t.get_many_into(keys, dests) == [i % 2 == 0 for i in range(50)]
+        assert all(bytes(dests[i]) == payload(keys[i], 30_000) for i in range(0, 50, 2))
+
+
+def _good(k, size: int = 4096) -> bytes:  # noqa: ANN001
+    return codec.encode_bytes(k, payload(k, size))
+
+
+def _with(value: bytes, off: int, fmt: str, val: object) -> bytes:
+    v = bytearray(value)
+    struct.pack_into("<" + fmt, v, off, val)
+    return bytes(v)
+
+
+def _flipped(value: bytes, at: int) -> bytes:
+    v = bytearray(value)
+    v[at] ^= 0x10
+    return bytes(v)
+
+
+BAD_VALUES: dict[str, Callable[[object], bytes]] = {
+    "flipped payload byte": lambda k: _flipped(_good(k), codec.HEADER_SIZE + 1234),
+    "flipped last byte": lambda k: _flipped(_good(k), codec.HEADER_SIZE + 4095),
+    "truncated payload": lambda k: _good(k)[:-100],
+    "padded payload": lambda k: _good(k) + b"\0",
+    "header only": lambda k: _good(k)[:codec.HEADER_SIZE],
+    "truncated header": lambda k: _good(k)[:30],
+    "empty value": lambda k: b"",
+    "bad magic": lambda k: b"XXXX" + _good(k)[4:],
+    "wrong version": lambda k: _with(_good(k), 4, "H", 2),
+    "absurd length": lambda k: _with(_good(k), 44, "Q", (1 << 63) + 5),
+    "foreign namespace": lambda k: _good(dataclasses.replace(k, fingerprint=NS_B.fingerprint)),
+    "foreign tenant": lambda k: _good(dataclasses.replace(k,
+                                                          fingerprint=NS_A_TENANT2.fingerprint)),
+    "other block": lambda k: _good(dataclasses.replace(k, block_hash=b"another-block")),
+    "other group": lambda k: _good(dataclasses.replace(k, group=3)),
+    "other num_tokens": lambda k: _good(dataclasses.replace(k, num_tokens=k.num_tokens + 16)),
+    "partial for full": lambda k: _good(dataclasses.replace(k, num_tokens=k.num_tokens - 8,
+                                                            kind=BlockKind.PARTIAL)),
+    "junk": lambda k: b"hello world" * 100,
+}
+
+
+@pytest.mark.parametrize("reason", list(BAD_VALUES))
+def test_bad_value_is_a_counted_miss_and_the_batch_stays_in_step(
+        reason: str, tier: RedisTier, raw: redis.Redis, key_prefix: str) -> None:
+    keys = [key(i) for i in range(5)]
+    assert tier.put_many([(k, payload(k, 4096)) for k in keys]) == 5
+    victim = keys[2]
+    raw.set(f"{key_prefix}:{victim.name}", BAD_VALUES[reason](victim))
+    dests = _rows(5, 4096)
+    assert tier.get_many_into(keys, list(dests)) == [True, True, False, True, True], reason
+    for i in (0, 1, 3, 4):  # the replies after the bad one were read in step
+        assert dests[i].tobytes() == payload(keys[i], 4096)
+    s = tier.stats()
+    assert s["corrupt"] == 1 and s["hits"] == 4 and s["misses"] == 1 and s["available"]
+
+
+def test_wrong_destination_length_is_a_counted_miss(tier: RedisTier) -> None:
+    keys = [key(i) for i in range(4)]
+    assert tier.put_many([(k, payload(k, 5000)) for k in keys]) == 4
+    dests = [np.zeros(5000, np.uint8), np.zeros(4999, np.uint8), np.zeros(5001, np.uint8),
+             np.zeros(5000, np.uint8)]
+    assert tier.get_many_into(keys, dests) == [True, False, False, True]
+    assert not dests[1].any() and not dests[2].any()  # never written: refused on the header
+    assert dests[3].tobytes() == payload(keys[3], 5000)
+    assert tier.stats()["corrupt"] == 2
+
+
+def test_a_key_of_another_type_is_a_miss(tier: RedisTier, raw: redis.Redis,
+                                         key_prefix: str) -> None:
+    keys = [key(0), key(1)]
+    tier.put_many([(keys[1], payload(keys[1], 100))])
+    raw.rpush(f"{key_prefix}:{keys[0].name}", b"a list")  # GET answers WRONGTYPE
+    dests = _rows(2, 100)
+    assert tier.get_many_into(keys, list(dests)) == [False, True]
+    assert dests[1].tobytes() == payload(keys[1], 100)
+    assert tier.stats()["corrupt"] == 1 and tier.available
+
+
+def test_caller_errors_raise_before_anything_is_sent(tier: RedisTier) -> None:
+    with pytest.raises(ValueError, match="destinations"):
+        tier.get_many_into([key(0), key(1)], [np.zeros(4, np.uint8)])
+    with pytest.raises(ValueError, match="read-only"):
+        tier.get_many_into([key(0)], [memoryview(b"1234")])
+    with pytest.raises(ValueError, match="contiguous"):
+        tier.get_many_into([key(0)], [np.zeros((4, 4), np.uint8)[:, 0]])
+    assert tier.get_many_into([], []) == []
+    assert tier.stats()["gets"] == 0
+
+
+def test_server_absent_is_all_misses_without_raising(tmp_path, key_prefix: str) -> None:  # noqa: ANN001
+    server = RedisServer(tmp_path / "absent")  # never started
+    t = RedisTier.from_url(server.url, prefix=key_prefix, **FAST)
+    try:
+        t0 = time.monotonic()
+        assert t.get_many_into([key(0), key(1)], list(_rows(2, 10))) == [False, False]
+        assert time.monotonic() - t0 < 2 and not t.available
+    finally:
+        t.close(timeout=1)
+
+
+class _MidBatch:
+    """Runs one get_many_into in a thread and acts on the server once the first replies
+    have landed (dest row 2 written) but before the last one can have (row -1 untouched)."""
+
+    def __init__(self, tier: RedisTier, keys: list, size: int) -> None:
+        self.dests = _rows(len(keys), size, fill=0)
+        self.result: list[bool] | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(tier, keys), daemon=True)
+
+    def _run(self, tier: RedisTier, keys: list) -> None:
+        t0 = time.monotonic()
+        try:
+            self.result = tier.get_many_into(keys, list(self.dests))
+        except BaseException as exc:  # re-raised in the test's thread by join()
+            self.error = exc
+        self.seconds = time.monotonic() - t0
+
+    def start_and_wait_for_first_replies(self) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.dests[2].any():  # polled tightly: the whole batch takes ~0.1 s
+            assert time.monotonic() < deadline, "no reply landed"
+            time.sleep(0.0005)
+
+    def join(self) -> list[bool]:
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "get_many_into hung"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _loaded_tier(server: RedisServer, key_prefix: str, n: int, size: int) -> tuple[RedisTier,
+                                                                                    list]:
+    t = RedisTier.from_url(server.url, prefix=key_prefix, max_inflight=2, **FAST)
+    keys = [key(i) for i in range(n)]
+    for i in range(0, n, 16):
+        assert t.put_many([(k, payload(k, size)) for k in keys[i:i + 16]]) == len(keys[i:i + 16])
+    return t, keys
+
+
+def test_redis_killed_mid_batch(redis_server: RedisServer, key_prefix: str) -> None:
+    t, keys = _loaded_tier(redis_server, key_prefix, 400, 256 * 1024)
+    try:
+        run = _MidBatch(t, keys, 256 * 1024)
+        run.start_and_wait_for_first_replies()
+        redis_server.pause()  # freeze it first, so the kill surely lands mid-batch
+        assert not run.dests[-1].any()  # the window keeps the last reply unsent
+        redis_server.kill()  # SIGKILL a stopped server: its sockets close under the reader
+        got = run.join()
+        assert not any(got) and run.seconds < 5
+        assert not t.available and t.stats()["errors"] >= 1
+        assert t.get_many_into(keys[:1], list(_rows(1, 256 * 1024))) == [False]  # fast miss
+        redis_server.start()
+        assert wait_until(lambda: t.available)
+        assert t.put_many([(keys[0], payload(keys[0], 256 * 1024))]) == 1
+        dest = _rows(2, 256 * 1024)
+        assert t.get_many_into(keys[:2], list(dest)) == [True, False]  # restarted empty
+        assert dest[0].tobytes() == payload(keys[0], 256 * 1024)
+    finally:
+        t.close(timeout=1)
+
+
+def test_redis_paused_mid_batch_times_out_then_recovers(redis_server: RedisServer,
+                                                        key_prefix: str) -> None:
+    t, keys = _loaded_tier(redis_server, key_prefix, 400, 256 * 1024)
+    try:
+        run = _MidBatch(t, keys, 256 * 1024)
+        run.start_and_wait_for_first_replies()
+        redis_server.pause()
+        try:
+            assert not run.dests[-1].any()
+            got = run.join()
+            assert not any(got) and run.seconds < 5  # bounded by socket_timeout_s
+            assert "Timeout" in t.last_error and not t.available
+        finally:
+            redis_server.resume()
+        assert wait_until(lambda: t.available)
+        dests = _rows(len(keys), 256 * 1024, fill=0)
+        assert t.get_many_into(keys, list(dests)) == [True] * len(keys)
+        assert all(dests[i].tobytes() == payload(keys[i], 256 * 1024) for i in (0, 199, 399))
+        s = t.stats()
+        assert s["unavailable_events"] >= 1 and s["recoveries"] >= 1 and s["corrupt"] == 0
+    finally:
+        t.close(timeout=1)
