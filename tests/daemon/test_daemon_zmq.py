@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
+from tests.daemon.vllm_required import import_vllm
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.ports import free_port
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = import_vllm("vllm.distributed.kv_events")
 
 B = 16  # physical block size of group 0 in these tests
 
@@ -45,8 +46,31 @@ class DroppingSocket:
         return getattr(self._sock, name)
 
 
+def wait_subscribed(pub: Any, daemon: DaemonProcess, source: int = 0,
+                    timeout: float = 20.0) -> None:
+    """Readiness handshake for a stream without replay: a PUB drops what it sends before the
+    SUB's subscription reaches it, so send one-frame probes on vLLM's own PUB socket until
+    the daemon has received one (it counts them as malformed frames; sequence state, and so
+    every gap/replay counter, is untouched). Call before the first ``publish``: vLLM's
+    publisher thread has not used the socket yet, and ``publish``'s queue hand-off orders
+    our sends before its own."""
+    deadline = time.monotonic() + timeout
+    base = daemon.source(source)["received"]
+    while time.monotonic() < deadline:
+        pub._pub.send_multipart([b"kvtier-test-handshake"])
+        try:
+            daemon.wait_for(lambda s: s["sources"][source]["received"] > base, timeout=0.2,
+                            what="handshake probe")
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"the daemon's SUB never received a probe from {pub._endpoint} "
+                         f"within {timeout} s")
+
+
 class Rig:
-    def __init__(self, replay: bool = True, bind_side: str = "vllm") -> None:
+    def __init__(self, replay: bool = True, bind_side: str = "vllm",
+                 daemon_args: tuple[str, ...] = ()) -> None:
         self.pub_port, self.replay_port = free_port(), free_port()
         if bind_side == "vllm":  # vLLM binds ('*'), the daemon connects
             vllm_ep = f"tcp://*:{self.pub_port}"
@@ -54,7 +78,7 @@ class Rig:
             vllm_ep = f"tcp://127.0.0.1:{self.pub_port}"
         spec = vllm_ep + (f",tcp://*:{self.replay_port}" if replay else "")
         self.daemon = DaemonProcess("--endpoint", spec, "--no-replay-on-start",
-                                    "--replay-timeout", "3")
+                                    "--replay-timeout", "3", *daemon_args)
         self.vllm_ep = vllm_ep
         self.replay = replay
         self.pub: Any = None
@@ -168,7 +192,7 @@ def test_gap_without_replay_is_counted_unrepaired() -> None:
     r = Rig(replay=False).start()
     try:
         d = r.daemon
-        time.sleep(0.5)  # no replay here: let the SUB finish connecting first
+        wait_subscribed(r.pub, d)  # no replay here: a batch sent before the SUB is ready is lost
         r.publish(stored([1, 2], None))
         r.daemon.wait_for(lambda s: s["sources"][0]["next_seq"] == 1, what="first batch")
         r.pub._pub = DroppingSocket(r.pub._pub, drop={r.seq})
@@ -218,7 +242,8 @@ def test_data_parallel_ranks_are_separate_publishers() -> None:
     pubs = [kv_events.ZmqEventPublisher(data_parallel_rank=r, endpoint=f"tcp://*:{port}")
             for r in (0, 1)]
     try:
-        time.sleep(0.5)  # let both SUB sockets connect (no replay socket in this test)
+        for rank, p in enumerate(pubs):  # no replay socket in this test: both SUBs ready first
+            wait_subscribed(p, d, source=rank)
         # Rank 1's single-hash store arrives first: its kind is undecidable until rank 0's
         # two-hash store teaches the group's block size, which then resolves rank 1's too.
         pubs[1].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1], None)]))
