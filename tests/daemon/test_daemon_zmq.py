@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -70,14 +73,29 @@ def wait_subscribed(pub: Any, daemon: DaemonProcess, source: int = 0,
 
 class Rig:
     def __init__(self, replay: bool = True, bind_side: str = "vllm",
-                 daemon_args: tuple[str, ...] = ()) -> None:
+                 daemon_args: tuple[str, ...] = (),
+                 publisher_keys: dict[str, Any] | None = None) -> None:
+        """``publisher_keys``: more keys of the publisher's config entry (then the daemon
+        gets a config file instead of ``--endpoint``)."""
         self.pub_port, self.replay_port = free_port(), free_port()
         if bind_side == "vllm":  # vLLM binds ('*'), the daemon connects
             vllm_ep = f"tcp://*:{self.pub_port}"
         else:  # vLLM connects, the daemon binds
             vllm_ep = f"tcp://127.0.0.1:{self.pub_port}"
-        spec = vllm_ep + (f",tcp://*:{self.replay_port}" if replay else "")
-        self.daemon = DaemonProcess("--endpoint", spec, "--no-replay-on-start",
+        replay_ep = f"tcp://*:{self.replay_port}"
+        self._config: str | None = None
+        if publisher_keys is None:
+            spec = vllm_ep + (f",{replay_ep}" if replay else "")
+            source = ("--endpoint", spec)
+        else:
+            entry = {"endpoint": vllm_ep, **({"replay_endpoint": replay_ep} if replay else {}),
+                     **publisher_keys}
+            fd, path = tempfile.mkstemp(prefix="kvtier-daemon-", suffix=".yaml")
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"publishers": [entry]}, fh)  # JSON is YAML
+            source = ("--config", path)
+            self._config = path
+        self.daemon = DaemonProcess(*source, "--no-replay-on-start",
                                     "--replay-timeout", "3", *daemon_args)
         self.vllm_ep = vllm_ep
         self.replay = replay
@@ -113,6 +131,8 @@ class Rig:
         if self.pub is not None:
             self.pub.shutdown()
         self.daemon.kill()
+        if self._config is not None:
+            os.unlink(self._config)
 
 
 @pytest.fixture
@@ -161,11 +181,13 @@ def test_store_remove_promote_clear_over_real_zmq(rig: Rig) -> None:
     res = d.lookup([11, 12, 13, 142])
     assert res["CPU"]["tokens"] == 32 and res["any"]["tokens"] == 64
 
+    # reset_prefix_cache(): the GPU block pool is emptied; the offloaded CPU copy stays.
     rig.publish(kv_events.AllBlocksCleared())
     s = rig.settle()
     res = d.lookup([11, 12, 13, 142])
-    assert all(v["tokens"] == 0 for v in res.values())
-    assert s["index"]["entries"] == 0
+    assert res["GPU"]["tokens"] == 0 and res["STORAGE"]["tokens"] == 0
+    assert res["CPU"]["tokens"] == res["any"]["tokens"] == 32
+    assert s["index"]["entries"] == 2
     metrics = d.get("/metrics")
     assert 'kvtier_daemon_events_total{publisher="tcp://*:' in metrics
     assert "kvtier_daemon_gaps_total" in metrics
