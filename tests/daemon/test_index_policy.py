@@ -4,6 +4,8 @@ itself (in-process, explicit clocks); the same over real ZMQ is tests/daemon/tes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from connector.classify import Classifier, GroupSizes
@@ -131,3 +133,28 @@ def test_daemon_config_builds_the_policy() -> None:
     assert not policy.is_set(("c#dp0", "CPU", 0, None))
     assert policy.ttl(("c#dp0", "STORAGE", 0, None)) == 60
     assert policy.ttl(("a#dp0", "CPU", 0, None)) is None
+
+
+def test_a_lookup_never_claims_an_entry_past_its_ttl() -> None:
+    """No sweep has run (the ingest thread is not started): the look-up expires first. The
+    TTL runs from the batch's own timestamp when it is earlier than the daemon's clock."""
+    from connector.daemon.service import Daemon, LookupRequest
+    from connector.events import KVEventBatch, encode_batch
+
+    cfg = load_config(None, {"storage_ttl_s": 10, "block_sizes": {0: 16},
+                             "publishers": [{"endpoint": "tcp://127.0.0.1:9", "name": "e"}]})
+    d = Daemon(cfg)
+    try:
+        written = time.time() - 11  # announced 11 s ago: past a 10 s TTL
+        payload = encode_batch(KVEventBatch(written, [st([1, 2], None, 16, "STORAGE"),
+                                                      st([1, 2], None, 16, "CPU")]))
+        d.ingestor.ingest("e", 0, payload)
+        assert d.ingestor.index.n_entries == 4
+        res = d.lookup(LookupRequest({"block_hashes": [1, 2]}))
+        assert res["STORAGE"]["tokens"] == 0 and res["CPU"]["tokens"] == 32
+        assert d.ingestor.index.expired == 2
+        fresh = encode_batch(KVEventBatch(time.time(), [st([3], None, 16, "STORAGE")]))
+        d.ingestor.ingest("e", 0, fresh)
+        assert d.lookup(LookupRequest({"block_hashes": [3]}))["STORAGE"]["tokens"] == 16
+    finally:
+        d.stop()
