@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
-from connector.events import normalize_medium, raw_array_len
+from connector.events import MEDIUM_GPU, normalize_medium, raw_array_len
 from offload_tiers.keys import BlockKind, kind_for
 
 __all__ = [
@@ -250,7 +250,9 @@ class Classifier:
         return m
 
     def forget_publisher(self, publisher: Publisher) -> None:
-        """Drop pending/orphan bookkeeping of a cleared publisher (sizes are kept)."""
+        """Drop pending/orphan bookkeeping of a publisher (sizes are kept). Not done on
+        ``AllBlocksCleared``: that clears GPU entries only, and the publisher's CPU/STORAGE
+        entries still wait on it (the bookkeeping is bounded by ``max_pending``)."""
         for table in (self.pending, self.orphans):
             for pg in [k for k in table if k[0] == publisher]:
                 del table[pg]
@@ -270,9 +272,8 @@ class Classifier:
                 return None
             return Run(REMOVE, (publisher, self._medium(event.medium), g, event.ownership),
                        hashes, None, 0, 0, PENDING)
-        if op == CLEAR:
-            self.forget_publisher(publisher)
-            return Run(CLEAR, (publisher, "", 0, None), [], None, 0, 0, PENDING)
+        if op == CLEAR:  # the GPU block pool's reset: the publisher's offloaded copies stay
+            return Run(CLEAR, (publisher, MEDIUM_GPU, 0, None), [], None, 0, 0, PENDING)
         self.invalid_events += 1
         return None
 

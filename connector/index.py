@@ -1,8 +1,20 @@
-"""The partial-aware, reference-counted residency index.
+"""The partial-aware residency index: reference-counted where copies can repeat, a set
+where they cannot.
 
-Residency is reference-counted per (publisher incl. DP rank, medium, group, ownership): a
-hash stays resident until its last announcement there is removed; a removal of an unknown
-hash is harmless (counted); ``AllBlocksCleared`` drops everything of that publisher.
+Residency is kept per (publisher incl. DP rank, medium, group, ownership). How repeated
+announcements count is the :class:`ResidencyPolicy`'s call, per residency key:
+
+* **refcounted** (GPU by default): vLLM can hold two physical blocks with one hash, each
+  announced and each removed, so a hash stays resident until its last announcement there is
+  removed;
+* **set** (CPU and STORAGE by default; GPU of a publisher whose requests use vLLM's
+  ``kv_cache_report_mode="full"``): a tier holds one value per key, so an entry is there or
+  not: a repeated ``BlockStored`` refreshes its facts, one ``BlockRemoved`` removes it.
+
+A removal of an unknown hash is harmless (counted). ``AllBlocksCleared`` is the GPU block
+pool's reset: the caller clears the publisher's GPU entries only. Entries of a medium with a
+TTL (STORAGE with ``storage_ttl_s``: Redis expires values and announces nothing) expire that
+long after their last announcement (:meth:`KVIndex.expire`).
 
 Each residency key maps hash -> packed facts (``num_tokens * 4 + kind``, see
 :func:`connector.classify.pack`); counts above one live in a small side table, so the common
@@ -13,14 +25,17 @@ beyond it are dropped and counted, which can only make look-ups answer *less*.
 Look-up answers the longest cached prefix of a chain of block hashes (as vLLM computes
 them), per medium and over all media: FULL entries count whole; a PARTIAL entry can only
 end a prefix and counts only its own ``num_tokens``; nothing extends past a partial;
-PLACEHOLDER and PENDING entries never count.
+PLACEHOLDER and PENDING entries never count. Each publisher is walked with its own block
+size (publishers that share one are walked together); the answer is the best of those walks.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import count, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
@@ -39,9 +54,14 @@ from connector.classify import (
     kind_name,
     merge,
 )
-from connector.events import MEDIUMS
+from connector.events import MEDIUM_CPU, MEDIUM_STORAGE, MEDIUMS
 
-__all__ = ["ANY", "KVIndex", "PrefixMatch"]
+__all__ = ["ANY", "DEFAULT_SET_MEDIA", "KVIndex", "PrefixMatch", "ResidencyPolicy"]
+
+DEFAULT_SET_MEDIA: tuple[str, ...] = (MEDIUM_CPU, MEDIUM_STORAGE)
+"""Media whose residency is a set unless a publisher says otherwise: kvtier's CPU tier and
+Redis hold one value per key however often it is written (a set there can only under-claim
+for a publisher that refcounts, such as vLLM's OffloadingConnector: give it ``set_media: []``)."""
 
 ANY = "any"
 _MISS = -4  # dict.pop default in bulk removals: never a packed value, and -4 & 3 == 0
@@ -62,17 +82,55 @@ class PrefixMatch(NamedTuple):
 _EMPTY = PrefixMatch(0, 0, False)
 
 
+class ResidencyPolicy:
+    """Per residency key: is it a set (one entry per hash) or refcounted, and do its
+    entries expire (seconds after their last announcement, by medium)?
+
+    ``by_source`` overrides ``set_media`` per source (the publisher id without ``#dp{r}``).
+    """
+
+    __slots__ = ("set_media", "by_source", "ttl_s")
+
+    def __init__(self, set_media: Iterable[str] = DEFAULT_SET_MEDIA,
+                 by_source: Mapping[str, Iterable[str]] | None = None,
+                 ttl_s: Mapping[str, float] | None = None) -> None:
+        self.set_media = frozenset(set_media)
+        self.by_source = {src: frozenset(m) for src, m in (by_source or {}).items()}
+        self.ttl_s = dict(ttl_s or {})
+        for medium, ttl in self.ttl_s.items():
+            if not ttl > 0:
+                raise ValueError(f"TTL of {medium} must be positive, got {ttl}")
+
+    def is_set(self, key: ResidencyKey) -> bool:
+        source = key[0].rsplit("#dp", 1)[0]
+        return key[1] in self.by_source.get(source, self.set_media)
+
+    def ttl(self, key: ResidencyKey) -> float | None:
+        return self.ttl_s.get(key[1])
+
+
 class KVIndex:
     """Refcounted residency + longest-prefix look-up. Not thread-safe: one writer."""
 
     __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "kinds", "n_entries",
-                 "dropped_capacity", "unknown_removals", "stores", "removals", "clears")
+                 "dropped_capacity", "unknown_removals", "stores", "removals", "clears",
+                 "policy", "set_keys", "ttl_keys", "expires", "expired", "_heap", "_tick",
+                 "_heap_limit")
 
-    def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000) -> None:
+    def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000,
+                 policy: ResidencyPolicy | None = None) -> None:
         if max_entries <= 0:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         self.sizes = sizes if sizes is not None else GroupSizes()
         self.max_entries = max_entries
+        self.policy = policy if policy is not None else ResidencyPolicy()
+        self.set_keys: set[ResidencyKey] = set()  # keys whose residency is a set
+        self.ttl_keys: dict[ResidencyKey, float] = {}  # keys whose entries expire: TTL
+        self.expires: dict[ResidencyKey, dict[Any, float]] = {}  # hash -> expiry time
+        self._heap: list[tuple[float, int, ResidencyKey, Any]] = []  # (expiry, tie, key, h)
+        self._tick = count()
+        self._heap_limit = 1024
+        self.expired = 0
         self.res: dict[ResidencyKey, dict[Any, int]] = {}
         self.extra: dict[ResidencyKey, dict[Any, int]] = {}  # refcount - 1, when > 0
         self.by_pg: dict[PG, list[ResidencyKey]] = {}
@@ -86,15 +144,15 @@ class KVIndex:
 
     # -- updates -------------------------------------------------------------------------
 
-    def apply(self, run: Run) -> None:
-        """Apply one classified run."""
+    def apply(self, run: Run, now: float = 0.0) -> None:
+        """Apply one classified run (``now``: the announcement's time, for TTLs)."""
         op = run.op
         if op == STORE:
-            self.store(run)
+            self.store(run, now)
         elif op == REMOVE:
             self.remove(run.key, run.hashes)
         elif op == CLEAR:
-            self.clear(run.key[0])
+            self.clear(run.key[0], (run.key[1],))
 
     def _dict(self, key: ResidencyKey) -> dict[Any, int]:
         d = self.res.get(key)
@@ -102,31 +160,48 @@ class KVIndex:
             d = self.res[key] = {}
             self.kinds[key] = [0, 0, 0, 0]
             self.by_pg.setdefault((key[0], key[2]), []).append(key)
+            if self.policy.is_set(key):
+                self.set_keys.add(key)
+            ttl = self.policy.ttl(key)
+            if ttl is not None:
+                self.ttl_keys[key] = ttl
+                self.expires[key] = {}
         return d
 
-    def store(self, run: Run) -> None:
-        """One more announcement of each hash of a STORE run, with its facts."""
+    def store(self, run: Run, now: float = 0.0) -> int:
+        """One more announcement of each hash of a STORE run, with its facts (on a set key:
+        the entry, once). ``now`` starts the TTL of media that have one. Returns how many
+        of the hashes were resident under the key already."""
         key, hashes = run.key, run.hashes
         d = self.res.get(key)
         if d is None:
             d = self._dict(key)
         n = len(hashes)
         self.stores += n
-        first = run.first_tokens
         if n == 1:
-            h = hashes[0]
-            packed = first * 4 + run.kind
-            old = d.get(h)
-            if old is None:
-                if self.n_entries < self.max_entries:
-                    d[h] = packed
-                    self.n_entries += 1
-                    self.kinds[key][packed & 3] += 1
-                else:
-                    self.dropped_capacity += 1
-            else:
-                self._again(key, h, old, packed, d)
-            return
+            again = self._store_one(key, d, hashes[0], run.first_tokens * 4 + run.kind)
+        else:
+            again = self._store_many(key, d, run, n)
+        if key in self.ttl_keys:
+            self._touch(key, d, hashes, now)
+        return again
+
+    def _store_one(self, key: ResidencyKey, d: dict[Any, int], h: Any, packed: int) -> int:
+        old = d.get(h)
+        if old is not None:
+            self._again(key, h, old, packed, d)
+            return 1
+        if self.n_entries < self.max_entries:
+            d[h] = packed
+            self.n_entries += 1
+            self.kinds[key][packed & 3] += 1
+        else:
+            self.dropped_capacity += 1
+        return 0
+
+    def _store_many(self, key: ResidencyKey, d: dict[Any, int], run: Run, n: int) -> int:
+        hashes = run.hashes
+        first = run.first_tokens
         if first:
             step4 = run.step * 4
             base = first * 4 + run.kind
@@ -139,13 +214,14 @@ class KVIndex:
             added = len(d) - before
             self.n_entries += added
             self.kinds[key][run.kind] += added
-            if added != n:  # the same hash twice in one event: count it twice
+            if added != n and key not in self.set_keys:  # one hash twice: count it twice
                 ex = self.extra.setdefault(key, {})
                 for h, c in Counter(hashes).items():
                     if c > 1:
                         ex[h] = ex.get(h, 0) + c - 1
-            return
+            return 0
         kc = self.kinds[key]
+        again = 0
         for h, packed in zip(hashes, values, strict=True):
             old = d.get(h)
             if old is None:
@@ -157,13 +233,18 @@ class KVIndex:
                     self.dropped_capacity += 1
             else:
                 self._again(key, h, old, packed, d)
+                again += 1
+        return again
 
     def _again(self, key: ResidencyKey, h: Any, old: int, packed: int,
                d: dict[Any, int]) -> None:
-        ex = self.extra.get(key)
-        if ex is None:
-            ex = self.extra[key] = {}
-        ex[h] = ex.get(h, 0) + 1
+        """A resident hash announced again: one more reference (not on a set key); the
+        facts merged."""
+        if key not in self.set_keys:
+            ex = self.extra.get(key)
+            if ex is None:
+                ex = self.extra[key] = {}
+            ex[h] = ex.get(h, 0) + 1
         if old != packed:
             self._set(key, d, h, old, merge(old, packed))
 
@@ -215,6 +296,11 @@ class KVIndex:
         self.unknown_removals += missing
         self.removals += n - missing
         self.n_entries -= gone
+        exp = self.expires.get(key)
+        if exp:
+            for h in hashes:
+                if h not in d:
+                    exp.pop(h, None)
 
     def clear(self, publisher: Publisher, mediums: Iterable[str] | None = None) -> int:
         """Drop every entry of ``publisher`` (optionally only on ``mediums``); return count."""
@@ -225,6 +311,9 @@ class KVIndex:
                 dropped += len(self.res.pop(key))
                 self.extra.pop(key, None)
                 del self.kinds[key]
+                self.set_keys.discard(key)
+                self.ttl_keys.pop(key, None)
+                self.expires.pop(key, None)  # its heap items are skipped when they come up
                 pg = (key[0], key[2])
                 self.by_pg[pg].remove(key)
                 if not self.by_pg[pg]:
@@ -232,6 +321,58 @@ class KVIndex:
         self.n_entries -= dropped
         self.clears += 1
         return dropped
+
+    # -- expiry (media with a TTL) ----------------------------------------------------------
+
+    def _touch(self, key: ResidencyKey, d: dict[Any, int], hashes: Sequence[Any],
+               now: float) -> None:
+        """(Re)start the TTL of the resident ``hashes``: one heap item per entry; a refresh
+        only moves its time (the item is re-queued when it comes up early)."""
+        exp = self.expires[key]
+        t = now + self.ttl_keys[key]
+        heap = self._heap
+        for h in hashes:
+            if h in d:
+                if h not in exp:
+                    heapq.heappush(heap, (t, next(self._tick), key, h))
+                exp[h] = t
+        if len(heap) > self._heap_limit:  # stale items of removed entries: rebuild
+            self._heap = [(t, next(self._tick), k, h)
+                          for k, e in self.expires.items() for h, t in e.items()]
+            heapq.heapify(self._heap)
+            self._heap_limit = 2 * len(self._heap) + 1024
+
+    def next_expiry(self) -> float:
+        """When the next entry may expire (``inf``: none can)."""
+        return self._heap[0][0] if self._heap else math.inf
+
+    def expire(self, now: float) -> int:
+        """Drop the entries whose TTL ran out by ``now``; return how many."""
+        heap = self._heap
+        n = 0
+        while heap and heap[0][0] <= now:
+            _, _, key, h = heapq.heappop(heap)
+            exp = self.expires.get(key)
+            t = None if exp is None else exp.get(h)
+            if t is None:
+                continue  # removed or cleared meanwhile
+            if t > now:  # refreshed since it was queued
+                heapq.heappush(heap, (t, next(self._tick), key, h))
+                continue
+            del exp[h]
+            self._drop(key, h)
+            n += 1
+        self.expired += n
+        return n
+
+    def _drop(self, key: ResidencyKey, h: Any) -> None:
+        """Remove an entry outright, whatever its refcount (a Redis key expires for all)."""
+        f = self.res[key].pop(h)
+        ex = self.extra.get(key)
+        if ex is not None and ex.pop(h, None) is not None and not ex:
+            del self.extra[key]
+        self.kinds[key][f & 3] -= 1
+        self.n_entries -= 1
 
     # -- PositionSource (what the classifier asks) ----------------------------------------
 
@@ -275,11 +416,30 @@ class KVIndex:
         return d.get(block_hash) if d else None
 
     def _sources(self, medium: str | None, group: int,
-                 publisher: Publisher | None) -> list[dict[Any, int]]:
+                 publishers: set[Publisher] | None) -> list[dict[Any, int]]:
         return [d for key, d in self.res.items()
                 if key[2] == group and d
                 and (medium is None or key[1] == medium)
-                and (publisher is None or key[0] == publisher)]
+                and (publishers is None or key[0] in publishers)]
+
+    def _size_classes(self, group: int,
+                      publisher: Publisher | None) -> dict[int, set[Publisher] | None]:
+        """Block size -> the publishers walked with it (``None``: all of them)."""
+        sizes = self.sizes
+        if publisher is not None:
+            b = sizes.group_block_size(group, publisher)
+            return {} if b is None else {b: {publisher}}
+        if group in sizes.configured:
+            return {sizes.configured[group]: None}
+        classes: dict[int, set[Publisher] | None] = {}
+        for pg in self.by_pg:
+            if pg[1] == group:
+                b = sizes.block_size(pg) or sizes.sibling(pg)
+                if b is not None:  # unknown: its entries are PENDING, never counted
+                    members = classes.setdefault(b, set())
+                    assert members is not None
+                    members.add(pg[0])
+        return classes
 
     def lookup(self, block_hashes: Sequence[Any], group: int = 0, unit: int | None = None,
                publisher: Publisher | None = None,
@@ -287,21 +447,29 @@ class KVIndex:
         """Longest cached prefix of ``block_hashes`` per medium and over all (``"any"``).
 
         ``block_hashes`` is the request's chain, one hash per ``unit`` tokens (default: the
-        group's block size). Pass ``unit`` = vLLM's hash block size (``prefix_match_unit``)
-        with the request's fine-grained ``block_hashes`` to let partial entries end a prefix.
+        block size). Pass ``unit`` = vLLM's hash block size (``prefix_match_unit``) with the
+        request's fine-grained ``block_hashes`` to let partial entries end a prefix.
+        Publishers are walked with their own block size (``publisher``: that one only);
+        publishers whose block size ``unit`` does not divide are left out; a ``unit`` that
+        fits none is a :class:`ValueError`.
         """
-        b = self.sizes.group_block_size(group, publisher)
         result = {m: _EMPTY for m in mediums}
         result[ANY] = _EMPTY
-        if b is None or not block_hashes:
+        if not block_hashes:
             return result
-        u = unit or b
-        if u <= 0 or b % u:
-            raise ValueError(f"unit {u} must divide the group's block size {b}")
-        for medium in (*mediums, ANY):
-            sources = self._sources(None if medium == ANY else medium, group, publisher)
-            if sources:
-                result[medium] = _walk(block_hashes, sources, u, b)
+        classes = self._size_classes(group, publisher)
+        walks = [(b, unit or b, pubs) for b, pubs in classes.items()
+                 if (unit or b) > 0 and b % (unit or b) == 0]
+        if classes and not walks:
+            known = " or ".join(map(str, sorted(classes)))
+            raise ValueError(f"unit {unit} must divide the group's block size {known}")
+        for b, u, pubs in walks:
+            for medium in (*mediums, ANY):
+                sources = self._sources(None if medium == ANY else medium, group, pubs)
+                if sources:
+                    m = _walk(block_hashes, sources, u, b)
+                    if m.tokens > result[medium].tokens:
+                        result[medium] = m
         return result
 
     def describe(self, block_hashes: Sequence[Any], group: int = 0) -> list[dict[str, Any]]:

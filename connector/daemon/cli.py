@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size", type=int, help="data-parallel ranks per publisher "
                    "(ports offset by rank, as vLLM does)")
     p.add_argument("--topic", help="ZMQ topic (vLLM's KVEventsConfig.topic)")
+    p.add_argument("--kv-cache-report-mode", choices=("incremental", "full"),
+                   help="the engines' requests use vLLM's kv_cache_report_mode=full "
+                        "(reused GPU blocks re-announced): count GPU residency as a set")
+    p.add_argument("--storage-ttl", type=float, dest="storage_ttl_s", metavar="SECONDS",
+                   help="STORAGE entries expire this long after their last announcement "
+                        "(Redis TTL expiry is never announced); default: never")
     p.add_argument("--http", help="HOST:PORT for the HTTP API (default 127.0.0.1:9400)")
     p.add_argument("--connect-host", help="host replacing '*' when connecting")
     p.add_argument("--block-size", action="append", metavar="GROUP=SIZE",
@@ -68,7 +74,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "http": args.http, "connect_host": args.connect_host, "max_entries": args.max_entries,
         "replay_timeout_s": args.replay_timeout_s, "replay_on_start": args.replay_on_start,
         "replay_idle_probe_s": args.replay_idle_probe_s,
-        "log_level": args.log_level,
+        "log_level": args.log_level, "storage_ttl_s": args.storage_ttl_s,
         "redis_url": args.redis_url, "redis_prefix": args.redis_prefix,
         "janitor_interval_s": args.janitor_interval_s,
         "janitor_max_keys_per_s": args.janitor_max_keys_per_s,
@@ -86,10 +92,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
                 entry["dp_size"] = args.dp_size
             if args.topic is not None:
                 entry["topic"] = args.topic
+            if args.kv_cache_report_mode is not None:
+                entry["kv_cache_report_mode"] = args.kv_cache_report_mode
             pubs.append(entry)
         out["publishers"] = pubs
-    elif args.dp_size is not None or args.topic is not None:
-        raise ConfigError("--dp-size/--topic apply to --endpoint publishers; give --endpoint")
+    elif (args.dp_size is not None or args.topic is not None
+          or args.kv_cache_report_mode is not None):
+        raise ConfigError("--dp-size/--topic/--kv-cache-report-mode apply to --endpoint "
+                          "publishers; give --endpoint")
     if args.block_size:
         sizes: dict[int, int] = {}
         for spec in args.block_size:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,6 +20,7 @@ __all__ = ["ConfigError", "DaemonConfig", "PublisherConfig", "load_config", "off
 
 _ENDPOINT_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")
 _MEDIUMS = {"GPU", "CPU", "STORAGE"}
+_TIER_MEDIA = ("CPU", "STORAGE")
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,13 @@ class PublisherConfig(BaseModel):
     ``endpoint`` with ``*`` (or ipc/inproc): vLLM binds, the daemon connects (``*`` is
     replaced by ``connect_host``). Without ``*``: vLLM connects, so the daemon binds it.
     ``replay_endpoint`` is always bound by vLLM (ROUTER); the daemon connects a DEALER.
+
+    How repeated announcements count (see :mod:`connector.index`): ``set_media`` are sets
+    (one entry per hash; one removal removes it): kvtier's CPU tier and Redis. Give ``[]``
+    for a connector that re-announces and expects refcounts (vLLM's OffloadingConnector).
+    ``kv_cache_report_mode: full`` (vLLM's request setting of that name, used by this
+    engine's requests) makes GPU a set too: that mode re-announces reused blocks with no
+    matching removal.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -62,6 +70,27 @@ class PublisherConfig(BaseModel):
     dp_size: int = Field(default=1, ge=1, le=1024)
     topic: str = ""
     name: str | None = None
+    set_media: list[str] = Field(default_factory=lambda: list(_TIER_MEDIA))
+    kv_cache_report_mode: Literal["incremental", "full"] = "incremental"
+
+    @field_validator("set_media")
+    @classmethod
+    def _set_media(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if m not in _TIER_MEDIA]
+        if bad:
+            raise ValueError(f"set_media: {bad} are not tier media; use CPU, STORAGE (for GPU "
+                             "set kv_cache_report_mode: full)")
+        return v
+
+    @property
+    def source_name(self) -> str:
+        """The publisher id without its ``#dp{rank}`` (metrics label, residency policy)."""
+        return self.name or self.endpoint
+
+    def set_media_all(self) -> frozenset[str]:
+        """Media whose residency is a set for this publisher."""
+        full = {"GPU"} if self.kv_cache_report_mode == "full" else set()
+        return frozenset(self.set_media) | full
 
     @field_validator("endpoint")
     @classmethod
@@ -116,6 +145,9 @@ class DaemonConfig(BaseModel):
     block_sizes: dict[int, int] = Field(default_factory=dict)
     hwm: int = Field(default=100_000, ge=0)
     clear_on_restart: list[str] = Field(default_factory=lambda: ["GPU", "CPU"])
+    # Redis drops values at their TTL and announces nothing: STORAGE entries expire this long
+    # after their last announcement (the connector's redis_ttl_s, a little less). None: never.
+    storage_ttl_s: float | None = Field(default=None, gt=0)
     log_level: str = "INFO"
     token_hashing: TokenHashingConfig | None = None
     # Redis janitor (off unless redis_url is set): see connector/daemon/redis_janitor.py

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 
-from connector.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes
-from connector.events import BatchDecoder, DecodeError
-from connector.index import KVIndex
+from connector.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes, Run
+from connector.events import MEDIUM_GPU, BatchDecoder, DecodeError
+from connector.index import KVIndex, ResidencyPolicy
 
 __all__ = ["Ingestor", "PublisherStats"]
+
+log = logging.getLogger("kvtier.daemon")
 
 
 @dataclass
@@ -22,6 +25,10 @@ class PublisherStats:
     removed_events: int = 0
     cleared_events: int = 0
     invalid_events: int = 0
+    # GPU stores from the chain start (parent None) of hashes all resident there already:
+    # the shape of vLLM's kv_cache_report_mode="full" re-announcements (also, rarely, two
+    # requests that computed the same prefix at once).
+    reannounced_events: int = 0
     last_lag_s: float = 0.0
     max_lag_s: float = 0.0
     last_ts: float = 0.0
@@ -36,10 +43,11 @@ class Ingestor:
     """
 
     def __init__(self, block_sizes: dict[int, int] | None = None,
-                 max_entries: int = 10_000_000, max_pending: int = 65536) -> None:
+                 max_entries: int = 10_000_000, max_pending: int = 65536,
+                 policy: ResidencyPolicy | None = None) -> None:
         self.decoder = BatchDecoder()
         self.sizes = GroupSizes(block_sizes)
-        self.index = KVIndex(self.sizes, max_entries=max_entries)
+        self.index = KVIndex(self.sizes, max_entries=max_entries, policy=policy)
         self.classifier = Classifier(self.sizes, self.index, max_pending=max_pending)
         self.publishers: dict[str, PublisherStats] = {}
         self._names: dict[tuple[str, int], str] = {}
@@ -67,6 +75,11 @@ class Ingestor:
             rank = default_rank
         pub = self.publisher_id(source, rank)
         st = self.publishers[pub]
+        wall = time.time() if now is None else now
+        ts = batch.ts
+        valid_ts = math.isfinite(ts) and ts > 0
+        # TTLs run from the announcement (the write came before it): the earlier clock wins.
+        at = min(ts, wall) if valid_ts else wall
         classify = self.classifier.classify
         index = self.index
         invalid_before = self.classifier.invalid_events
@@ -77,24 +90,36 @@ class Ingestor:
                 continue
             op = run.op
             if op == STORE:
-                index.store(run)
+                again = index.store(run, at)
                 n_store += 1
+                if again and again == len(run.hashes) and run.parent is None \
+                        and run.key[1] == MEDIUM_GPU:
+                    self._reannounced(pub, st, run)
             elif op == REMOVE:
                 index.remove(run.key, run.hashes)
                 n_remove += 1
-            elif op == CLEAR:
-                index.clear(pub)
+            elif op == CLEAR:  # vLLM's GPU block pool was reset: its offloaded copies stay
+                index.clear(pub, (MEDIUM_GPU,))
                 n_clear += 1
         st.batches += 1
         st.stored_events += n_store
         st.removed_events += n_remove
         st.cleared_events += n_clear
         st.invalid_events += self.classifier.invalid_events - invalid_before
-        ts = batch.ts
-        if math.isfinite(ts) and ts > 0:
-            lag = (time.time() if now is None else now) - ts
+        if valid_ts:
+            lag = wall - ts
             st.last_lag_s = lag
             st.last_ts = ts
             if lag > st.max_lag_s:
                 st.max_lag_s = lag
         return pub
+
+    def _reannounced(self, pub: str, st: PublisherStats, run: Run) -> None:
+        st.reannounced_events += 1
+        if st.reannounced_events == 1 and run.key not in self.index.set_keys:
+            log.warning(
+                "publisher %s re-announced %d GPU blocks that are all resident already, with "
+                "no removal in between: the shape of vLLM's kv_cache_report_mode='full'. If "
+                "its requests use that mode, set kv_cache_report_mode: full for it (else "
+                "its GPU entries outlive their eviction); counted in /stats as "
+                "reannounced_events", pub, len(run.hashes))

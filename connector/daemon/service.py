@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector
 from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
 from connector.daemon.subscriber import Subscriber
-from connector.events import MEDIUMS
+from connector.events import MEDIUM_STORAGE, MEDIUMS
+from connector.index import ResidencyPolicy
 from connector.token_hashing import TokenHasher
 
 __all__ = ["Daemon", "LookupRequest"]
@@ -92,7 +93,8 @@ class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
         self.lock = threading.Lock()
-        self.ingestor = Ingestor(cfg.block_sizes, max_entries=cfg.max_entries)
+        self.ingestor = Ingestor(cfg.block_sizes, max_entries=cfg.max_entries,
+                                 policy=residency_policy(cfg))
         self.subscriber = Subscriber(cfg, self.ingestor, self.lock)
         self.started = time.time()
         th = cfg.token_hashing
@@ -118,6 +120,7 @@ class Daemon:
 
     def lookup(self, req: LookupRequest) -> dict[str, Any]:
         with self.lock:
+            self.ingestor.index.expire(time.time())  # never claim past a TTL
             result = self.ingestor.index.lookup(
                 req.block_hashes, group=req.group_idx, unit=req.unit, publisher=req.publisher)
         return {m: r.as_dict() for m, r in result.items()}
@@ -142,7 +145,9 @@ class Daemon:
             pubs = {name: {
                 "batches": st.batches, "stored_events": st.stored_events,
                 "removed_events": st.removed_events, "cleared_events": st.cleared_events,
-                "invalid_events": st.invalid_events, "last_lag_s": round(st.last_lag_s, 6),
+                "invalid_events": st.invalid_events,
+                "reannounced_events": st.reannounced_events,
+                "last_lag_s": round(st.last_lag_s, 6),
                 "max_lag_s": round(st.max_lag_s, 6),
             } for name, st in ing.publishers.items()}
             sources = [{
@@ -157,6 +162,7 @@ class Daemon:
                 "hash_stores": idx.stores, "hash_removals": idx.removals,
                 "unknown_removals": idx.unknown_removals,
                 "dropped_capacity": idx.dropped_capacity, "clears": idx.clears,
+                "expired": idx.expired,
                 "pending": sum(len(d) for d in ing.classifier.pending.values()),
                 "orphans": sum(len(d) for d in ing.classifier.orphans.values()),
                 "invalid_events": ing.classifier.invalid_events,
@@ -174,6 +180,13 @@ class Daemon:
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def residency_policy(cfg: DaemonConfig) -> ResidencyPolicy:
+    """Sets vs refcounts per publisher, and the STORAGE TTL, from the configuration."""
+    ttl = {MEDIUM_STORAGE: cfg.storage_ttl_s} if cfg.storage_ttl_s is not None else None
+    return ResidencyPolicy(by_source={p.source_name: p.set_media_all() for p in cfg.publishers},
+                           ttl_s=ttl)
 
 
 def _make_janitor(cfg: DaemonConfig) -> Any:
@@ -198,6 +211,25 @@ def _rss_bytes() -> int:
         return 0
 
 
+# Per-source counters (connector.daemon.subscriber.SourceCounters) -> metric name, help.
+_SOURCE_METRICS = {
+    "gaps": ("kvtier_daemon_gaps", "Sequence gaps detected"),
+    "missing_batches": ("kvtier_daemon_gap_batches_unrepaired",
+                        "Batches lost in gaps that replay could not repair"),
+    "repaired_batches": ("kvtier_daemon_gap_batches_repaired",
+                         "Batches recovered by replay"),
+    "replays_requested": ("kvtier_daemon_replays", "Replay requests sent"),
+    "replay_timeouts": ("kvtier_daemon_replay_timeouts", "Replays that timed out"),
+    "idle_probes": ("kvtier_daemon_idle_probes", "Replay probes sent while idle"),
+    "probe_timeouts": ("kvtier_daemon_probe_timeouts", "Idle probes unanswered"),
+    "duplicates": ("kvtier_daemon_duplicate_batches", "Duplicate/old batches skipped"),
+    "restarts": ("kvtier_daemon_publisher_restarts", "Publisher restarts seen"),
+    "decode_errors": ("kvtier_daemon_decode_errors", "Payloads that did not decode"),
+    "malformed_frames": ("kvtier_daemon_malformed_frames",
+                         "Messages with wrong frame layout"),
+}
+
+
 class _DaemonCollector(Collector):
     """Reads the daemon's plain-int counters at scrape time (no cost on the hot path)."""
 
@@ -219,6 +251,10 @@ class _DaemonCollector(Collector):
                                     labels=["publisher"])
             max_lag = GaugeMetricFamily("kvtier_daemon_max_lag_seconds",
                                         "Largest lag seen", labels=["publisher"])
+            reann = CounterMetricFamily(
+                "kvtier_daemon_reannounced_events",
+                "GPU stores of only resident hashes from the chain start (the shape of "
+                "vLLM's kv_cache_report_mode=full)", labels=["publisher"])
             for name, st in ing.publishers.items():
                 ev.add_metric([name, "BlockStored"], st.stored_events)
                 ev.add_metric([name, "BlockRemoved"], st.removed_events)
@@ -227,33 +263,19 @@ class _DaemonCollector(Collector):
                 batches.add_metric([name], st.batches)
                 lag.add_metric([name], st.last_lag_s)
                 max_lag.add_metric([name], st.max_lag_s)
+                reann.add_metric([name], st.reannounced_events)
             hashes = CounterMetricFamily("kvtier_daemon_hashes", "Hash announcements applied",
                                          labels=["op"])
             hashes.add_metric(["stored"], idx.stores)
             hashes.add_metric(["removed"], idx.removals)
             hashes.add_metric(["unknown_removed"], idx.unknown_removals)
             hashes.add_metric(["dropped_capacity"], idx.dropped_capacity)
+            hashes.add_metric(["expired"], idx.expired)
             total = GaugeMetricFamily("kvtier_daemon_index_entries_total",
                                       "Resident (residency key, hash) entries")
             total.add_metric([], idx.n_entries)
-            src_metrics = {
-                "gaps": ("kvtier_daemon_gaps", "Sequence gaps detected"),
-                "missing_batches": ("kvtier_daemon_gap_batches_unrepaired",
-                                    "Batches lost in gaps that replay could not repair"),
-                "repaired_batches": ("kvtier_daemon_gap_batches_repaired",
-                                     "Batches recovered by replay"),
-                "replays_requested": ("kvtier_daemon_replays", "Replay requests sent"),
-                "replay_timeouts": ("kvtier_daemon_replay_timeouts", "Replays that timed out"),
-                "idle_probes": ("kvtier_daemon_idle_probes", "Replay probes sent while idle"),
-                "probe_timeouts": ("kvtier_daemon_probe_timeouts", "Idle probes unanswered"),
-                "duplicates": ("kvtier_daemon_duplicate_batches", "Duplicate/old batches skipped"),
-                "restarts": ("kvtier_daemon_publisher_restarts", "Publisher restarts seen"),
-                "decode_errors": ("kvtier_daemon_decode_errors", "Payloads that did not decode"),
-                "malformed_frames": ("kvtier_daemon_malformed_frames",
-                                     "Messages with wrong frame layout"),
-            }
             fams = {k: CounterMetricFamily(n, h, labels=["source", "rank"])
-                    for k, (n, h) in src_metrics.items()}
+                    for k, (n, h) in _SOURCE_METRICS.items()}
             for s in d.subscriber.sources:
                 c = vars(s.counters)
                 for k, fam in fams.items():
@@ -266,4 +288,5 @@ class _DaemonCollector(Collector):
                 entries.add_metric([m, k], counts.get((m, k), 0))
         rss = GaugeMetricFamily("kvtier_daemon_rss_bytes", "Resident set size")
         rss.add_metric([], _rss_bytes())
-        yield from (ev, batches, lag, max_lag, hashes, total, entries, rss, *fams.values())
+        yield from (ev, batches, lag, max_lag, reann, hashes, total, entries, rss,
+                    *fams.values())

@@ -62,7 +62,7 @@ class Source:
         self.endpoint = offset_endpoint(cfg.endpoint, rank)
         self.replay_endpoint = (offset_endpoint(cfg.replay_endpoint, rank)
                                 if cfg.replay_endpoint else None)
-        self.name = cfg.name or cfg.endpoint
+        self.name = cfg.source_name
         self.topic = cfg.topic.encode()
         self.counters = SourceCounters()
         self._ctx = ctx
@@ -339,6 +339,12 @@ class Subscriber:
             now = time.monotonic()
             for src in self.sources:
                 src.tick(now)
+            self.expire(time.time())
+
+    def expire(self, now: float) -> int:
+        """Drop index entries whose TTL ran out (STORAGE with ``storage_ttl_s``)."""
+        with self.lock:  # look-ups expire entries too
+            return self.ingestor.index.expire(now)
 
     def stop(self) -> None:
         self._stop.set()

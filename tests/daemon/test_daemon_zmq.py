@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.daemon.vllm_required import import_vllm
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.ports import free_port
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = import_vllm("vllm.distributed.kv_events")
 
 B = 16  # physical block size of group 0 in these tests
 
@@ -45,16 +49,54 @@ class DroppingSocket:
         return getattr(self._sock, name)
 
 
+def wait_subscribed(pub: Any, daemon: DaemonProcess, source: int = 0,
+                    timeout: float = 20.0) -> None:
+    """Readiness handshake for a stream without replay: a PUB drops what it sends before the
+    SUB's subscription reaches it, so send one-frame probes on vLLM's own PUB socket until
+    the daemon has received one (it counts them as malformed frames; sequence state, and so
+    every gap/replay counter, is untouched). Call before the first ``publish``: vLLM's
+    publisher thread has not used the socket yet, and ``publish``'s queue hand-off orders
+    our sends before its own."""
+    deadline = time.monotonic() + timeout
+    base = daemon.source(source)["received"]
+    while time.monotonic() < deadline:
+        pub._pub.send_multipart([b"kvtier-test-handshake"])
+        try:
+            daemon.wait_for(lambda s: s["sources"][source]["received"] > base, timeout=0.2,
+                            what="handshake probe")
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"the daemon's SUB never received a probe from {pub._endpoint} "
+                         f"within {timeout} s")
+
+
 class Rig:
-    def __init__(self, replay: bool = True, bind_side: str = "vllm") -> None:
+    def __init__(self, replay: bool = True, bind_side: str = "vllm",
+                 daemon_args: tuple[str, ...] = (),
+                 publisher_keys: dict[str, Any] | None = None) -> None:
+        """``publisher_keys``: more keys of the publisher's config entry (then the daemon
+        gets a config file instead of ``--endpoint``)."""
         self.pub_port, self.replay_port = free_port(), free_port()
         if bind_side == "vllm":  # vLLM binds ('*'), the daemon connects
             vllm_ep = f"tcp://*:{self.pub_port}"
         else:  # vLLM connects, the daemon binds
             vllm_ep = f"tcp://127.0.0.1:{self.pub_port}"
-        spec = vllm_ep + (f",tcp://*:{self.replay_port}" if replay else "")
-        self.daemon = DaemonProcess("--endpoint", spec, "--no-replay-on-start",
-                                    "--replay-timeout", "3")
+        replay_ep = f"tcp://*:{self.replay_port}"
+        self._config: str | None = None
+        if publisher_keys is None:
+            spec = vllm_ep + (f",{replay_ep}" if replay else "")
+            source = ("--endpoint", spec)
+        else:
+            entry = {"endpoint": vllm_ep, **({"replay_endpoint": replay_ep} if replay else {}),
+                     **publisher_keys}
+            fd, path = tempfile.mkstemp(prefix="kvtier-daemon-", suffix=".yaml")
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"publishers": [entry]}, fh)  # JSON is YAML
+            source = ("--config", path)
+            self._config = path
+        self.daemon = DaemonProcess(*source, "--no-replay-on-start",
+                                    "--replay-timeout", "3", *daemon_args)
         self.vllm_ep = vllm_ep
         self.replay = replay
         self.pub: Any = None
@@ -89,6 +131,8 @@ class Rig:
         if self.pub is not None:
             self.pub.shutdown()
         self.daemon.kill()
+        if self._config is not None:
+            os.unlink(self._config)
 
 
 @pytest.fixture
@@ -137,11 +181,13 @@ def test_store_remove_promote_clear_over_real_zmq(rig: Rig) -> None:
     res = d.lookup([11, 12, 13, 142])
     assert res["CPU"]["tokens"] == 32 and res["any"]["tokens"] == 64
 
+    # reset_prefix_cache(): the GPU block pool is emptied; the offloaded CPU copy stays.
     rig.publish(kv_events.AllBlocksCleared())
     s = rig.settle()
     res = d.lookup([11, 12, 13, 142])
-    assert all(v["tokens"] == 0 for v in res.values())
-    assert s["index"]["entries"] == 0
+    assert res["GPU"]["tokens"] == 0 and res["STORAGE"]["tokens"] == 0
+    assert res["CPU"]["tokens"] == res["any"]["tokens"] == 32
+    assert s["index"]["entries"] == 2
     metrics = d.get("/metrics")
     assert 'kvtier_daemon_events_total{publisher="tcp://*:' in metrics
     assert "kvtier_daemon_gaps_total" in metrics
@@ -168,7 +214,7 @@ def test_gap_without_replay_is_counted_unrepaired() -> None:
     r = Rig(replay=False).start()
     try:
         d = r.daemon
-        time.sleep(0.5)  # no replay here: let the SUB finish connecting first
+        wait_subscribed(r.pub, d)  # no replay here: a batch sent before the SUB is ready is lost
         r.publish(stored([1, 2], None))
         r.daemon.wait_for(lambda s: s["sources"][0]["next_seq"] == 1, what="first batch")
         r.pub._pub = DroppingSocket(r.pub._pub, drop={r.seq})
@@ -218,7 +264,8 @@ def test_data_parallel_ranks_are_separate_publishers() -> None:
     pubs = [kv_events.ZmqEventPublisher(data_parallel_rank=r, endpoint=f"tcp://*:{port}")
             for r in (0, 1)]
     try:
-        time.sleep(0.5)  # let both SUB sockets connect (no replay socket in this test)
+        for rank, p in enumerate(pubs):  # no replay socket in this test: both SUBs ready first
+            wait_subscribed(p, d, source=rank)
         # Rank 1's single-hash store arrives first: its kind is undecidable until rank 0's
         # two-hash store teaches the group's block size, which then resolves rank 1's too.
         pubs[1].publish(kv_events.KVEventBatch(ts=time.time(), events=[stored([1], None)]))

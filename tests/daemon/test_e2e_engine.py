@@ -6,6 +6,9 @@
 * tiny hybrid (Mamba + attention), ``prefix_match_unit=32``: the partial entry is PARTIAL
   with the right ``num_tokens`` in every group, never a full block; the fine-grained look-up
   equals vLLM's ``num_cached_tokens`` (which includes the partial hit).
+* tiny Llama with requests in vLLM's ``kv_cache_report_mode="full"`` (a reused prefix is
+  announced again, evicted once): a daemon told the mode answers 0 after the eviction, as
+  vLLM does; one that is not counts the re-announcement.
 """
 
 from __future__ import annotations
@@ -45,29 +48,34 @@ def vllm_chain(llm: Any, token_ids: list[int], unit: int) -> list[int]:
 
 
 class EngineRig:
-    def __init__(self, kwargs_fn: Any, model_dir: Path, daemon_args: list[str]) -> None:
+    def __init__(self, kwargs_fn: Any, model_dir: Path, daemon_args: list[str],
+                 more_daemons: tuple[list[str], ...] = (), **engine: Any) -> None:
+        """``more_daemons``: the flags of further daemons on the same stream."""
         apply_cpu_engine_env()
         self.port, self.replay_port = free_port(), free_port()
-        self.daemon = DaemonProcess(
-            "--endpoint", f"tcp://*:{self.port},tcp://*:{self.replay_port}", *daemon_args)
-        self.daemon.start()
+        self.daemons = [DaemonProcess(
+            "--endpoint", f"tcp://*:{self.port},tcp://*:{self.replay_port}", *args).start()
+            for args in (daemon_args, *more_daemons)]
+        self.daemon = self.daemons[0]
         from vllm import LLM
         from vllm.config import KVEventsConfig
 
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                 endpoint=f"tcp://*:{self.port}",
                                 replay_endpoint=f"tcp://*:{self.replay_port}", topic="")
-        self.llm = LLM(**kwargs_fn(model_dir, kv_events_config=events))
+        self.llm = LLM(**kwargs_fn(model_dir, kv_events_config=events, **engine))
 
-    def run(self, token_ids: list[int]) -> int:
+    def run(self, token_ids: list[int], report_mode: str | None = None) -> int:
         from vllm import SamplingParams
 
-        out = self.llm.generate({"prompt_token_ids": token_ids},
-                                SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        extra = {"kv_cache_report_mode": report_mode} if report_mode else None
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+        out = self.llm.generate({"prompt_token_ids": token_ids}, params, use_tqdm=False)
         return out[0].num_cached_tokens
 
-    def settle(self) -> dict[str, Any]:
+    def settle(self, daemon: DaemonProcess | None = None) -> dict[str, Any]:
         """Wait until the daemon has applied every batch vLLM has published so far."""
+        daemon = daemon or self.daemon
         pub = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -75,15 +83,16 @@ class EngineRig:
                 time.sleep(0.02)
                 continue
             published = pub._buffer[-1][0] + 1 if pub._buffer else 0
-            s = self.daemon.stats()
+            s = daemon.stats()
             src = s["sources"][0]
             if src["next_seq"] == published and not src["replaying"]:
                 return s
             time.sleep(0.05)
-        raise AssertionError(f"daemon did not catch up: {self.daemon.stats()}")
+        raise AssertionError(f"daemon did not catch up: {daemon.stats()}")
 
     def close(self) -> None:
-        self.daemon.kill()
+        for d in self.daemons:
+            d.kill()
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: S110 - best-effort teardown of an in-process engine
@@ -170,5 +179,39 @@ def test_hybrid_partial_entries_are_partial_with_right_num_tokens(tiny_hybrid_di
                                              "partial": True}
         assert looked_coarse["GPU"] == {"tokens": 64, "full_blocks": 1, "partial": False}
         assert s["index"]["by_medium_kind"].get("GPU/PARTIAL", 0) >= len(groups)
+    finally:
+        rig.close()
+
+
+def test_llama_full_report_mode_reannouncements_leave_no_stale_entries(
+        tiny_llama_dir: Path) -> None:
+    # 12 blocks of 32 tokens: four 100-token fillers evict the first prompt's blocks.
+    rig = EngineRig(llama_engine_kwargs, tiny_llama_dir, [],
+                    (["--kv-cache-report-mode", "full"],),
+                    num_gpu_blocks_override=12, max_model_len=256)
+    try:
+        plain, told = rig.daemons
+        prompt = list(range(10, 110))  # 3 full blocks of 32
+        assert rig.run(prompt, "full") == 0
+        assert rig.run(prompt, "full") == 96  # reused: vLLM announces the 3 blocks again
+        for i in range(4):
+            rig.run(list(range(110 + 100 * i, 210 + 100 * i)), "full")  # vocabulary: 512
+        chain = vllm_chain(rig.llm, prompt, 32)
+        stats = {d: rig.settle(d) for d in rig.daemons}
+        looked = {d: d.lookup(chain)["GPU"]["tokens"] for d in rig.daemons}
+        cached = rig.run(prompt)  # what vLLM itself has left of it
+        assert cached == 0  # evicted by the fillers (each block removed once)
+        assert looked[told] == cached  # told the mode: nothing stale
+        pubs = {d: next(iter(stats[d]["publishers"].values())) for d in rig.daemons}
+        print(f"KVTIER-FULL-MODE vllm_cached={cached} told={looked[told]} "
+              f"plain={looked[plain]} reannounced={pubs[plain]['reannounced_events']} "
+              f"removed_events={pubs[plain]['removed_events']} "
+              f"entries_told={stats[told]['index']['entries']} "
+              f"entries_plain={stats[plain]['index']['entries']}")
+        for d in rig.daemons:
+            assert pubs[d]["reannounced_events"] >= 1  # detected either way
+        # Not told: the re-announcement's reference outlives the eviction (documented; the
+        # daemon warns and counts it instead).
+        assert looked[plain] == 96
     finally:
         rig.close()

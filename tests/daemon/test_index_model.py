@@ -4,8 +4,10 @@ A world of prompts hashed like vLLM (one chain hash per ``U`` tokens; a full blo
 ``B`` tokens is named by the hash at its end). Several publishers announce full chunks,
 partial entries, repeats, out-of-order children, removals (known and unknown), clears and
 partial->full promotions, interleaved at random. After every step the index's refcounts
-equal the reference multiset and look-ups equal (configured block size) or never exceed
-(learned block size) the reference answer.
+equal the reference (a multiset where residency is refcounted: GPU; a set where it is one
+entry per key: CPU and STORAGE, and GPU of ``pubB``, configured as
+``kv_cache_report_mode: full``), and look-ups equal (configured block size) or never exceed
+(learned block size) the reference answer. ``AllBlocksCleared`` clears GPU only.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from connector.classify import Classifier, GroupSizes
 from connector.events import BlockRemoved, BlockStored
-from connector.index import ANY, KVIndex
+from connector.index import ANY, KVIndex, ResidencyPolicy
 
 U = 8  # hash unit (prefix_match_unit)
 B = 32  # physical block size of group 0
 PROMPT_UNITS = 12  # prompts of 96 tokens: 3 blocks
 PUBS = ("pubA#dp0", "pubA#dp1", "pubB#dp0")
 MEDIA = ("GPU", "CPU", "STORAGE")
+SET_MEDIA = {"pubA": {"CPU", "STORAGE"}, "pubB": {"GPU", "CPU", "STORAGE"}}
+
+
+def is_set(pub: str, medium: str) -> bool:
+    return medium in SET_MEDIA[pub.split("#")[0]]
 
 
 def chain(prompt: int) -> list[int]:
@@ -50,7 +57,7 @@ class IndexModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         sizes = GroupSizes({0: B} if self.configured else None)
-        self.index = KVIndex(sizes)
+        self.index = KVIndex(sizes, policy=ResidencyPolicy(by_source=SET_MEDIA))
         self.classifier = Classifier(sizes, self.index)
         self.ref: dict[tuple[str, str], Counter[int]] = {}
         self.truth_kind: dict[int, str] = {}
@@ -63,6 +70,18 @@ class IndexModel(RuleBasedStateMachine):
     def _ref(self, pub: str, medium: str) -> Counter[int]:
         return self.ref.setdefault((pub, medium), Counter())
 
+    def _announce(self, pub: str, medium: str, hashes: list[int]) -> None:
+        c = self._ref(pub, medium)
+        for h in hashes:
+            c[h] = 1 if is_set(pub, medium) else c[h] + 1
+
+    def _removed(self, pub: str, medium: str, hashes: list[int]) -> None:
+        c = self.ref[(pub, medium)]
+        for h in hashes:
+            c[h] = 0 if is_set(pub, medium) else c[h] - 1
+            if c[h] == 0:
+                del c[h]
+
     @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
           prompt=st.sampled_from(list(PROMPTS)), start=st.integers(0, 2),
           nblocks=st.integers(1, 3))
@@ -72,7 +91,7 @@ class IndexModel(RuleBasedStateMachine):
         parent = hash_at(prompt, start * B) if start else None
         self._apply(pub, BlockStored(hashes, parent, [0] * (B * nblocks), B, None, medium,
                                      None, group_idx=0))
-        self._ref(pub, medium).update(hashes)
+        self._announce(pub, medium, hashes)
         for h in hashes:
             self.truth_kind[h] = "FULL"
 
@@ -86,7 +105,7 @@ class IndexModel(RuleBasedStateMachine):
         parent = hash_at(prompt, tokens - U) if tokens > U else None
         self._apply(pub, BlockStored([h], parent, [0] * U, U, None, medium, None,
                                      group_idx=0))
-        self._ref(pub, medium)[h] += 1
+        self._announce(pub, medium, [h])
         self.truth_kind[h] = "PARTIAL"
 
     @precondition(lambda self: any(self.ref.values()))
@@ -98,10 +117,7 @@ class IndexModel(RuleBasedStateMachine):
         hashes = data.draw(st.lists(st.sampled_from(sorted(c)), min_size=1, max_size=4,
                                     unique=True))
         self._apply(pub, BlockRemoved(hashes, medium, group_idx=0))
-        for h in hashes:
-            c[h] -= 1
-            if c[h] == 0:
-                del c[h]
+        self._removed(pub, medium, hashes)
 
     @precondition(lambda self: any(self.ref.values()))
     @rule(data=st.data(), stranger=st.integers(1, 2**64 - 1))
@@ -117,10 +133,7 @@ class IndexModel(RuleBasedStateMachine):
         before = self.index.unknown_removals
         self._apply(pub, BlockRemoved([*hashes, stranger], medium, group_idx=0))
         assert self.index.unknown_removals == before + 1
-        for h in hashes:
-            c[h] -= 1
-            if c[h] == 0:
-                del c[h]
+        self._removed(pub, medium, hashes)
 
     @rule(pub=st.sampled_from(PUBS), medium=st.sampled_from(MEDIA),
           h=st.integers(1, 2**64 - 1))
@@ -142,17 +155,15 @@ class IndexModel(RuleBasedStateMachine):
         if c[hp] == 0:
             self.store_partial(pub, medium, prompt, partial_tokens // U)
         self._apply(pub, BlockRemoved([hp], medium, group_idx=0))
-        c[hp] -= 1
-        if c[hp] == 0:
-            del c[hp]
+        self._removed(pub, medium, [hp])
         self.store_full(pub, medium, prompt, block, 1)
 
     @rule(pub=st.sampled_from(PUBS))
     def clear(self, pub: str) -> None:
         run = self.classifier.classify(pub, _cleared())
         self.index.apply(run)
-        for key in [k for k in self.ref if k[0] == pub]:
-            del self.ref[key]
+        for key in [k for k in self.ref if k[0] == pub and k[1] == "GPU"]:
+            del self.ref[key]  # vLLM's GPU reset: the publisher's CPU/STORAGE copies stay
 
     @invariant()
     def refcounts_match(self) -> None:

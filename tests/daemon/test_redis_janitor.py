@@ -323,10 +323,28 @@ def test_concurrent_writer_never_loses_a_good_value(redis_url: str, key_prefix: 
     good = {name(key_prefix, k): codec.encode_bytes(k, os.urandom(32)) for k in keys}
     stop = threading.Event()
     janitor = RedisJanitor(redis_url, key_prefix, scan_count=10, max_keys_per_s=1e9)
+    finished = threading.Condition()
+    done = [0]  # passes finished by the thread below
+    errors: list[BaseException] = []
 
     def passes() -> None:
-        while not stop.is_set():
-            janitor.run_pass()
+        try:
+            while not stop.is_set():
+                janitor.run_pass()
+                with finished:
+                    done[0] += 1
+                    finished.notify_all()
+        except BaseException as exc:  # re-raised by the test below
+            errors.append(exc)
+            with finished:
+                finished.notify_all()
+
+    def wait_passes_after(seen: int, more: int) -> None:
+        """Block until ``more`` passes finished after ``seen`` (a deadline, not a window)."""
+        with finished:
+            ok = finished.wait_for(lambda: errors or done[0] >= seen + more, timeout=30)
+        assert not errors, errors
+        assert ok, f"janitor passes stalled at {done[0]}"
 
     t = threading.Thread(target=passes)
     t.start()
@@ -342,13 +360,20 @@ def test_concurrent_writer_never_loses_a_good_value(redis_url: str, key_prefix: 
             for n, v in good.items():
                 pipe.set(n, v)
             pipe.execute()
-            time.sleep(0.01)  # a delete judged on the bad value would land by now
+            with finished:
+                seen = done[0]
+            # Every pass that could have judged a bad value started before the good ones
+            # were written, so it has finished (its deletes landed) once one more has.
+            wait_passes_after(seen, 1)
             now = wclient.mget(list(good))
             lost += sum(got != v for got, v in zip(now, good.values(), strict=True))
-        time.sleep(0.2)  # let passes run over the good values
+        with finished:
+            seen = done[0]
+        wait_passes_after(seen, 2)  # passes over the good values only
     finally:
         stop.set()
         t.join(30)
+    assert not errors, errors
     assert lost == 0  # a good value stored after a bad one was never deleted
     assert janitor.run_pass()
     assert {n: client.get(n) for n in good} == good

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from connector.token_hashing import ALGORITHMS, TokenHasher
+from tests.daemon.vllm_required import import_vllm
 
-kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
-hashing = pytest.importorskip("vllm.utils.hashing")
+kcu = import_vllm("vllm.v1.core.kv_cache_utils")
+hashing = import_vllm("vllm.utils.hashing")
 
 
 @pytest.mark.parametrize("algo", sorted(ALGORITHMS))

@@ -6,8 +6,9 @@ import msgspec
 import pytest
 
 from connector import events as ours
+from tests.daemon.vllm_required import import_vllm
 
-kv = pytest.importorskip("vllm.distributed.kv_events")
+kv = import_vllm("vllm.distributed.kv_events")
 
 
 def vllm_batch() -> object:
