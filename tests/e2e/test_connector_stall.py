@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 LONG = prompt_words(71, 600)   # restored from Redis: 18 full blocks
 DECODE = prompt_words(72, 20)  # the decoding stream's prompt
 SHORT = prompt_words(73, 40)   # no hit anywhere
-LATENCY_S = 0.4  # per forwarded chunk, each way
+LATENCY_S = 0.15  # per forwarded chunk (up to 64 KiB), each way
 
 
 async def stream(client: httpx.AsyncClient, server: OpenAIServer, prompt: str,
@@ -63,8 +63,8 @@ async def warm_up(server: OpenAIServer) -> None:
 
 async def race(server: OpenAIServer) -> dict[str, Any]:
     async with httpx.AsyncClient() as client:
-        decode = asyncio.create_task(stream(client, server, DECODE, 160))
-        await asyncio.sleep(1.0)  # A starts once D is streaming
+        decode = asyncio.create_task(stream(client, server, DECODE, 900))
+        await asyncio.sleep(0.5)  # A starts once D is streaming
         assert not decode.done(), "the decoding stream ended before the race began"
         restore = asyncio.create_task(stream(client, server, LONG, 4))
         await asyncio.sleep(0.05)
