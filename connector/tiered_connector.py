@@ -66,6 +66,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.connector")
 
+#: ``ownership`` of kvtier's own KV events ("secondary offloading tier identifier" in
+#: vLLM's schema), so consumers tell its CPU/STORAGE announcements from vLLM's.
+EVENT_OWNERSHIP = "kvtier"
+
 PIPELINE_UNSUPPORTED = (
     "TieredOffloadingConnector does not support pipeline_parallel_size={pp} yet (each stage "
     "would hold a different set of layers). Fix: use tensor_parallel_size and/or "
@@ -373,7 +377,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         block_hash = maybe_convert_block_hash(key.block_hash)
         if not change.stored:
             return BlockRemoved(block_hashes=[block_hash], medium=change.medium,
-                                group_idx=key.group)
+                                group_idx=key.group, ownership=EVENT_OWNERSHIP)
         assert self.scheduler is not None
         info = self.scheduler.event_info.get(key)
         if info is None:
@@ -383,7 +387,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             block_hashes=[block_hash], parent_block_hash=parent,
             token_ids=list(info.token_ids), block_size=info.block_size, lora_id=None,
             medium=change.medium, lora_name=None, group_idx=key.group,
-            kv_cache_spec_kind=spec_kind,
+            kv_cache_spec_kind=spec_kind, ownership=EVENT_OWNERSHIP,
         )
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

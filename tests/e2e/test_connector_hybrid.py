@@ -199,6 +199,7 @@ def test_events_shaped_as_vllm_shapes_them(run: dict[str, Any]) -> None:
     mamba = [e for e in stored if e.kv_cache_spec_kind == "mamba"]
     assert mamba and all(e.token_ids == [] and e.block_size == 0 for e in mamba)
     assert {e.medium for e in stored} == {"CPU", "STORAGE"}
+    assert {e.ownership for e in stored} == {"kvtier"}  # told apart from vLLM's own
 
 
 def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
