@@ -1,0 +1,468 @@
+"""kvtier's Redis tier driven through vLLM's own TieringOffloadingManager, on the CPU.
+
+The manager is built the way vLLM builds it: ``TieringOffloadingSpec(config).get_manager()``
+loads the tier by ``type`` + ``module_path`` through ``SecondaryTierFactory``. The test plays
+the GPU side: it writes each chunk's bytes into the primary tier's row (as the worker's
+GPU->CPU copy would) and completes the store; the manager cascades to the Redis tier.
+Synchronisation is the tier's own contract: ``drain_jobs()`` returns once every submitted
+job's result is available; an existence check is awaited with a deadline on its result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from connector.native_tier import KvtierRedisTier  # noqa: E402
+from connector.native_tier_config import NativeTierConfigError  # noqa: E402
+from offload_tiers import codec  # noqa: E402
+
+BLOCK_BYTES = 8192  # worker KV bytes per block: one page-aligned chunk row
+TOKENS = 32
+STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+_ids = itertools.count()
+
+
+def make_spec(redis_url: str, prefix: str, *, chunks: int = 4, events: bool = True,
+              model: str = "tiny-llama", dtype: str = "float32", tp_size: int = 1,
+              engine: str | None = None, **tier: Any) -> TieringOffloadingSpec:
+    entry = {"type": "KvtierRedisTier", "module_path": "connector.native_tier",
+             "redis_url": redis_url, "redis_prefix": prefix, **tier}
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=events,
+        extra_config={"cpu_bytes_to_use": chunks * BLOCK_BYTES, "secondary_tiers": [entry]},
+        engine_id=engine or f"kvtier-test-{uuid.uuid4().hex[:10]}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True))
+    return TieringOffloadingSpec(config)
+
+
+class Engine:
+    """One TieringOffloadingManager with kvtier's tier, and the test playing the GPU."""
+
+    def __init__(self, spec: TieringOffloadingSpec) -> None:
+        self.spec = spec
+        self.manager = spec.get_manager()
+        self.tier: KvtierRedisTier = self.manager.secondary_tiers[0]
+        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())
+
+    def request(self, keys: list[OffloadKey]) -> ReqContext:
+        ctx = ReqContext(req_id=f"req-{next(_ids)}")
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (i + 1) * TOKENS)
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def store(self, ctx: ReqContext, keys: list[OffloadKey]) -> None:
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None
+        for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+            self.rows[cid] = pattern(key)  # the worker's GPU->CPU copy
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.settle()
+
+    def settle(self) -> None:
+        """Let every submitted job finish and the manager take the results."""
+        self.manager.on_schedule_end(STEP)
+        self.tier.drain_jobs()
+        self.manager.on_schedule_end(STEP)
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext, timeout: float = 10.0) -> LookupResult:
+        """A look-up asked again, step after step, until it is no longer RETRY."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.manager.lookup(key, ctx)
+            if result is not LookupResult.RETRY or time.monotonic() > deadline:
+                return result
+            self.manager.on_schedule_end(STEP)
+            time.sleep(0.002)  # poll on the result, bounded by the deadline
+
+    def fetch(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """Look up; on a secondary hit let the promotion run; then the primary's answer."""
+        result = self.lookup(key, ctx)
+        if result is LookupResult.HIT_PENDING:
+            self.settle()
+            result = self.manager.lookup(key, ctx)
+        return result
+
+    def primary_bytes(self, key: OffloadKey, ctx: ReqContext) -> bytes:
+        spec = self.manager.prepare_load([key], ctx)
+        data = self.rows[spec.chunk_ids[0]].tobytes()
+        self.manager.complete_load([key], ctx)
+        return data
+
+    def finish(self, ctx: ReqContext) -> None:
+        self.manager.on_request_finished(ctx)
+
+    def close(self) -> None:
+        if self.spec._manager is not None and not getattr(self, "closed", False):
+            self.closed = True
+            self.rows = None  # the primary region is unmapped on shutdown
+            self.manager.shutdown()
+
+    def lookup_all(self, keys: list[OffloadKey], ctx: ReqContext,
+                   timeout: float = 10.0) -> list[LookupResult]:
+        """All keys looked up in one step, as the scheduler does, until none is RETRY."""
+        deadline = time.monotonic() + timeout
+        while True:
+            results = [self.manager.lookup(k, ctx) for k in keys]
+            if LookupResult.RETRY not in results or time.monotonic() > deadline:
+                return results
+            self.manager.on_schedule_end(STEP)
+            time.sleep(0.002)  # poll on the results, bounded by the deadline
+
+
+def pattern(key: OffloadKey) -> np.ndarray:
+    seed = int.from_bytes(key[:8], "big") % (2**32)
+    return np.random.default_rng(seed).integers(-128, 127, BLOCK_BYTES, dtype=np.int8)
+
+
+def chain(n: int, salt: str = "") -> list[OffloadKey]:
+    base = uuid.uuid4().bytes + salt.encode()
+    return [make_offload_key(base + i.to_bytes(4, "big") + b"\0" * 8, 0) for i in range(n)]
+
+
+@pytest.fixture
+def engines(redis_url: str, key_prefix: str) -> Iterator[Any]:
+    made: list[Engine] = []
+
+    def make(url: str | None = None, **kw: Any) -> Engine:
+        engine = Engine(make_spec(url or redis_url, key_prefix, **kw))
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def stored_names(url: str, prefix: str) -> list[bytes]:
+    return sorted(redis.Redis.from_url(url).scan_iter(match=f"{prefix}:*", count=1000))
+
+
+def name_of(url: str, prefix: str, key: OffloadKey) -> bytes:
+    """The Redis key holding ``key``'s chunk (its name ends with the block hash)."""
+    return next(n for n in stored_names(url, prefix) if n.endswith(key[:-4].hex().encode()))
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)  # poll on the condition, bounded by the deadline
+    return True
+
+
+# ---------------------------------------------------------------------------- store, cascade
+def test_loaded_by_module_path_and_cascades_every_stored_chunk(engines: Any, redis_url: str,
+                                                               key_prefix: str) -> None:
+    eng = engines()
+    assert type(eng.tier).__name__ == "KvtierRedisTier"
+    keys = chain(3)
+    ctx = eng.request(keys)
+    eng.store(ctx, keys)
+    names = stored_names(redis_url, key_prefix)
+    assert len(names) == 3
+    client = redis.Redis.from_url(redis_url)
+    for key in keys:
+        value = client.get(name_of(redis_url, key_prefix, key))
+        fields = codec.parse_header(value)
+        assert fields.magic == b"KVTB" and fields.group == 0
+        assert fields.digest == eng.tier.namespace.digest
+        assert fields.length == BLOCK_BYTES and value[codec.HEADER_SIZE:] == pattern(key).tobytes()
+    # one key per chunk: {prefix}:{fingerprint}:{group}:{hash}
+    assert all(n.decode().split(":")[1] == eng.tier.namespace.fingerprint for n in names)
+    counts = eng.tier.counters()
+    assert counts["stored_chunks"] == 3
+    events = list(eng.manager.take_events())
+    storage = [e for e in events if e.medium is Medium.STORAGE]
+    assert storage and not storage[0].removed
+    assert sorted(k for e in storage for k in e.keys) == sorted(keys)
+    assert storage[0].ownership == "kvtier-redis"
+    eng.finish(ctx)
+
+
+def test_chunk_already_held_is_not_rewritten(engines: Any) -> None:
+    eng = engines(chunks=2)
+    keys = chain(4)
+    ctx = eng.request(keys)
+    eng.store(ctx, keys[:2])
+    eng.store(ctx, keys[2:])  # evicts keys[:2] from the 2-chunk primary
+    ctx2 = eng.request(keys)
+    assert eng.fetch(keys[0], ctx2) is LookupResult.HIT  # promoted back
+    out = eng.manager.prepare_store([keys[0]], ctx2)
+    assert out is not None and not out.keys_to_store  # the primary has it
+    eng.tier.get_stats()
+    job = eng.manager.create_store_job([keys[0]], ctx2)
+    eng.tier.submit_store(job)
+    eng.settle()
+    assert eng.tier.counters()["store_skipped_present"] == 1
+
+
+# ---------------------------------------------------------------------------- promotion, eviction
+def test_evicted_chunk_is_promoted_back_with_its_bytes(engines: Any) -> None:
+    eng = engines(chunks=2)
+    keys = chain(5)
+    ctx = eng.request(keys)
+    for key in keys:
+        eng.store(ctx, [key])  # a 2-chunk primary: older chunks are evicted
+    assert eng.manager.primary_tier.lookup(keys[0], ctx) is LookupResult.MISS
+    ctx2 = eng.request(keys)
+    assert eng.manager.lookup(keys[0], ctx2) is LookupResult.HIT_PENDING  # known: no Redis wait
+    eng.settle()
+    assert eng.manager.lookup(keys[0], ctx2) is LookupResult.HIT
+    assert eng.primary_bytes(keys[0], ctx2) == pattern(keys[0]).tobytes()
+    assert eng.tier.counters()["loaded_chunks"] == 1
+
+
+def test_new_engine_restores_from_redis_after_an_async_check(engines: Any) -> None:
+    first = engines()
+    keys = chain(3)
+    ctx = first.request(keys)
+    first.store(ctx, keys)
+    second = engines()  # another engine: empty primary, knows nothing
+    ctx2 = second.request(keys)
+    assert second.manager.lookup(keys[0], ctx2) is LookupResult.RETRY  # never waits on Redis
+    for key in keys:
+        assert second.fetch(key, ctx2) is LookupResult.HIT
+        assert second.primary_bytes(key, ctx2) == pattern(key).tobytes()
+    counts = second.tier.counters()
+    assert counts["lookup_checked_hits"] == 3 and counts["loaded_chunks"] == 3
+
+
+def test_unknown_chunk_is_a_miss_and_unpositioned_key_is_a_miss(engines: Any) -> None:
+    eng = engines()
+    keys = chain(1)
+    ctx = eng.request(keys)
+    assert eng.lookup(keys[0], ctx) is LookupResult.MISS
+    stray = chain(1)[0]  # no position recorded in this request
+    assert eng.tier.lookup(stray, ctx) is LookupResult.MISS
+    assert eng.tier.counters()["unpositioned_keys"] == 1
+
+
+# ---------------------------------------------------------------------------- bad values
+@pytest.mark.parametrize("how", ["flip", "truncate", "header"])
+def test_bad_value_is_a_miss_and_the_other_keys_still_load(engines: Any, redis_url: str,
+                                                           key_prefix: str, how: str) -> None:
+    first = engines()
+    keys = chain(3)
+    ctx = first.request(keys)
+    first.store(ctx, keys)
+    client = redis.Redis.from_url(redis_url)
+    victim = name_of(redis_url, key_prefix, keys[1])
+    value = bytearray(client.get(victim))
+    if how == "flip":
+        value[codec.HEADER_SIZE + 1234] ^= 0x40
+    elif how == "truncate":
+        value = value[:-100]
+    else:
+        value[10] ^= 0x01
+    client.set(victim, bytes(value))
+
+    second = engines()
+    ctx2 = second.request(keys)
+    # lookups first (as the scheduler does), then one batched promotion of all three
+    results = second.lookup_all(keys, ctx2)
+    if how == "flip":  # the header is intact: the check passes, the load's checksum refuses it
+        assert results == [LookupResult.HIT_PENDING] * 3
+        second.settle()
+        got = [second.manager.lookup(k, ctx2) for k in keys]
+        assert got[0] is LookupResult.HIT and got[2] is LookupResult.HIT
+        assert second.manager.lookup(keys[1], ctx2) is LookupResult.MISS
+        assert second.primary_bytes(keys[2], ctx2) == pattern(keys[2]).tobytes()
+        counts = second.tier.counters()
+        assert counts["loaded_chunks"] == 2 and counts["load_misses"] == 1
+        assert counts["corrupt_values"] == 1
+    else:  # the existence check reads the header and length: a miss before any load
+        assert results[1] is LookupResult.MISS
+        assert results[0] is LookupResult.HIT_PENDING and results[2] is LookupResult.HIT_PENDING
+        assert second.tier.counters()["corrupt_values"] == 1
+
+
+def test_partial_load_reports_successful_keys(engines: Any, redis_url: str,
+                                              key_prefix: str) -> None:
+    first = engines()
+    keys = chain(3)
+    ctx = first.request(keys)
+    first.store(ctx, keys)
+    second = engines()
+    ctx2 = second.request(keys)
+    assert second.lookup_all(keys, ctx2) == [LookupResult.HIT_PENDING] * 3
+    # between the check and the load, another writer leaves a foreign value
+    client = redis.Redis.from_url(redis_url)
+    client.set(name_of(redis_url, key_prefix, keys[2]),
+               client.get(name_of(redis_url, key_prefix, keys[0])))
+    reported: list[Any] = []
+    tier = second.tier
+    original = tier.get_finished_jobs
+
+    def spy() -> list[Any]:
+        out = list(original())
+        reported.extend(out)
+        return out
+
+    tier.get_finished_jobs = spy  # type: ignore[method-assign]
+    second.settle()
+    loads = [r for r in reported if r.successful_keys is not None or not r.success]
+    assert len(loads) == 1 and loads[0].success is False
+    assert set(loads[0].successful_keys) == {keys[0], keys[1]}
+    assert second.manager.lookup(keys[0], ctx2) is LookupResult.HIT
+    assert second.manager.lookup(keys[2], ctx2) is LookupResult.MISS
+
+
+def test_foreign_namespace_is_never_served(engines: Any, redis_url: str) -> None:
+    keys = chain(2)
+    writer = engines(model="tiny-llama")
+    ctx = writer.request(keys)
+    writer.store(ctx, keys)
+    for other in (dict(model="another-model"), dict(dtype="bfloat16"), dict(tp_size=2)):
+        reader = engines(**other)
+        assert reader.tier.namespace.fingerprint != writer.tier.namespace.fingerprint
+        ctx2 = reader.request(keys)
+        assert reader.lookup(keys[0], ctx2) is LookupResult.MISS
+
+
+# ---------------------------------------------------------------------------- Redis faults
+def test_killed_redis_gives_misses_and_counted_drops_then_recovers(engines: Any,
+                                                                   redis_server: Any) -> None:
+    eng = engines(url=redis_server.url, chunks=8, redis_timeout_s=0.3)
+    keys = chain(4)
+    ctx = eng.request(keys)
+    eng.store(ctx, keys[:2])
+    assert eng.tier.counters()["stored_chunks"] == 2
+    redis_server.kill()
+    started = time.monotonic()
+    eng.store(ctx, keys[2:])  # Redis gone: the cascade fails fast, counted
+    assert time.monotonic() - started < 5
+    eng.tier.get_stats()  # drain counters so far
+    later = chain(1)
+    eng.store(eng.request(later), later)
+    counts = eng.tier.counters()
+    assert counts.get("stored_chunks", 0) == 0
+    assert counts.get("store_drops", 0) + counts.get("store_failures", 0) >= 1
+    other = engines(url=redis_server.url, chunks=8)
+    ctx2 = other.request(keys)
+    assert other.lookup(keys[0], ctx2) is LookupResult.MISS  # unavailable: a miss, no wait
+    redis_server.start()  # empty again, same port
+    # the Redis writer thread's probe reconnects (exponential backoff, at most 5 s)
+    assert wait_until(lambda: eng.tier.redis.available, 15)
+    fresh = chain(1)
+    ctx3 = eng.request(fresh)
+    eng.tier.get_stats()
+    eng.store(ctx3, fresh)
+    assert eng.tier.counters()["stored_chunks"] == 1
+
+
+def test_paused_redis_bounds_drain_and_lookups(engines: Any, redis_server: Any) -> None:
+    first = engines(url=redis_server.url, redis_timeout_s=0.3)
+    keys = chain(3)
+    ctx = first.request(keys)
+    first.store(ctx, keys)
+    second = engines(url=redis_server.url, redis_timeout_s=0.3)
+    ctx2 = second.request(keys)
+    assert second.lookup_all(keys, ctx2) == [LookupResult.HIT_PENDING] * 3
+    redis_server.pause()
+    try:
+        second.manager.on_schedule_end(STEP)  # submits the promotion
+        started = time.monotonic()
+        second.tier.drain_jobs()
+        assert time.monotonic() - started < 3  # one socket timeout, not forever
+        second.manager.on_schedule_end(STEP)
+        assert second.manager.lookup(keys[0], ctx2) is LookupResult.MISS
+        assert second.tier.counters()["load_misses"] == 3
+        started = time.monotonic()
+        second.close()
+        assert time.monotonic() - started < 5
+    finally:
+        redis_server.resume()
+
+
+def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any) -> None:
+    from tests.support.redis_server import RedisServer
+
+    right = "r1ght-pw-" + uuid.uuid4().hex[:6]
+    wrong = "wr0ng-pw-" + uuid.uuid4().hex[:6]
+    server = RedisServer(tmp_path / "auth", password=right).start()
+    try:
+        with caplog.at_level("DEBUG"):
+            good = engines(url=server.url)
+            keys = chain(1)
+            good.store(good.request(keys), keys)
+            assert good.tier.counters()["stored_chunks"] == 1
+            bad = engines(url=server.url.replace(right, wrong))
+            assert not bad.tier.redis.available
+            assert bad.lookup(keys[0], bad.request(keys)) is LookupResult.MISS
+        for secret in (right, wrong):
+            assert secret not in caplog.text
+            assert secret not in bad.tier.redis.last_error
+            assert secret not in repr(bad.tier.settings.describe())
+        assert "authentication" in bad.tier.redis.last_error.lower()
+        with pytest.raises(NativeTierConfigError) as err:
+            make_spec(f"bogus://:{right}@h/0", "p").get_manager()
+        assert right not in str(err.value)
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- settings
+@pytest.mark.parametrize(("entry", "needle"), [
+    ({"redis_urll": "redis://x"}, "redis_urll: unknown setting"),
+    ({"io_threads": 0}, "io_threads"),
+    ({"redis_timeout_s": -1}, "redis_timeout_s"),
+    ({"locality": "MARS"}, "locality"),
+])
+def test_bad_settings_name_the_key_and_the_fix(redis_url: str, entry: dict[str, Any],
+                                               needle: str) -> None:
+    from connector.native_tier_config import load_native_settings
+
+    base = {"redis_url": redis_url}
+    base.update(entry)
+    if "redis_urll" in entry:
+        base.pop("redis_url")
+    with pytest.raises(NativeTierConfigError) as err:
+        load_native_settings(base)
+    assert needle in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_importing_offload_tiers_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, offload_tiers.redis_tier, offload_tiers.codec, "
+            "connector.native_tier_config; print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
