@@ -197,6 +197,15 @@ def test_hybrid_batched_requests_hit_with_identical_output(tiny_hybrid_dir: Any)
     print("KVTIER-HYBRID-BATCH", {"hit_delta": hit, "num_cached": cached,
                                   "baseline": [base["runs"][f"hit/{i}"]["num_cached_tokens"]
                                                for i in range(len(HIT))]})
-    assert hit.get("hit_tokens_cpu", 0) > 0 and hit.get("hit_requests", 0) >= 2
+    baseline = [base["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+    # Every request gets a prefix hit, never less than vLLM alone finds; each one that
+    # gets more than vLLM alone is kvtier's restore (the others' hits are vLLM's own,
+    # from a batch-mate restored in the same step).
+    assert all(c > 0 for c in cached), cached
+    assert all(c >= b for c, b in zip(cached, baseline, strict=True))
+    extended = sum(c > b for c, b in zip(cached, baseline, strict=True))
+    assert hit.get("hit_requests", 0) >= extended > 0
+    assert hit.get("hit_tokens_cpu", 0) >= sum(
+        c - b for c, b in zip(cached, baseline, strict=True))
     assert kv["stats"]["load_errors"] == 0
     assert kv["cpu_tier"]["pinned"] == 0 and kv["cpu_tier"]["reserved"] == 0

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from connector.engine_presets import TP2_ENV
@@ -230,6 +231,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             outputs.append(fault_step(step, proxy, stats, poke))
             continue
         gen(step[1], step[2], step[3] if len(step) > 3 else None)
+    if extra is not None:
+        # Settle: background writes report, and the CPU-tier gauges (refreshed at most once
+        # a second) describe the tier at rest.
+        poke()
+        time.sleep(1.1)
+        poke()
+        poke()
     full = stats() if extra is not None else {}
     if proxy is not None:
         proxy.stop()
