@@ -11,8 +11,10 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
   tier's own I/O threads with ``get_many_into``, straight into the primary tier's rows,
   validated there. Results are picked up by ``get_finished_jobs``.
 * One Redis key per chunk, with kvtier's self-checking header: the namespace fingerprint
-  covers the model, weights version, KV dtype, the offloading layout (groups, chunk size,
-  row bytes, canonical/direct, replicated) and the parallel shape (TP/PP/CP sizes, rank).
+  covers the model (name or ``model_id``, the digest of a local checkpoint's
+  ``config.json``), ``weights_version``, the KV-cache dtype, the offloading layout (groups
+  and their layers, chunk size, row bytes, canonical/direct, replicated) and the parallel
+  shape (TP/PP/CP sizes, world size, rank). A chunk row holds every TP rank's share.
   A corrupt, foreign or truncated value is a miss; a failed load reports the keys that did
   load (``successful_keys``) and the rest become misses.
 * A chunk key carries what its hash covers: ``num_tokens`` is the end position vLLM records
@@ -29,6 +31,7 @@ This module imports vLLM (it is loaded by vLLM); ``offload_tiers`` stays vLLM-fr
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -36,6 +39,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -105,7 +110,6 @@ def namespace_for(spec: OffloadingSpec, settings: NativeTierSettings, row_bytes:
     """Everything that must match for a stored chunk row to be valid in another engine."""
     cfg = spec.config
     par = cfg.parallel
-    model_dtype, arch = _engine_model_facts()
     groups = ";".join(f"g{g.group_id}:t{g.tokens_per_block}:l{len(g.layer_names)}:"
                       f"{','.join(g.layer_names)}" for g in cfg.groups)
     layout = (f"native-tiering|kv_layout={cfg.kv_cache_layout}|canonical={cfg.canonical_layout}"
@@ -116,29 +120,25 @@ def namespace_for(spec: OffloadingSpec, settings: NativeTierSettings, row_bytes:
                 f"|dcp={par.dcp_size}")
     return Namespace(
         model=f"{settings.model_id or cfg.model.name}#weights={settings.weights_version}"
-              f"#arch={arch}",
-        dtype=f"model={model_dtype}/kv={cfg.model.dtype}",
+              f"#arch={_architecture(cfg.model.name)}",
+        dtype=f"kv={cfg.model.dtype}",
         kv_layout=f"{layout}|{parallel}",
         block_size=cfg.cache.blocks_per_chunk * max(g.tokens_per_block for g in cfg.groups),
         tp_rank=par.rank, tp_size=par.tp_size,
     )
 
 
-def _engine_model_facts() -> tuple[str, str]:
-    """The model dtype and architecture digest from vLLM's current config, if one is set."""
+def _architecture(model: str) -> str:
+    """A digest of the model's ``config.json`` when ``model`` is a local checkpoint, else
+    ``hub`` (the name then identifies it; ``weights_version`` tells revisions apart)."""
     from connector.namespace import architecture_digest
 
+    path = Path(model) / "config.json"
     try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        vllm_config = get_current_vllm_config_or_none()
-    except Exception:  # an older vLLM: the KV dtype and the layout still separate engines
-        vllm_config = None
-    model = getattr(vllm_config, "model_config", None)
-    if model is None:
-        return "unknown", "unknown"
-    return (str(model.dtype).replace("torch.", ""),
-            architecture_digest(getattr(model, "hf_config", None)))
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "hub"
+    return architecture_digest(SimpleNamespace(to_dict=lambda: data))
 
 
 class _ExistenceChecks(AsyncLookupManager):

@@ -1,0 +1,125 @@
+"""End to end: vLLM's OffloadingConnector + TieringOffloadingSpec + kvtier's Redis tier, on a
+real vLLM CPU engine (tiny Llama, vLLM's default executors).
+
+vLLM's stock tiering worker refuses the CPU platform, so the spec is
+``CpuTieringOffloadingSpec`` (``benchmarks/peers/native_tiering_cpu.py``): the same
+``TieringOffloadingSpec`` (manager, secondary tiers, shared primary region) with a CPU
+copy worker. Engines, one at a time, each in its own process:
+
+  baseline   vLLM alone
+  first      native + kvtier tier: computes A and B, cascades them to Redis
+  second     a NEW engine on the same Redis: restores A's prefix from Redis
+  damaged    a new engine after every value was damaged in Redis (flipped bytes, values
+             of other keys): misses, recomputes, same outputs
+  down       a new engine whose Redis does not answer: misses and counted drops
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from benchmarks.native_tier_engine import run_in_subprocess
+from connector.tiny_models import prompt_words
+from tests.support.connector_runner import corrupt_redis
+from tests.support.ports import free_port
+from tests.support.redis_keys import scratch_prefix
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_A = prompt_words(21, 150)  # 4 full chunks of 32 tokens + a tail
+PROMPT_B = prompt_words(22, 140)
+A2 = PROMPT_A + " w5 w6"
+POKE = prompt_words(23, 40)
+N = "vllm:kvtier_native_"
+
+
+def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+@pytest.fixture(scope="module")
+def prefix(redis_url: str) -> Iterator[str]:
+    with scratch_prefix(redis_url) as name:
+        yield name
+
+
+def kvtier(redis_url: str, prefix: str, prompts: list[list[Any]], **tier: Any) -> dict[str, Any]:
+    return run_in_subprocess({"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix,
+                              "prompts": prompts, "tier": tier})
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
+    return by_name(run_in_subprocess({"mode": "none", "prompts": [
+        ["A1", PROMPT_A], ["B1", PROMPT_B], ["A2", A2]]}))
+
+
+@pytest.fixture(scope="module")
+def first(baseline: Any, redis_url: str, prefix: str) -> dict[str, Any]:
+    return kvtier(redis_url, prefix, [["A1", PROMPT_A], ["B1", PROMPT_B], ["poke", POKE]])
+
+
+@pytest.fixture(scope="module")
+def second(first: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
+    return kvtier(redis_url, prefix, [["A2", A2]])
+
+
+@pytest.fixture(scope="module")
+def damaged(second: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
+    damage = corrupt_redis(redis_url, prefix)
+    result = kvtier(redis_url, prefix, [["B1", PROMPT_B]])
+    result["damage"] = damage
+    return result
+
+
+def test_first_engine_cascades_its_chunks_to_redis(first: dict[str, Any], baseline: Any,
+                                                   redis_url: str, prefix: str) -> None:
+    outs = by_name(first)
+    for name in ("A1", "B1"):
+        assert outs[name]["token_ids"] == baseline[name]["token_ids"]
+    m = first["metrics"]
+    assert m[N + "stored_chunks"] >= 8  # A and B: 4 full chunks each
+    assert m.get(N + "store_drops", 0) == 0 and m.get(N + "store_failures", 0) == 0
+    assert m[N + "redis_available"] == 1
+    keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
+    assert len(keys) >= 8
+    assert len({k.split(b":")[1] for k in keys}) == 1  # one namespace fingerprint
+
+
+def test_new_engine_restores_the_prefix_from_redis(second: dict[str, Any],
+                                                   baseline: Any) -> None:
+    out = by_name(second)["A2"]
+    assert out["token_ids"] == baseline["A2"]["token_ids"]  # identical to vLLM alone
+    assert out["num_cached_tokens"] >= 128  # 4 chunks of 32 came back
+    m = second["metrics"]
+    assert m[N + "loaded_chunks"] >= 4
+    assert m[N + "lookup_checked_hits"] >= 4  # a new engine knows nothing: it asked Redis
+    assert m["vllm:kv_offload_tiering_chunk_hits"] >= 4
+    assert m.get(N + "load_misses", 0) == 0 and m.get(N + "unpositioned_keys", 0) == 0
+
+
+def test_damaged_values_are_misses_and_outputs_stay_identical(damaged: dict[str, Any],
+                                                              baseline: Any) -> None:
+    assert damaged["damage"]["flipped"] + damaged["damage"]["swapped"] >= 8
+    out = by_name(damaged)["B1"]
+    assert out["token_ids"] == baseline["B1"]["token_ids"]
+    m = damaged["metrics"]
+    assert m.get(N + "loaded_chunks", 0) == 0
+    assert m[N + "corrupt_values"] >= 1
+    assert out["num_cached_tokens"] == 0
+
+
+def test_redis_down_gives_misses_and_counted_drops(damaged: dict[str, Any], baseline: Any,
+                                                   prefix: str) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = kvtier(dead, prefix, [["A1", PROMPT_A], ["poke", POKE]], redis_timeout_s=0.2)
+    out = by_name(result)["A1"]
+    assert out["token_ids"] == baseline["A1"]["token_ids"]
+    m = result["metrics"]
+    assert m[N + "redis_available"] == 0
+    assert m.get(N + "stored_chunks", 0) == 0
+    assert m[N + "store_drops"] + m.get(N + "store_failures", 0) >= 4
