@@ -44,8 +44,17 @@ def test_import_does_not_pull_in_vllm_or_torch(module: str) -> None:
 
 
 def test_connector_attribute_is_the_vllm_connector_class() -> None:
-    """``kv_connector_module_path="connector"`` resolves the class lazily."""
-    import connector
+    """``kv_connector_module_path="connector"`` resolves, as vLLM resolves it (import the
+    module, getattr the name), to the connector class itself (this imports vLLM)."""
+    import importlib
 
-    with pytest.raises(AttributeError):
-        _ = connector.NoSuchThing  # type: ignore[attr-defined]
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from connector import tiered_connector
+
+    kv_connector, kv_connector_module_path = "TieredOffloadingConnector", "connector"
+    cls = getattr(importlib.import_module(kv_connector_module_path), kv_connector)
+    assert cls is tiered_connector.TieredOffloadingConnector
+    assert issubclass(cls, KVConnectorBase_V1)
+    with pytest.raises(AttributeError, match="module 'connector' has no attribute 'NoSuchThing'"):
+        _ = importlib.import_module("connector").NoSuchThing
