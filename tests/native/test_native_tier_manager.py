@@ -466,3 +466,49 @@ def test_importing_offload_tiers_does_not_import_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------- janitor, namespace
+def test_janitor_keeps_the_tier_s_values_and_removes_a_damaged_one(engines: Any, redis_url: str,
+                                                                   key_prefix: str) -> None:
+    from connector.daemon.redis_janitor import RedisJanitor
+
+    eng = engines()
+    keys = chain(3)
+    eng.store(eng.request(keys), keys)
+    client = redis.Redis.from_url(redis_url)
+    victim = name_of(redis_url, key_prefix, keys[1])
+    value = bytearray(client.get(victim))
+    value[40] ^= 0xFF  # the header's hash tag: contradicts the key name
+    client.set(victim, bytes(value))
+    janitor = RedisJanitor(redis_url, key_prefix)
+    assert janitor.run_pass() is True
+    left = set(stored_names(redis_url, key_prefix))
+    assert victim not in left and len(left) == 2
+    allowed = RedisJanitor(redis_url, key_prefix,
+                           allowed_fingerprints=[eng.tier.namespace.fingerprint])
+    assert allowed.run_pass() is True
+    assert set(stored_names(redis_url, key_prefix)) == left
+
+
+def test_namespace_follows_the_checkpoint_and_the_settings(tmp_path: Any, redis_url: str,
+                                                           key_prefix: str) -> None:
+    import json
+
+    from connector.native_tier import namespace_for
+    from connector.native_tier_config import load_native_settings
+
+    fps = []
+    for name, layers in (("a", 2), ("b", 3)):
+        ckpt = tmp_path / name
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+        spec = make_spec(redis_url, key_prefix, model=str(tmp_path / "m"))
+        spec.config = type(spec.config)(**{**spec.config.__dict__,
+                                           "model": OffloadingModelConfig(str(ckpt), "float32")})
+        settings = load_native_settings({"redis_url": redis_url})
+        fps.append(namespace_for(spec, settings, BLOCK_BYTES).fingerprint)
+        settings_w = load_native_settings({"redis_url": redis_url, "weights_version": "v2"})
+        fps.append(namespace_for(spec, settings_w, BLOCK_BYTES).fingerprint)
+        fps.append(namespace_for(spec, settings, 2 * BLOCK_BYTES).fingerprint)
+    assert len(set(fps)) == len(fps)  # config.json, weights_version, row bytes: all count
