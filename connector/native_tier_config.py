@@ -8,6 +8,7 @@ This module never imports vLLM.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,8 @@ _FIXES: dict[str, str] = {
     "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
     "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
                           "Redis server's certificate (used with rediss:// URLs)",
+    "redis_password_env": "name an environment variable that holds the Redis password "
+                          "(keeps it out of the kv-transfer-config, which vLLM logs)",
     "model_id": "use a string naming the model's identity (defaults to the model path)",
     "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
     "io_threads": "give an integer from 1 to 32 (threads that load chunks from Redis)",
@@ -47,6 +50,9 @@ class NativeTierSettings(BaseModel):
     redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
     redis_timeout_s: float = Field(default=0.25, gt=0)
     redis_ssl_ca_certs: str | None = None
+    # The password from this environment variable instead of the URL (vLLM logs its
+    # non-default engine arguments, kv_transfer_config included, at start).
+    redis_password_env: str | None = None
     model_id: str | None = None
     weights_version: str = ""
     io_threads: int = Field(default=2, ge=1, le=32)
@@ -72,6 +78,19 @@ class NativeTierSettings(BaseModel):
         if not path.is_file():
             raise ValueError(f"no readable file at {path}")
         return str(path)
+
+    @field_validator("redis_password_env")
+    @classmethod
+    def _check_password_env(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if value not in os.environ:
+            raise ValueError(f"environment variable {value} is not set")
+        return value
+
+    def redis_password(self) -> str | None:
+        """The password named by ``redis_password_env`` (None: the URL's, if any)."""
+        return os.environ[self.redis_password_env] if self.redis_password_env else None
 
     @field_validator("redis_prefix")
     @classmethod

@@ -437,6 +437,28 @@ def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any)
         server.stop()
 
 
+def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any,
+                                       monkeypatch: Any) -> None:
+    from tests.support.redis_server import RedisServer
+
+    secret = "env-pw-" + uuid.uuid4().hex[:6]
+    server = RedisServer(tmp_path / "env", password=secret).start()
+    monkeypatch.setenv("KVTIER_TEST_REDIS_PW", secret)
+    try:
+        with caplog.at_level("DEBUG"):
+            eng = engines(url=f"redis://127.0.0.1:{server.port}/0",
+                          redis_password_env="KVTIER_TEST_REDIS_PW")
+            keys = chain(1)
+            eng.store(eng.request(keys), keys)
+            assert eng.tier.counters()["stored_chunks"] == 1
+        assert secret not in caplog.text
+        monkeypatch.delenv("KVTIER_TEST_REDIS_PW")
+        with pytest.raises(NativeTierConfigError, match="redis_password_env.*not set"):
+            make_spec(server.url, "p", redis_password_env="KVTIER_TEST_REDIS_PW").get_manager()
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------------------- settings
 @pytest.mark.parametrize(("entry", "needle"), [
     ({"redis_urll": "redis://x"}, "redis_urll: unknown setting"),
