@@ -85,9 +85,13 @@ class StepPlan:
     # Requests vLLM loads asynchronously (not scheduled in this step): the worker reports
     # them through get_finished / failed_recving once their loads (and fetches) are done.
     async_reqs: list[str] = field(default_factory=list)
+    # Finished requests whose partial tails this plan saves (vLLM keeps their blocks until
+    # the workers report them as finished sending, once the saves have copied them).
+    tail_reqs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.fetches or self.saves or self.probes or self.async_reqs)
+        return bool(self.loads or self.fetches or self.saves or self.probes or self.async_reqs
+                    or self.tail_reqs)
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "failed_restores",  # restores (requests) whose Redis values did not validate: recomputed
     "failed_restore_tokens",
     "overflow_saves",  # saves that found every CPU slot pinned: written to Redis only
+    "partial_tails_saved",  # Mamba partial tails of finishing requests (kept, not dropped)
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).

@@ -687,6 +687,22 @@ class TieredScheduler:
                                  for k, c in zip(keys, counts, strict=True)}
                 return
 
+    def register_tail(self, request: RequestLike, entries: list[tuple[int, int, int]]) -> bool:
+        """A finishing request's Mamba partial tails (group, block id, tokens): save them in
+        the next step; True = vLLM must keep the blocks until the workers say they copied
+        them (``finished_sending``)."""
+        if not self.supported:
+            return False
+        tracked = self._tracked.get(request.request_id) or _Tracked(request)
+        before = len(self._plan.saves)
+        self._plan_mamba(tracked, entries, int(getattr(request, "num_computed_tokens", 0)),
+                         self._plan)
+        if len(self._plan.saves) == before:
+            return False
+        self._plan.tail_reqs.append(request.request_id)
+        self.counters.add("partial_tails_saved", len(self._plan.saves) - before)
+        return True
+
     # ------------------------------------------------------------------ lifecycle
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)

@@ -275,8 +275,9 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         """Asynchronous loads that finished (failed ones also in ``failed_recving``)."""
         if self.worker is None:
             return KVConnectorTransferResults()
-        done, failed = self.worker.take_transfer_results()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        done, failed, sent = self.worker.take_transfer_results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of failed synchronous loads (single-group models; hybrid loads are
@@ -350,6 +351,16 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.finished(request.request_id)
         return False, None
+
+    def register_finished_partial_tail(self, request: Request,
+                                       block_ids: tuple[list[int], ...],
+                                       partial_tail_offloads: list[tuple[int, int, int]]
+                                       ) -> bool:
+        """Keep a finishing request's Mamba partial tail: saved in the next step, its blocks
+        held by vLLM until the workers report them copied."""
+        if self.scheduler is None:
+            return False
+        return self.scheduler.register_tail(request, partial_tail_offloads)
 
     def request_finished_all_groups(
             self, request: Request,

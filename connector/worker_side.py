@@ -90,6 +90,7 @@ class TieredWorker:
         self._fetching: dict[str, int] = {}  # req -> fetch batches still running
         self._fetch_failed: set[str] = set()
         self._finished: set[str] = set()
+        self._finished_sending: set[str] = set()
         self._async: set[str] = set()  # requests loaded asynchronously, not yet finished
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -254,6 +255,11 @@ class TieredWorker:
     # ------------------------------------------------------------------ saves
     def save(self, plan: StepPlan) -> None:
         """After the forward: copy blocks into their slots, then hand them to Redis."""
+        self._copy_blocks(plan)
+        # Finished requests' tails are copied (or failed, reported): their blocks may go.
+        self._finished_sending.update(plan.tail_reqs)
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
         if not plan.saves:
             return
         if self.transfer is None:
@@ -338,12 +344,13 @@ class TieredWorker:
         self._report.saves[job] = [int(ok), 1, int(not gathered)]
 
     # ------------------------------------------------------------------ to vLLM
-    def take_transfer_results(self) -> tuple[set[str], set[str]]:
-        """Requests done receiving (failed ones included) and the failed ones."""
+    def take_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """Requests done receiving (failed ones included), the failed ones, and finished
+        requests whose partial tails were copied (done sending)."""
         self.collect()
-        done, failed = self._finished, self._failed_recving
-        self._finished, self._failed_recving = set(), set()
-        return done, failed
+        done, failed, sent = self._finished, self._failed_recving, self._finished_sending
+        self._finished, self._failed_recving, self._finished_sending = set(), set(), set()
+        return done, failed, sent
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -159,6 +159,46 @@ def test_hybrid_restores_every_group_from_redis_and_cpu(engines: Make) -> None:
     assert _same_blocks(first, [11], first, [12], layer="mamba0")
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_finishing_requests_partial_tail_is_kept_then_released(engines: Make,
+                                                                 tp: int) -> None:
+    """vLLM hands a finishing hybrid request's Mamba partial tail to the connector: it is
+    saved in the next step, reported as finished sending once every rank copied it (vLLM
+    frees the blocks then), and a later request restores from it."""
+    first = engines(tp, groups=HYBRID, num_blocks=48)
+    req = Req("a", 97)
+    first.fill([11, 20, 21], seed=4)
+    first.pool[11] = Blk(11, 96)  # the exact table block: state at 96 (a PARTIAL tail)
+    first.admit(req, [[Blk(0, is_null=True), Blk(11)], [Blk(20, 64), Blk(21, 96)]], 0)
+    first.step({"a": 96})  # the attention blocks; no boundary hand-off in a step
+    req.num_computed_tokens = 96
+    assert first.sched.register_tail(req, [(0, 11, 96)]) is True
+    first.sched.finished("a")
+    result = first.step()
+    tail = [op for op in result.plan.saves if op.group == 0]
+    assert [(op.key.num_tokens, op.key.kind) for op in tail] == [(96, BlockKind.PARTIAL)]
+    assert result.plan.tail_reqs == ["a"]
+    assert all(sent == {"a"} for sent in result.sent.values()) and len(result.sent) == tp
+    assert first.sched.counters.snapshot()["partial_tails_saved"] == 1
+    # Without the tail there is no Mamba state at 96: the hit exists only because of it.
+    again = Req("b", 200)
+    again.block_hashes = req.block_hashes + [b"more"] * 3
+    assert first.lookup(again) == (96, True)
+    first.admit(again, [[Blk(0, is_null=True), Blk(12)], [Blk(22), Blk(23), Blk(24)]], 96)
+    assert first.step().finished == {"b"}
+    assert _same_blocks(first, [11], first, [12], layer="mamba0")
+
+
+def test_a_tail_that_is_not_the_state_at_its_tokens_is_refused(engines: Make) -> None:
+    e = engines(groups=HYBRID, num_blocks=48)
+    req = Req("a", 97)
+    e.admit(req, [[Blk(0, is_null=True), Blk(11)], [Blk(20, 64), Blk(21, 96)]], 0)
+    req.num_computed_tokens = 96
+    e.pool[11] = Blk(11, None)  # the block carries no hash: not the state at 96
+    assert e.sched.register_tail(req, [(0, 11, 96)]) is False
+    assert e.step().plan.tail_reqs == []
+
+
 # ---------------------------------------------------------------------------- TP ranks
 def test_each_rank_stores_its_own_shard_under_its_own_key(engines: Make, redis_url: str,
                                                           key_prefix: str) -> None:

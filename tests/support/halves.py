@@ -61,6 +61,7 @@ class StepResult:
     finished: set[str] = field(default_factory=set)  # finished receiving on every rank
     failed: set[str] = field(default_factory=set)  # failed receiving on some rank
     load_errors: set[int] = field(default_factory=set)  # block ids, any rank
+    sent: dict[int, set[str]] = field(default_factory=dict)  # rank -> finished sending
 
 
 class Rank:
@@ -212,8 +213,9 @@ class Halves:
         self.sched.on_report(report)
         result = StepResult(plan, report)
         for rank in self.ranks:
-            done, failed = rank.worker.take_transfer_results()
+            done, failed, sent = rank.worker.take_transfer_results()
             result.failed |= failed
+            result.sent[rank.worker.tp_rank] = sent
             result.load_errors |= rank.worker.take_load_errors()
             for req_id in done:
                 self._recv[req_id] += 1
