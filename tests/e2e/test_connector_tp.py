@@ -105,3 +105,19 @@ def test_tp2_one_rank_corrupt_or_missing_is_a_miss(baseline: dict[str, Any],
     assert b2["delta"].get("hit_tokens_redis", 0) == 0
     assert b2["delta"].get("failed_restores", 0) == 0
     assert damaged["stats"]["load_errors"] == 0
+
+
+def test_tp2_hybrid_restores_attention_and_mamba_state(tiny_hybrid_dir: Any) -> None:
+    """The tiny hybrid (Mamba + attention, partial entries) at TP=2: a restore of both
+    groups on both ranks, ending on a PARTIAL entry; outputs identical to TP=2 alone."""
+    prompt = prompt_words(81, 100)
+    steps = [["generate", "P", prompt], ["reset"], ["generate", "P2", prompt + " w1 w2"]]
+    base = by_name(run_in_subprocess({"model": "hybrid", "extra": None, "steps": steps,
+                                      "engine": TP2}))
+    runs = by_name(run_in_subprocess({"model": "hybrid", "extra": {"cpu_bytes": 64 << 20},
+                                      "steps": steps, "engine": TP2}))
+    assert base["P2"]["num_cached_tokens"] == 0
+    assert runs["P2"]["delta"].get("hit_tokens_cpu", 0) == 96  # 64 FULL + a PARTIAL to 96
+    assert runs["P2"]["num_cached_tokens"] == 96
+    for name in ("P", "P2"):
+        assert runs[name]["token_ids"] == base[name]["token_ids"], name
