@@ -5,7 +5,8 @@ Used by ``benchmarks/bench_native_tier.py`` and ``tests/native/test_native_tier_
     python -m benchmarks.native_tier_engine '{"mode": "none" | "fs" | "kvtier",
         "prompts": [[name, prompt], ...], "max_tokens": 8, "cpu_bytes": 67108864,
         "redis_url": "redis://...", "redis_prefix": "...", "fs_root": "/tmp/...",
-        "tier": {extra kvtier tier settings}, "reset_between": false}'
+        "tier": {extra kvtier tier settings}, "reset_between": false,
+        "engine": {LLM keyword overrides, e.g. "tensor_parallel_size": 2}}'
 
 Modes: ``none`` = vLLM alone; ``fs`` = OffloadingConnector + TieringOffloadingSpec with
 vLLM's file-system tier; ``kvtier`` = the same with kvtier's Redis tier
@@ -26,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from connector.engine_presets import apply_cpu_engine_env, engine_kwargs
+from connector.engine_presets import TP2_ENV, apply_cpu_engine_env, engine_kwargs
 
 SPEC = {"spec_name": "CpuTieringOffloadingSpec",
         "spec_module_path": "benchmarks.peers.native_tiering_cpu"}
@@ -73,6 +74,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from connector.tiny_models import tiny_llama
 
     overrides: dict[str, Any] = dict(spec.get("engine") or {})
+    if int(overrides.get("tensor_parallel_size", 1)) > 1:
+        for key, value in TP2_ENV.items():  # one core per rank on the CPU backend
+            os.environ.setdefault(key, value)
     kv = transfer_config(spec)
     if kv is not None:
         overrides["kv_transfer_config"] = kv

@@ -484,7 +484,7 @@ def test_importing_offload_tiers_does_not_import_vllm() -> None:
     import sys
 
     code = ("import sys, offload_tiers.redis_tier, offload_tiers.codec, "
-            "connector.native_tier_config; print('vllm' in sys.modules)")
+            "connector.native_tier_config, connector.daemon.service; print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -1,0 +1,51 @@
+"""End to end with tensor_parallel_size=2: each chunk row of vLLM's shared primary region
+holds both ranks' shares; kvtier stores the row under one key and a new TP=2 engine restores
+it, outputs identical to vLLM alone at TP=2. A TP=1 engine never reads TP=2 values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from benchmarks.native_tier_engine import run_in_subprocess
+from connector.tiny_models import prompt_words
+from tests.support.redis_keys import scratch_prefix
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = prompt_words(31, 150)
+PROMPT2 = PROMPT + " w8 w9"
+TP2 = {"tensor_parallel_size": 2}
+N = "vllm:kvtier_native_"
+
+
+@pytest.fixture(scope="module")
+def prefix(redis_url: str) -> Iterator[str]:
+    with scratch_prefix(redis_url) as name:
+        yield name
+
+
+def outs(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+def test_tp2_engine_restores_from_redis(tiny_llama_dir: Any, redis_url: str,
+                                        prefix: str) -> None:
+    base = outs(run_in_subprocess({"mode": "none", "engine": TP2,
+                                   "prompts": [["P1", PROMPT], ["P2", PROMPT2]]}))
+    spec = {"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix, "engine": TP2}
+    first = run_in_subprocess({**spec, "prompts": [["P1", PROMPT],
+                                                   ["poke", prompt_words(32, 40)]]})
+    assert outs(first)["P1"]["token_ids"] == base["P1"]["token_ids"]
+    assert first["metrics"][N + "stored_chunks"] >= 4
+    second = run_in_subprocess({**spec, "prompts": [["P2", PROMPT2]]})
+    out = outs(second)["P2"]
+    assert out["token_ids"] == base["P2"]["token_ids"]
+    assert out["num_cached_tokens"] >= 128
+    assert second["metrics"][N + "loaded_chunks"] >= 4
+    tp1 = run_in_subprocess({"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix,
+                             "prompts": [["P2", PROMPT2]]})
+    assert tp1["metrics"].get(N + "loaded_chunks", 0) == 0  # another namespace: never served
+    assert outs(tp1)["P2"]["num_cached_tokens"] == 0
