@@ -110,3 +110,29 @@ def test_restarted_server_restores_from_redis(runs: dict[str, Any]) -> None:
     assert metrics["vllm:kvtier_hit_tokens_redis"] == 192 + 160
     assert metrics["vllm:kvtier_redis_available"] == 1
     assert metrics["vllm:kvtier_failed_restores"] == 0
+
+
+def test_data_parallel_engines_each_restore_from_their_cpu_tier(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """``--data-parallel-size 2``: two engine cores, each with its own kvtier scheduler and
+    worker. Requests spread over both; after ``/reset_prefix_cache`` every one of them is
+    restored by kvtier, with the output of the pass that computed everything."""
+    prompts = [prompt_words(90 + i, 150) for i in range(4)]
+    server = OpenAIServer(tiny_llama_dir, tmp_path / "dp2.log",
+                          kv_transfer_config=kvtier_transfer_config({"cpu_bytes": 64 << 20}),
+                          extra_args=["--data-parallel-size", "2"]).start(timeout_s=600)
+    try:
+        first = [complete(server, p) for p in prompts]
+        assert server.post("/reset_prefix_cache")["success"] is not False
+        second = [complete(server, p) for p in prompts]
+        metrics = server.metrics()
+    except Exception:
+        print(server.log_tail())
+        raise
+    finally:
+        server.stop()
+    assert [r["cached"] for r in first] == [0, 0, 0, 0]
+    assert [r["cached"] for r in second] == [128, 128, 128, 128]
+    assert [r["text"] for r in second] == [r["text"] for r in first]
+    assert metrics["vllm:kvtier_hit_tokens_cpu"] == 4 * 128
+    assert metrics["vllm:kvtier_load_errors"] == 0

@@ -25,24 +25,33 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class OpenAIServer:
-    """One server process on a loopback port; ``start()`` waits for ``/health``."""
+    """One server process on a loopback port; ``start()`` waits for ``/health``.
+
+    ``extra_args`` go after the presets (CPU backend, block 32, prefix caching); ``env``
+    is added to the process environment last (e.g. ``VLLM_LOGGING_LEVEL``).
+    """
 
     def __init__(self, model_dir: Path, log_path: Path, *,
                  kv_transfer_config: dict[str, Any] | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, max_model_len: int = 1024,
+                 max_num_seqs: int = 4, env: dict[str, str] | None = None) -> None:
         self.model_dir = model_dir
         self.log_path = log_path
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.kv_transfer_config = kv_transfer_config
         self.extra_args = list(extra_args or [])
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-               "--max-model-len", "1024", "--max-num-seqs", "4", "--enable-prefix-caching",
+               "--max-model-len", str(self.max_model_len), "--max-num-seqs",
+               str(self.max_num_seqs), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--seed", "0", *self.extra_args]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
@@ -50,8 +59,9 @@ class OpenAIServer:
 
     def start(self, timeout_s: float = 300) -> OpenAIServer:
         env = dict(os.environ, **CPU_ENGINE_ENV, VLLM_SERVER_DEV_MODE="1")
-        if "--tensor-parallel-size" in self.extra_args:
-            env.update(TP2_ENV)
+        if {"--tensor-parallel-size", "--data-parallel-size"} & set(self.extra_args):
+            env.update(TP2_ENV)  # one core per rank (CPU backend on this 2-core machine)
+        env.update(self.env)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -85,7 +95,10 @@ class OpenAIServer:
             if not line.startswith("vllm:kvtier_"):
                 continue
             name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0].removesuffix("_total")
+            name = name_labels.split("{", 1)[0]
+            if name.endswith("_created"):
+                continue
+            name = name.removesuffix("_total")
             out[name] = out.get(name, 0.0) + float(value)
         return out
 
