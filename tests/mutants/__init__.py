@@ -1,0 +1,1 @@
+"""Mutation checks: each claimed mutant is applied in a subprocess and its tests must fail."""
