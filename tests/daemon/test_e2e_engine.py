@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,7 +64,19 @@ class EngineRig:
         events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                 endpoint=f"tcp://*:{self.port}",
                                 replay_endpoint=f"tcp://*:{self.replay_port}", topic="")
-        self.llm = LLM(**kwargs_fn(model_dir, kv_events_config=events, **engine))
+        # In-process engine (the shortcut, on purpose): ``settle`` reads vLLM's own publisher
+        # to know when the daemon has caught up. The connector's e2e tests run vLLM's default
+        # executors; this module is about the daemon mirroring vLLM's events. The variable is
+        # read when the engine is built, and restored right after for the other tests.
+        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            self.llm = LLM(**kwargs_fn(model_dir, kv_events_config=events, **engine))
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
 
     def run(self, token_ids: list[int], report_mode: str | None = None) -> int:
         from vllm import SamplingParams
