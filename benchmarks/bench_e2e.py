@@ -1,24 +1,38 @@
 """End-to-end benchmark: kvtier against vLLM's native offloading, on real CPU engines.
 
 The demo's multi-turn shared-prefix workload (``connector.demo_workload``) runs through
-vLLM 0.32 (CPU) with a tiny Llama (one KV-cache group) and a tiny Mamba+attention hybrid
+vLLM 0.32 (CPU, vLLM's default multiprocess executors: caller, engine core and worker are
+three processes) with a tiny Llama (one KV-cache group) and a tiny Mamba+attention hybrid
 (partial prefix entries), under these configurations:
 
-  (a) none         vLLM alone (its GPU prefix cache only)
-  (b) native       vLLM's OffloadingConnector + CPUOffloadingManager, with a CPU transfer
-                   worker written for this comparison (benchmarks/peers/native_cpu_offload.py;
-                   the stock worker refuses the CPU platform)
-  (c) kvtier-cpu   TieredOffloadingConnector, CPU tier only
-  (d) kvtier-redis TieredOffloadingConnector, CPU + Redis, across an engine restart
-  (e) lmcache      LMCacheConnectorV1, if it can run on the CPU (else the reason is printed)
+  (a) none          vLLM alone (its GPU prefix cache only)
+  (n) null          a connector whose every hook is a no-op (benchmarks/peers/
+                    null_connector.py): what vLLM itself spends on having any connector
+  (b) native        vLLM's OffloadingConnector + CPUOffloadingManager, with a CPU transfer
+                    worker written for this comparison (benchmarks/peers/native_cpu_offload.py;
+                    the stock worker refuses the CPU platform)
+  (c) kvtier        TieredOffloadingConnector as deployed: CPU tier + Redis, background
+                    writes (``write_mode: back``, the default); without a reachable Redis,
+                    the CPU tier only (said in the output)
+  (c') kvtier-cpu   the CPU tier only (``--with-cpu-only``: no Redis probes, no writes)
+  (d) kvtier-redis  a new engine process on (c)'s Redis namespace: the restart
+  (e) lmcache       LMCacheConnectorV1, if it can run on the CPU (else the reason is printed)
 
-Every engine lifetime is its own child process (clean memory, fair timing); runs are
-sequential. Phases per engine: ``cold`` (fresh engine), ``reset`` (vLLM's GPU prefix cache
-dropped, tiers kept), then ``nohit-N`` passes whose prompts share nothing with anything
-stored (the cost of the connector when nothing hits; without --quick a second round of
-engines, in reverse order, runs more of them). (d) runs ``cold`` in one process and
-``restart`` in a new one. A restarted engine without a persistent tier is a fresh engine,
+Each config's engine is its own child process (``benchmarks/e2e_engine.py``), started one
+after the other and then kept alive together. Each runs ``cold`` (fresh engine) and
+``reset`` (vLLM's GPU prefix cache dropped, tiers kept); then the configs take turns on
+the no-hit passes (``NOHIT``: 16 requests of 480 tokens + 16 answer tokens, one at a time,
+prompts that share nothing with anything stored, every block of them saved: to the CPU
+tier and, for (c), to Redis). Pass k of every config runs the same prompts, seconds apart,
+order rotated per pass, so load from elsewhere on the machine falls on all configs alike;
+a pause before each pass lets the engine that ran before stop spinning. (d) is a new engine
+after the others stopped. A restarted engine without a persistent tier is a fresh engine,
 so (a)-(c) after a restart recompute what they recomputed in ``cold``.
+
+Every engine gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``): vLLM's default
+reserves one more core whenever a kv_transfer_config is set, which on a 2-core machine
+changes the worker's OpenMP threads (1 without a connector, 2 with one) and so the timing
+of every step, whatever the connector does.
 
 Token counts come from vLLM's own counters (``prompt_tokens_by_source``,
 ``prompt_tokens_cached_by_source``) and kvtier's ``vllm:kvtier_hit_tokens_{cpu,redis}``;
@@ -27,16 +41,22 @@ Token counts come from vLLM's own counters (``prompt_tokens_by_source``,
 
 Ratios (JSON ``ratios``):
   recomputed_vs_native_{hybrid,llama}  recomputed prefill tokens after the GPU-cache reset,
-                                       kvtier-cpu / native (< 1: kvtier recomputes less)
+                                       kvtier / native (< 1: kvtier recomputes less)
   restart_recomputed_vs_native_{...}   after an engine restart, kvtier-redis / native
-  overhead_no_hit                      kvtier-cpu / none - 1, process CPU time of the
-                                       no-hit passes (fastest pass of each engine, both
-                                       models pooled; engine and connector run in-process,
-                                       so CPU time is the work added, robust to the other
-                                       load on a shared machine); ``_wall``: wall time
+  overhead_no_hit_{llama,hybrid}       wall time of a no-hit pass, kvtier / none - 1: the
+                                       median over passes of the paired ratio (same
+                                       prompts, run in turn); ``overhead_no_hit``: the
+                                       median over both models' paired ratios
+  overhead_no_hit_tree_cpu[_{model}]   the same with CPU time of the engine's whole process
+                                       tree (caller + engine core + worker, psutil; it
+                                       counts vLLM's spin-waits, so it tracks wall time)
+  native_/null_/cpu_only_overhead...   the same for (b), (n), (c')
+The detail (JSON ``detail``) adds fastest-pass ratios and each pass's TTFT sum (the time
+before first tokens) beside its decode time.
 
 Usage: python benchmarks/bench_e2e.py [--quick] [--json PATH] [--redis-url URL]
-       [--models llama,hybrid] [--lmcache-path DIR]
+       [--models llama,hybrid] [--reps N] [--with-cpu-only] [--reserved-cpus N|vllm]
+       [--gap-s S] [--lmcache-path DIR] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -45,6 +65,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 import uuid
@@ -56,8 +77,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.e2e_engine import EngineProc  # noqa: E402
 from connector.demo import choose_redis, delete_redis_prefix, model_path  # noqa: E402
-from connector.demo_engine import EngineRunError, run_engine  # noqa: E402
+from connector.demo_engine import EngineRunError  # noqa: E402
 from connector.demo_report import Row, render_table, summarize  # noqa: E402
 from connector.demo_workload import Workload  # noqa: E402
 from connector.engine_presets import kvtier_transfer_config  # noqa: E402
@@ -83,6 +105,14 @@ LMCACHE_FINDING = (
 )
 FULL = Workload(conversations=4, turns=3, system_words=320, user_words=40, max_tokens=8)
 QUICK = Workload(conversations=3, turns=2, system_words=200, user_words=40, max_tokens=8)
+# One no-hit pass: 16 requests of 480 tokens, 16 answer tokens each, one at a time (every
+# prompt its own; each request's 15 full blocks are saved by the connectors).
+NOHIT = Workload(conversations=16, turns=1, system_words=448, user_words=32, max_tokens=16,
+                 shared_system=False)
+NOHIT_TIMES = ("wall_s", "tree_cpu_s")
+# vLLM's own cost of a connector: every hook a no-op.
+NULL = {"kv_connector": "NullConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "benchmarks.peers.null_connector"}
 
 
 def _say(msg: str) -> None:
@@ -93,86 +123,132 @@ def _model_dir(model: str) -> str:
     return str(model_path(model))
 
 
-def _nohit_phases(reps: int, workload: Workload) -> list[dict[str, Any]]:
-    """Passes whose prompts (own system prompt per conversation) share no prefix."""
-    phases = []
-    for rep in range(reps):
-        nohit = replace(workload, turns=1, shared_system=False, seed=300 + 10 * rep)
-        phases.append({"name": f"nohit-{rep}", "workload": asdict(nohit)})
-    return phases
+def _nohit_phase(name: str, seed: int) -> dict[str, Any]:
+    """A pass whose prompts share no prefix with each other or anything else run.
+
+    Each request's system prompt is seeded ``seed + 1 + conv``: seeds 100 apart per pass
+    keep every prompt of the run distinct (the shared workload uses seed 7).
+    """
+    return {"name": name, "workload": asdict(replace(NOHIT, seed=seed))}
 
 
-def _run(label: str, model: str, ktc: dict[str, Any] | None, workload: Workload,
-         phases: list[dict[str, Any]], log_dir: Path,
-         extra_paths: list[str] | None = None) -> dict[str, Any]:
-    spec = {"label": label, "model": model, "model_dir": _model_dir(model),
-            "workload": asdict(workload), "kv_transfer_config": ktc, "phases": phases}
-    return run_engine(spec, log_dir=log_dir, extra_paths=[str(REPO_ROOT)] + (extra_paths or []))
+def _prefix_of(ktc: dict[str, Any]) -> str | None:
+    return ktc["kv_connector_extra_config"].get("redis_prefix")
 
 
-def _by_name(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {p["name"]: p for p in run["phases"]}
+class Bench:
+    """Engine runs of one benchmark invocation: log dir, engine env, Redis prefixes."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], redis_url: str | None) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.redis_url = redis_url
+        self.prefixes: list[str] = []
+
+    def engine(self, label: str, model: str, ktc: dict[str, Any] | None, workload: Workload,
+               extra_paths: list[str] | None = None) -> EngineProc:
+        spec = {"label": label, "model": model, "model_dir": _model_dir(model),
+                "workload": asdict(workload), "kv_transfer_config": ktc}
+        engine = EngineProc(spec, self.log_dir, extra_paths=extra_paths, env=self.env).start()
+        _say(f"  {label}: engine started in {engine.startup_s:.1f} s")
+        return engine
+
+    def kvtier(self, redis: bool, prefix: str | None = None) -> dict[str, Any]:
+        """kvtier's kv_transfer_config: as deployed (CPU + Redis, write-behind) or CPU only."""
+        if not redis or self.redis_url is None:
+            return kvtier_transfer_config({"cpu_bytes": CPU_BYTES, "redis_url": None})
+        if prefix is None:
+            prefix = f"kvtier-bench-{uuid.uuid4().hex[:10]}"
+            self.prefixes.append(prefix)
+        return kvtier_transfer_config({"cpu_bytes": CPU_BYTES, "redis_url": self.redis_url,
+                                       "redis_prefix": prefix})
+
+    def cleanup(self) -> None:
+        if self.redis_url is not None:
+            for prefix in self.prefixes:
+                delete_redis_prefix(self.redis_url, prefix)
+        self.prefixes.clear()
 
 
-def bench_model(model: str, workload: Workload, reps: int, redis_url: str | None,
-                log_dir: Path, lmcache_path: str | None, rounds: int = 1) -> dict[str, Any]:
+def _interleaved(engines: dict[str, EngineProc], reps: int, gap_s: float
+                 ) -> dict[str, dict[str, dict[str, Any]]]:
+    """``reps`` no-hit passes per engine, the engines taking turns (order rotated per rep).
+
+    Every config's pass ``k`` runs the same prompts, within seconds of the others' pass
+    ``k``: load from elsewhere on the machine falls on all of them alike. ``gap_s`` before
+    each pass lets the engine that just ran stop spinning (vLLM's shm queues busy-poll
+    for 1 s after their last message).
+    """
+    names = list(engines)
+    out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
+    for rep in [-1, *range(reps)]:  # -1: one unmeasured warm-up pass each
+        phase = _nohit_phase("warmup", 500) if rep < 0 else _nohit_phase(f"nohit-{rep}",
+                                                                        1000 + 100 * rep)
+        order = names[rep % len(names):] + names[:rep % len(names)] if rep >= 0 else names
+        for name in order:
+            time.sleep(gap_s)
+            result = engines[name].run(phase)
+            result["load_1m"] = os.getloadavg()[0]
+            if rep >= 0:
+                out[name][phase["name"]] = result
+        if rep >= 0:
+            _say(f"  no-hit pass {rep + 1}/{reps}: " + ", ".join(
+                f"{n} {out[n][phase['name']]['wall_s']:.3f} s" for n in names)
+                + f" (load {os.getloadavg()[0]:.1f})")
+    return out
+
+
+def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
+                lmcache_path: str | None, with_cpu_only: bool = False,
+                gap_s: float = 1.5) -> dict[str, Any]:
     """Every configuration on one model; returns phases by config plus table rows."""
     main_phases = [{"name": "cold"}, {"name": "reset", "reset_before": True}]
-    main_phases += _nohit_phases(reps, workload)
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     skipped: dict[str, str] = {}
-
-    _say(f"[bench] {model}: (a) vLLM alone")
-    runs["none"] = _by_name(_run(f"{model}-none", model, None, workload, main_phases, log_dir))
-    _say(f"[bench] {model}: (b) native OffloadingConnector + CPU transfer worker")
     native = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": dict(NATIVE_EXTRA)}
-    runs["native"] = _by_name(_run(f"{model}-native", model, native, workload, main_phases,
-                                   log_dir))
-    _say(f"[bench] {model}: (c) kvtier, CPU tier only")
-    cpu_only = kvtier_transfer_config({"cpu_bytes": CPU_BYTES, "redis_url": None})
-    runs["kvtier-cpu"] = _by_name(_run(f"{model}-kvtier-cpu", model, cpu_only, workload,
-                                       main_phases, log_dir))
-    configs = {"none": None, "native": native, "kvtier-cpu": cpu_only}
-    for extra_round in range(1, rounds):
-        # More no-hit passes, configs in reverse order (other load on a shared machine
-        # comes and goes; the fastest pass of each config over all rounds is compared).
-        warm = replace(workload, turns=1, shared_system=False, seed=200 + extra_round)
-        phases = [{"name": "warmup", "workload": asdict(warm)}]
-        phases += [{"name": f"nohit-r{extra_round}-{p['name']}", "workload": p["workload"]}
-                   for p in _nohit_phases(reps, workload)]
-        for config in reversed(configs):
-            _say(f"[bench] {model}: no-hit round {extra_round + 1}: {config}")
-            extra = _by_name(_run(f"{model}-{config}-round{extra_round + 1}", model,
-                                  configs[config], workload, phases, log_dir))
-            runs[config].update({k: v for k, v in extra.items() if k.startswith("nohit")})
-    if redis_url:
-        prefix = f"kvtier-bench-{uuid.uuid4().hex[:10]}"
-        tiered = kvtier_transfer_config({"cpu_bytes": CPU_BYTES, "redis_url": redis_url,
-                                         "redis_prefix": prefix})
+    deployed = bench.kvtier(redis=True)
+    configs: dict[str, Any] = {"none": None, "null": NULL, "native": native,
+                               "kvtier": deployed}
+    if with_cpu_only:
+        configs["kvtier-cpu"] = bench.kvtier(redis=False)
+    engines: dict[str, EngineProc] = {}
+    try:
+        for config, ktc in configs.items():
+            _say(f"[bench] {model}: {config}: start, cold and reset passes")
+            engines[config] = bench.engine(f"{model}-{config}", model, ktc, workload)
+            runs[config] = {p["name"]: engines[config].run(p) for p in main_phases}
+        _say(f"[bench] {model}: {reps} no-hit passes per config, taking turns")
+        for config, phases in _interleaved(engines, reps, gap_s).items():
+            runs[config].update(phases)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    prefix = _prefix_of(deployed)
+    if prefix:
+        _say(f"[bench] {model}: (d) kvtier-redis: a new engine process on kvtier's Redis")
+        engine = bench.engine(f"{model}-kvtier-redis", model,
+                              bench.kvtier(redis=True, prefix=prefix), workload)
         try:
-            _say(f"[bench] {model}: (d) kvtier CPU+Redis: first engine")
-            first = _by_name(_run(f"{model}-kvtier-redis-1", model, tiered, workload,
-                                  [{"name": "cold"}], log_dir))
-            _say(f"[bench] {model}: (d) kvtier CPU+Redis: restarted engine (new process)")
-            second = _by_name(_run(f"{model}-kvtier-redis-2", model, tiered, workload,
-                                   [{"name": "restart"}], log_dir))
-            runs["kvtier-redis"] = {**first, **second}
+            runs["kvtier-redis"] = {"restart": engine.run({"name": "restart"})}
         finally:
-            delete_redis_prefix(redis_url, prefix)
+            engine.stop()
     else:
         skipped["kvtier-redis"] = "no Redis reachable"
+    bench.cleanup()
     if lmcache_path is not None and model == "llama":
         _say(f"[bench] {model}: (e) LMCache")
         os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
         os.environ.setdefault("LMCACHE_CHUNK_SIZE", "32")
         os.environ.setdefault("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.5")
         lm = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+        paths = [p for p in lmcache_path.split(os.pathsep) if p]
         try:
-            runs["lmcache"] = _by_name(_run(f"{model}-lmcache", model, lm, workload,
-                                            main_phases[:2], log_dir,
-                                            extra_paths=[p for p in lmcache_path.split(
-                                                os.pathsep) if p]))
+            engine = bench.engine(f"{model}-lmcache", model, lm, workload, extra_paths=paths)
+            try:
+                runs["lmcache"] = {p["name"]: engine.run(p) for p in main_phases}
+            finally:
+                engine.stop()
         except EngineRunError as exc:
             skipped["lmcache"] = f"engine failed: {str(exc).splitlines()[0]}"
     elif lmcache_path is not None:
@@ -197,10 +273,35 @@ def rows_for(result: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _nohit_values(phases: dict[str, dict[str, Any]], key: str) -> dict[str, float]:
+    return {n: p[key] for n, p in phases.items() if n.startswith("nohit") and p.get(key)}
+
+
 def _nohit_time(phases: dict[str, dict[str, Any]], key: str) -> float | None:
     """Fastest no-hit pass (least disturbed by other load on the machine)."""
-    values = [p[key] for n, p in phases.items() if n.startswith("nohit")]
-    return min(values) if values else None
+    values = _nohit_values(phases, key)
+    return min(values.values()) if values else None
+
+
+def _nohit_median(phases: dict[str, dict[str, Any]], key: str) -> float | None:
+    values = _nohit_values(phases, key)
+    return statistics.median(values.values()) if values else None
+
+
+def _ttft_split(phases: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Median over no-hit passes of the pass's summed TTFT and of the rest (decoding)."""
+    ttft = [sum(r["ttft_s"] for r in p["requests"]) for n, p in phases.items()
+            if n.startswith("nohit")]
+    rest = [p["wall_s"] - t for t, (n, p) in zip(
+        ttft, ((n, p) for n, p in phases.items() if n.startswith("nohit")), strict=True)]
+    return {"ttft_sum_s": statistics.median(ttft) if ttft else None,
+            "after_first_token_s": statistics.median(rest) if rest else None}
+
+
+def _paired(runs: dict[str, Any], config: str, key: str) -> list[float]:
+    """Per pass: ``config``'s time / vLLM alone's time for the same prompts, run in turn."""
+    mine, ref = _nohit_values(runs.get(config, {}), key), _nohit_values(runs["none"], key)
+    return [mine[n] / ref[n] for n in mine if n in ref]
 
 
 def _nohit_identical(runs: dict[str, Any], config: str) -> bool | None:
@@ -240,49 +341,64 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+OVERHEAD_OF = {"kvtier": "", "native": "native_", "kvtier-cpu": "cpu_only_", "null": "null_"}
+TIME_SUFFIX = {"wall_s": "", "tree_cpu_s": "_tree_cpu"}
+
+
+def _median_minus_one(values: list[float]) -> float | None:
+    return statistics.median(values) - 1.0 if values else None
+
+
 def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The headline ratios and the per-model numbers behind them."""
+    """The headline ratios and the per-model numbers behind them.
+
+    ``overhead_no_hit*``: the median over passes of (config's pass / vLLM alone's pass of
+    the same prompts, run in turn) - 1; ``*_fastest``: fastest pass / fastest pass - 1.
+    """
     ratios: dict[str, Any] = {}
     detail: dict[str, Any] = {}
-    configs = ("none", "kvtier-cpu", "native")
-    pooled = {key: dict.fromkeys(configs, 0.0) for key in ("cpu_s", "wall_s")}
-    complete = True
+    configs = [c for c in ("none", "kvtier", "native", "null", "kvtier-cpu")
+               if all(c in r["runs"] for r in results.values())]
+    pooled: dict[str, list[float]] = {}
     for model, result in results.items():
         runs = result["runs"]
         native_reset = _recomputed(runs["native"].get("reset"))
-        kv_reset = _recomputed(runs["kvtier-cpu"].get("reset"))
+        kv_reset = _recomputed(runs["kvtier"].get("reset"))
         native_restart = _recomputed(runs["native"].get("cold"))  # fresh engine = restart
         kv_restart = _recomputed(runs.get("kvtier-redis", {}).get("restart"))
         ratios[f"recomputed_vs_native_{model}"] = _ratio(kv_reset, native_reset)
         ratios[f"restart_recomputed_vs_native_{model}"] = _ratio(kv_restart, native_restart)
-        nohit: dict[str, dict[str, float | None]] = {}
-        for key in ("cpu_s", "wall_s"):
-            nohit[key] = {c: _nohit_time(runs.get(c, {}), key) for c in configs}
-            for c, value in nohit[key].items():
-                if value is None:
-                    complete = False
-                else:
-                    pooled[key][c] += value
-        overhead = {f"{c}_{key}": _minus_one(_ratio(nohit[key][c], nohit[key]["none"]))
-                    for key in ("cpu_s", "wall_s") for c in ("kvtier-cpu", "native")}
+        fastest = {k: {c: _nohit_time(runs[c], k) for c in configs} for k in NOHIT_TIMES}
+        median = {k: {c: _nohit_median(runs[c], k) for c in configs} for k in NOHIT_TIMES}
+        overhead: dict[str, float | None] = {}
+        for key, suffix in TIME_SUFFIX.items():
+            for c in configs[1:]:
+                paired = _paired(runs, c, key)
+                pooled.setdefault(f"{OVERHEAD_OF[c]}overhead_no_hit{suffix}", []).extend(paired)
+                overhead[f"{c}{suffix}"] = _median_minus_one(paired)
+                overhead[f"{c}{suffix}_fastest"] = _minus_one(
+                    _ratio(fastest[key][c], fastest[key]["none"]))
+                ratios[f"{OVERHEAD_OF[c]}overhead_no_hit{suffix}_{model}"] = \
+                    overhead[f"{c}{suffix}"]
         detail[model] = {
             "recomputed_after_reset": {c: _recomputed(runs[c].get("reset"))
                                        for c in runs if "reset" in runs[c]},
             "vllm_counter_local_compute_after_reset": {
                 c: _counted(runs[c].get("reset")) for c in runs if "reset" in runs[c]},
             "recomputed_after_restart": {
-                **{c: _recomputed(runs[c].get("cold")) for c in ("none", "native",
-                                                                 "kvtier-cpu")},
+                **{c: _recomputed(runs[c].get("cold")) for c in configs},
                 "kvtier-redis": kv_restart},
-            "nohit_fastest_pass": nohit,
+            "nohit_fastest_pass": fastest,
+            "nohit_median_pass": median,
+            "nohit_paired_ratios": {f"{c}{suffix}": _paired(runs, c, key) for c in configs[1:]
+                                    for key, suffix in TIME_SUFFIX.items()},
+            "nohit_passes": {c: len(_nohit_values(runs[c], "wall_s")) for c in configs},
+            "nohit_ttft_split": {c: _ttft_split(runs[c]) for c in configs},
             "overhead_no_hit": overhead,
-            "nohit_outputs_identical": {c: _nohit_identical(runs, c)
-                                        for c in ("native", "kvtier-cpu")},
+            "nohit_outputs_identical": {c: _nohit_identical(runs, c) for c in configs[1:]},
         }
-    for key, name in (("cpu_s", ""), ("wall_s", "_wall")):
-        for config, prefix in (("kvtier-cpu", ""), ("native", "native_")):
-            value = _ratio(pooled[key][config], pooled[key]["none"]) if complete else None
-            ratios[f"{prefix}overhead_no_hit{name}"] = _minus_one(value)
+    for key, values in pooled.items():
+        ratios[key] = _median_minus_one(values)
     return ratios, detail
 
 
@@ -296,13 +412,54 @@ def _fmt(value: float | None, pct: bool = False) -> str:
     return f"{100 * value:+.1f}%" if pct else f"{value:.3f}"
 
 
+def _print_model(model: str, result: dict[str, Any], d: dict[str, Any]) -> list[Row]:
+    rows = rows_for(result)
+    print(f"\n== tiny {model} ==")
+    print(render_table(rows))
+    print("recomputed after GPU-cache reset: "
+          + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_reset"].items()))
+    print("  (vLLM's admission counter:      "
+          + ", ".join(f"{k}={v}" for k, v in
+                      d["vllm_counter_local_compute_after_reset"].items()) + ")")
+    print("recomputed after engine restart:  "
+          + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_restart"].items()))
+    print("no-hit passes per config: " + ", ".join(
+        f"{k}={v}" for k, v in d["nohit_passes"].items()))
+    for key, what in (("wall_s", "wall s"), ("tree_cpu_s", "tree CPU s")):
+        for stat, label in (("nohit_fastest_pass", "fastest"), ("nohit_median_pass", "median")):
+            print(f"no-hit pass ({label}), {what}: ".ljust(36) + ", ".join(
+                f"{k}={v:.3f}" if v is not None else f"{k}=n/a" for k, v in d[stat][key].items()))
+        oh = d["overhead_no_hit"]
+        configs = [c for c in d[stat][key] if c != "none"]
+        suffix = TIME_SUFFIX[key]
+        print(f"  overhead vs none, {what}: median of paired passes ".ljust(36) + ", ".join(
+            f"{c} {_fmt(oh.get(f'{c}{suffix}'), True)}" for c in configs)
+            + "; fastest/fastest " + ", ".join(
+            f"{c} {_fmt(oh.get(f'{c}{suffix}_fastest'), True)}" for c in configs))
+    print("no-hit pass (median) split: summed TTFT / after first tokens, s: " + ", ".join(
+        f"{c}={v['ttft_sum_s']:.3f}/{v['after_first_token_s']:.3f}"
+        for c, v in d["nohit_ttft_split"].items() if v["ttft_sum_s"] is not None))
+    for config, reason in result["skipped"].items():
+        print(f"({config} not run: {reason})")
+    return rows
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workload (~3 min)")
+    parser.add_argument("--quick", action="store_true", help="smaller workload (~8 min)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     parser.add_argument("--redis-url", default=None,
-                        help="Redis for (d) (default: $KVTIER_REDIS_URL, else probe local)")
+                        help="Redis for (c)/(d) (default: $KVTIER_REDIS_URL, else probe local)")
     parser.add_argument("--models", default="llama,hybrid")
+    parser.add_argument("--with-cpu-only", action="store_true",
+                        help="also run kvtier with the CPU tier only (c')")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="no-hit passes per config (default 4 quick, 10 full)")
+    parser.add_argument("--gap-s", type=float, default=1.5,
+                        help="pause before each no-hit pass (engines stop spinning)")
+    parser.add_argument("--reserved-cpus", default="1",
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1; "
+                             "'vllm': vLLM's own default, which differs with a connector)")
     parser.add_argument("--lmcache-path", default=None,
                         help="sys.path entries (os.pathsep-separated) holding lmcache")
     parser.add_argument("--log-dir", default=None)
@@ -310,65 +467,60 @@ def main(argv: list[str]) -> int:
 
     t0 = time.monotonic()
     workload = QUICK if args.quick else FULL
-    reps = 6 if args.quick else 10
-    rounds = 1 if args.quick else 2
+    reps = args.reps or (4 if args.quick else 10)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     choice = choose_redis(args.redis_url)
     if not choice.reachable:
-        _say(f"[bench] Redis {choice.shown} not reachable ({choice.reason}): (d) skipped")
+        _say(f"[bench] Redis {choice.shown} not reachable ({choice.reason}): kvtier runs "
+             "with the CPU tier only, (d) skipped")
     lmcache_path = args.lmcache_path
     if lmcache_path is None and importlib.util.find_spec("lmcache") is not None:
         lmcache_path = ""  # installed in this environment: run it
     log_dir = Path(args.log_dir or f"/tmp/kvtier-bench-e2e-{os.getpid()}")
+    env = {} if args.reserved_cpus == "vllm" else {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(int(args.reserved_cpus))}
+    bench = Bench(log_dir, env, choice.url if choice.reachable else None)
     results: dict[str, dict[str, Any]] = {}
+    load = {"start": os.getloadavg()[0]}
     try:
         for model in models:
-            results[model] = bench_model(model, workload, reps,
-                                         choice.url if choice.reachable else None, log_dir,
-                                         lmcache_path, rounds)
+            results[model] = bench_model(bench, model, workload, reps, lmcache_path,
+                                         args.with_cpu_only, args.gap_s)
+            load[f"after_{model}"] = os.getloadavg()[0]
     except EngineRunError as exc:
         _say(f"[bench] failed: {exc}")
         return 1
+    finally:
+        bench.cleanup()
     ratios, detail = compute_ratios(results)
 
-    w = workload
-    print(f"\nbench_e2e — vLLM 0.32 CPU, {w.conversations} conversations x {w.turns} turns, "
-          f"{w.system_words}-token shared system prompt, +{w.user_words} user tokens and "
-          f"{w.max_tokens} answer tokens per turn; {reps} no-hit passes per engine, "
-          f"{rounds} round(s) of engines for them")
+    w, n = workload, NOHIT
+    tiers = f"CPU + Redis {choice.shown}" if choice.reachable else "CPU tier only (no Redis)"
+    print(f"\nbench_e2e — vLLM 0.32 CPU (default multiprocess executors), {w.conversations} "
+          f"conversations x {w.turns} turns, {w.system_words}-token shared system prompt, "
+          f"+{w.user_words} user tokens and {w.max_tokens} answer tokens per turn. No-hit "
+          f"pass: {n.conversations} requests of {n.system_words + n.user_words} tokens + "
+          f"{n.max_tokens} answer tokens, one at a time; {reps} passes per config, the "
+          f"configs' engines alive together and taking turns. kvtier: {tiers}"
+          f", write_mode back. Engine env: {env or 'vLLM defaults'}. "
+          f"1-min load: " + ", ".join(f"{k} {v:.1f}" for k, v in load.items()))
     all_rows: dict[str, list[dict[str, Any]]] = {}
     for model, result in results.items():
-        rows = rows_for(result)
+        rows = _print_model(model, result, detail[model])
         all_rows[model] = [r.as_dict() for r in rows]
-        print(f"\n== tiny {model} ==")
-        print(render_table(rows))
-        d = detail[model]
-        print("recomputed after GPU-cache reset: "
-              + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_reset"].items()))
-        print("  (vLLM's admission counter:      "
-              + ", ".join(f"{k}={v}" for k, v in
-                          d["vllm_counter_local_compute_after_reset"].items()) + ")")
-        print("recomputed after engine restart:  "
-              + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_restart"].items()))
-        for key, what in (("cpu_s", "CPU s"), ("wall_s", "wall s")):
-            nh = d["nohit_fastest_pass"][key]
-            print(f"no-hit pass (fastest), {what}: ".ljust(34)
-                  + ", ".join(f"{k}={v:.3f}" if v is not None else f"{k}=n/a"
-                              for k, v in nh.items())
-                  + f"  → kvtier {_fmt(d['overhead_no_hit'][f'kvtier-cpu_{key}'], True)}"
-                  f", native {_fmt(d['overhead_no_hit'][f'native_{key}'], True)}")
-        for config, reason in result["skipped"].items():
-            print(f"({config} not run: {reason})")
-    print("\nratios")
+    print("\nratios (overhead_no_hit*: wall time, median over paired passes; *_tree_cpu: CPU "
+          "time of the process tree)")
     for key, value in ratios.items():
-        print(f"  {key:<40} {_fmt(value, pct='overhead' in key)}")
+        print(f"  {key:<44} {_fmt(value, pct='overhead' in key)}")
     print(f"\ntotal {time.monotonic() - t0:.0f} s; engine logs in {log_dir}")
     if args.json_path:
         out = {"ratios": ratios, "detail": detail, "rows": all_rows,
-               "workload": asdict(workload), "nohit_passes": reps, "nohit_rounds": rounds,
+               "workload": asdict(workload), "nohit_workload": asdict(NOHIT),
+               "nohit_passes": reps, "engine_env": env, "load": load,
                "skipped": {m: r["skipped"] for m, r in results.items()},
                "redis": {"used": choice.reachable, "url": choice.shown},
                "elapsed_s": time.monotonic() - t0}
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -1,0 +1,585 @@
+"""Does kvtier stall decoding? One stream decodes while others restore and store long prefixes.
+
+vLLM's OpenAI-compatible server runs as a subprocess, as users run it
+(``python -m vllm.entrypoints.openai.api_server``, vLLM's default multiprocess executors:
+API server, engine core and worker are three processes), with the tiny Llama on the CPU
+backend (float32, eager, block 32). The client drives it over HTTP with concurrent
+streaming completions (``httpx`` async). Side by side in one run:
+
+  none     vLLM alone: warm the prefixes, ``POST /reset_prefix_cache``, measure
+           (the restoring requests recompute their prefixes)
+  native   vLLM's OffloadingConnector with the CPU transfer worker in
+           ``benchmarks/peers/native_cpu_offload.py``: warm, reset, measure (its CPU tier
+           serves the prefixes)
+  kvtier   TieredOffloadingConnector with ``redis_url`` pointing at a loopback latency
+           proxy (its own process, ``tests/support/tcp_proxy.py``, +``--rtt-ms`` per round
+           trip) in front of Redis, write_mode "back" (the default): warm the prefixes in one
+           server, wait until Redis holds them, stop it, start a new server process and
+           measure: every prefix comes from Redis (asynchronous probe, then an
+           asynchronous fetch in the worker's I/O threads)
+
+A round: one *decoding stream* (short prompt, long ``max_tokens``, ``ignore_eos``) runs;
+once it decodes steadily, ``restores`` requests (a warmed prefix + a new suffix) and
+``stores`` requests (a new long prompt nothing holds: kvtier saves it, to Redis too) start
+at a fixed interval, interleaved. The *window* runs from the first of them sent to the last
+one done; every gap between two chunk arrivals of the decoding stream that ends inside the
+window is one inter-token latency sample (pooled over the rounds). ``idle ITL`` is the
+same stream before the window. A warm-up round (its own prefixes) runs first on every
+measured server and is not counted.
+
+Reported per config: decoding ITL p50/p99/max, restoring requests' TTFT p50/p90 and cached
+tokens (``--enable-prompt-tokens-details``), store requests' TTFT p50, kvtier's
+``vllm:kvtier_*`` counters. Ratios are against ``none``; JSON ``ratios`` holds kvtier's
+(headline ``itl_p99_vs_no_connector``) plus native's under ``native_*``, and
+``connectors.<name>.ratios`` each connector's.
+
+The client, the proxy and the server share the machine's cores (2 here): run it on a quiet
+machine, repeat it, and read ``load`` (1-min load average before/after each config).
+
+Usage: python benchmarks/bench_stall.py [--quick] [--json PATH] [--redis-url URL]
+       [--rtt-ms MS] [--configs none,native,kvtier] [--log-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import httpx  # noqa: E402
+
+from connector.demo import delete_redis_prefix  # noqa: E402
+from connector.engine_presets import kvtier_transfer_config  # noqa: E402
+from connector.tiny_models import prompt_words, tiny_llama  # noqa: E402
+from tests.support.openai_server import OpenAIServer  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+
+BLOCK = 32
+CPU_BYTES = 512 << 20
+NATIVE_EXTRA = {
+    "spec_name": "CpuPeerOffloadingSpec",
+    "spec_module_path": "benchmarks.peers.native_cpu_offload",
+    "cpu_bytes_to_use": CPU_BYTES,
+}
+CONFIGS = ("none", "native", "kvtier")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workload of one run (token counts: the tiny models' tokenizer is word-level)."""
+
+    rounds: int
+    restores: int  # per round
+    stores: int  # per round
+    prefix_tokens: int  # warmed prefix of a restoring request (block-aligned)
+    suffix_tokens: int  # new tokens after it
+    store_tokens: int  # prompt of a storing request (nothing holds it)
+    other_max_tokens: int  # answer length of restoring / storing requests
+    interval_s: float  # between two request starts in the window
+    decode_prompt_tokens: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+
+
+FULL = Shape(rounds=16, restores=6, stores=6, prefix_tokens=1536, suffix_tokens=40,
+             store_tokens=1536, other_max_tokens=8, interval_s=0.25)
+QUICK = Shape(rounds=6, restores=4, stores=4, prefix_tokens=1024, suffix_tokens=40,
+              store_tokens=1024, other_max_tokens=8, interval_s=0.25)
+WARMUP_ROUND = -1
+
+
+def _say(msg: str) -> None:
+    print(f"[stall {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+# ---------------------------------------------------------------------------- prompts
+def _seed(kind: str, rnd: int, i: int) -> int:
+    base = {"restore": 10_000, "store": 20_000, "decode": 30_000, "suffix": 40_000}[kind]
+    return base + 100 * (rnd + 2) + i
+
+
+def restore_prefix(rnd: int, i: int, shape: Shape) -> str:
+    return prompt_words(_seed("restore", rnd, i), shape.prefix_tokens)
+
+
+def restore_prompt(rnd: int, i: int, shape: Shape) -> str:
+    """A warmed prefix and a suffix nothing holds: only the prefix can hit."""
+    return restore_prefix(rnd, i, shape) + " " + prompt_words(_seed("suffix", rnd, i),
+                                                              shape.suffix_tokens)
+
+
+def store_prompt(rnd: int, i: int, shape: Shape) -> str:
+    return prompt_words(_seed("store", rnd, i), shape.store_tokens)
+
+
+def decode_prompt(rnd: int, shape: Shape) -> str:
+    return prompt_words(_seed("decode", rnd, 0), shape.decode_prompt_tokens)
+
+
+# ---------------------------------------------------------------------------- HTTP client
+@dataclass
+class StreamResult:
+    """One streamed completion: arrival time of each chunk with text, usage, timing."""
+
+    sent: float
+    arrivals: list[float]
+    words: list[int]  # tokens per chunk (word-level tokenizer: words in the chunk's text)
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    done: float = 0.0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.arrivals[0] - self.sent if self.arrivals else None
+
+
+async def stream_completion(client: httpx.AsyncClient, model: str, prompt: str,
+                            max_tokens: int, started: asyncio.Event | None = None,
+                            steady_after: int = 0) -> StreamResult:
+    """POST /v1/completions with ``stream=True``; records when each chunk arrives."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    res = StreamResult(sent=time.perf_counter(), arrivals=[], words=[])
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    res.arrivals.append(now)
+                    res.words.append(len(choices[0]["text"].split()))
+                    if started is not None and len(res.arrivals) >= steady_after:
+                        started.set()
+                usage = chunk.get("usage")
+                if usage:
+                    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+    except asyncio.CancelledError:
+        res.error = "cancelled"
+    except (httpx.HTTPError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.done = time.perf_counter()
+    if started is not None:
+        started.set()
+    return res
+
+
+async def _complete_many(base: str, model: str, prompts: list[str], max_tokens: int,
+                         parallel: int) -> list[StreamResult]:
+    sem = asyncio.Semaphore(parallel)
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        async def one(prompt: str) -> StreamResult:
+            async with sem:
+                return await stream_completion(client, model, prompt, max_tokens)
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def complete_many(server: OpenAIServer, prompts: list[str], max_tokens: int = 1,
+                  parallel: int = 2) -> list[StreamResult]:
+    results = asyncio.run(_complete_many(server.base, str(server.model_dir), prompts,
+                                         max_tokens, parallel))
+    bad = [r.error for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} warm-up requests failed: {bad[0]}")
+    return results
+
+
+# ---------------------------------------------------------------------------- one round
+@dataclass
+class RoundResult:
+    round: int
+    window_s: float
+    itl_window: list[float]
+    itl_idle: list[float]
+    decode_tokens_in_window: int
+    decode_chunks_in_window: int
+    restore_ttft: list[float]
+    restore_cached: list[int]
+    store_ttft: list[float]
+    errors: list[str]
+    truncated: bool  # the decoding stream ended before the window did
+
+
+async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        steady = asyncio.Event()
+        decode_max = shape.max_model_len - shape.decode_prompt_tokens - 1
+        decoder = asyncio.create_task(stream_completion(
+            client, model, decode_prompt(rnd, shape), decode_max, started=steady,
+            steady_after=40))
+        await steady.wait()
+        t_start = time.perf_counter()
+        others: list[tuple[str, asyncio.Task[StreamResult]]] = []
+        plan = [("restore", i) for i in range(shape.restores)]
+        plan += [("store", i) for i in range(shape.stores)]
+        plan.sort(key=lambda item: (item[1], item[0] == "store"))  # r0 s0 r1 s1 ...
+        for n, (kind, i) in enumerate(plan):
+            delay = t_start + n * shape.interval_s / 2 - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = (restore_prompt(rnd, i, shape) if kind == "restore"
+                      else store_prompt(rnd, i, shape))
+            others.append((kind, asyncio.create_task(stream_completion(
+                client, model, prompt, shape.other_max_tokens))))
+        done = [(kind, await task) for kind, task in others]
+        t_end = max(r.done for _, r in done)
+        decoder.cancel()
+        dec = await decoder
+    arrivals = dec.arrivals
+    window = [(b - a, w) for a, b, w in zip(arrivals, arrivals[1:], dec.words[1:],
+                                            strict=False) if t_start < b <= t_end]
+    idle = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b <= t_start]
+    errors = [f"{kind}: {r.error}" for kind, r in done if r.error]
+    if dec.error not in (None, "cancelled"):
+        errors.append(f"decode: {dec.error}")
+    return RoundResult(
+        round=rnd, window_s=t_end - t_start, itl_window=[g for g, _ in window],
+        itl_idle=idle[8:],  # the first gaps of a stream are its own start-up
+        decode_tokens_in_window=sum(w for _, w in window),
+        decode_chunks_in_window=len(window),
+        restore_ttft=[r.ttft for k, r in done if k == "restore" and r.ttft is not None],
+        restore_cached=[r.cached_tokens for k, r in done if k == "restore"],
+        store_ttft=[r.ttft for k, r in done if k == "store" and r.ttft is not None],
+        errors=errors, truncated=dec.error != "cancelled" and dec.done < t_end)
+
+
+def run_round(server: OpenAIServer, rnd: int, shape: Shape) -> RoundResult:
+    return asyncio.run(_round(server.base, str(server.model_dir), rnd, shape))
+
+
+# ---------------------------------------------------------------------------- configs
+class Proxy:
+    """``TcpProxy`` in its own process (its threads must not share the client's GIL)."""
+
+    CODE = ("import sys, time; from tests.support.tcp_proxy import TcpProxy; "
+            "p = TcpProxy('127.0.0.1', int(sys.argv[1]), port=int(sys.argv[2])); "
+            "p.latency_s = float(sys.argv[3]); p.start(); print('ready', flush=True); "
+            "time.sleep(1e9)")
+
+    def __init__(self, redis_url: str, rtt_s: float) -> None:
+        target = httpx.URL(redis_url.replace("redis://", "http://"))
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.CODE, str(target.port or 6379), str(self.port),
+             str(rtt_s / 2)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("latency proxy did not start")
+        db = redis_url.rstrip("/").rsplit("/", 1)[-1] if redis_url.count("/") > 2 else "0"
+        self.url = f"redis://127.0.0.1:{self.port}/{db}"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def server_env(reserved_cpus: int | None) -> dict[str, str]:
+    """The same OpenMP binding for every config.
+
+    vLLM's CPU worker binds its OpenMP threads to every allowed core but
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default: one per rank for the engine core, plus one
+    more per rank whenever a ``kv_transfer_config`` is set, meant for NIXL). On a 2-core
+    machine that default gives vLLM alone 1 OpenMP thread and any connector 2 (the
+    reservation exceeds the cores and is dropped), threads that then fight the engine core
+    and API server for the same 2 cores: connector runs decode ~3x slower with no connector
+    code involved. Pinning the reservation measures the connectors, not the binding.
+    """
+    return {} if reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+
+
+def _server(model_dir: Path, log_dir: Path, name: str, shape: Shape,
+            ktc: dict[str, Any] | None, env: dict[str, str]) -> OpenAIServer:
+    _say(f"{name}: starting server")
+    t0 = time.monotonic()
+    server = OpenAIServer(model_dir, log_dir / f"{name}.log", kv_transfer_config=ktc,
+                          max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
+                          env=env).start(timeout_s=600)
+    _say(f"{name}: healthy after {time.monotonic() - t0:.0f} s (port {server.port})")
+    return server
+
+
+def _reset(server: OpenAIServer) -> None:
+    for _ in range(100):
+        if server.post("/reset_prefix_cache").get("success") is not False:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("reset_prefix_cache kept failing")
+
+
+def _warm_prompts(shape: Shape) -> list[str]:
+    return [restore_prefix(rnd, i, shape) for rnd in [WARMUP_ROUND, *range(shape.rounds)]
+            for i in range(shape.restores)]
+
+
+def _redis_keys(url: str, prefix: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5.0)
+    try:
+        return sum(1 for _ in client.scan_iter(match=f"{prefix}:*", count=1000))
+    finally:
+        client.close()
+
+
+def _wait_for_redis(url: str, prefix: str, expect: int, timeout_s: float = 120) -> int:
+    """Until Redis holds ``expect`` keys under ``prefix`` and the count stops moving."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        n = _redis_keys(url, prefix)
+        if n >= expect and n == last:
+            return n
+        last = n
+        time.sleep(0.5)
+    return last
+
+
+def _measure(server: OpenAIServer, shape: Shape, tag: str) -> dict[str, Any]:
+    _say(f"{tag}: warm-up round (not counted)")
+    run_round(server, WARMUP_ROUND, shape)
+    before = server.metrics()
+    rounds = []
+    for rnd in range(shape.rounds):
+        load = _load()
+        res = run_round(server, rnd, shape)
+        rounds.append({**asdict(res), "load_before": load})
+        _say(f"{tag}: round {rnd}: window {res.window_s:.2f} s, "
+             f"ITL p50 {_pct(res.itl_window, 50) * 1e3:.1f} ms, "
+             f"p99 {_pct(res.itl_window, 99) * 1e3:.1f} ms, restore TTFT p50 "
+             f"{_pct(res.restore_ttft, 50) * 1e3:.0f} ms, cached {res.restore_cached}"
+             + (f", errors {res.errors}" if res.errors else "")
+             + (" (TRUNCATED)" if res.truncated else ""))
+    after = server.metrics()
+    counters = {k: after[k] - before.get(k, 0.0) for k in after
+                if after[k] - before.get(k, 0.0)}
+    return {"rounds": rounds, "kvtier_counters": counters}
+
+
+def run_config(tag: str, model_dir: Path, shape: Shape, log_dir: Path, redis_url: str | None,
+               rtt_s: float, env: dict[str, str]) -> dict[str, Any]:
+    load0 = _load()
+    t0 = time.monotonic()
+    warm = _warm_prompts(shape)
+    extra: dict[str, Any] = {}
+    if tag in ("none", "native"):
+        ktc = None if tag == "none" else {"kv_connector": "OffloadingConnector",
+                                          "kv_role": "kv_both",
+                                          "kv_connector_extra_config": dict(NATIVE_EXTRA)}
+        server = _server(model_dir, log_dir, tag, shape, ktc, env)
+        try:
+            _say(f"{tag}: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens")
+            complete_many(server, warm)
+            time.sleep(1.0)  # native: let the last stores finish before the reset
+            _reset(server)
+            out = _measure(server, shape, tag)
+        finally:
+            server.stop()
+    else:
+        if redis_url is None:
+            raise RuntimeError("kvtier needs Redis (--redis-url)")
+        prefix = f"kvtier-stall-{uuid.uuid4().hex[:10]}"
+        proxy = Proxy(redis_url, rtt_s)
+        settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0}
+        try:
+            # Warm straight into Redis (the namespace does not depend on the URL).
+            first = _server(model_dir, log_dir, "kvtier-warm", shape,
+                            kvtier_transfer_config({**settings, "redis_url": redis_url}), env)
+            try:
+                _say(f"{tag}: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens")
+                complete_many(first, warm)
+                expect = len(warm) * (shape.prefix_tokens // BLOCK)
+                held = _wait_for_redis(redis_url, prefix, expect)
+                _say(f"{tag}: Redis holds {held} keys (>= {expect} expected)")
+                extra["redis_keys_after_warm"] = held
+            finally:
+                first.stop()
+            _say(f"{tag}: new server process; Redis behind the proxy "
+                 f"(+{rtt_s * 1e3:.1f} ms per round trip)")
+            server = _server(model_dir, log_dir, "kvtier", shape,
+                             kvtier_transfer_config({**settings, "redis_url": proxy.url}), env)
+            try:
+                out = _measure(server, shape, tag)
+            finally:
+                server.stop()
+        finally:
+            proxy.stop()
+            delete_redis_prefix(redis_url, prefix)
+    return {**out, **extra, "load_before": load0, "load_after": _load(),
+            "elapsed_s": time.monotonic() - t0}
+
+
+# ---------------------------------------------------------------------------- summary
+def _pct(values: list[float], q: float) -> float:
+    """Percentile by linear interpolation (numpy's default); nan for no values."""
+    if not values:
+        return float("nan")
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
+    rounds = run["rounds"]
+
+    def pool(key: str) -> list[Any]:
+        return [v for r in rounds for v in r[key]]
+
+    itl, idle = pool("itl_window"), pool("itl_idle")
+    restore, store, cached = pool("restore_ttft"), pool("store_ttft"), pool("restore_cached")
+    return {
+        "itl_p50_ms": 1e3 * _pct(itl, 50), "itl_p99_ms": 1e3 * _pct(itl, 99),
+        "itl_max_ms": 1e3 * max(itl, default=float("nan")),
+        "itl_samples": len(itl),
+        "itl_p99_ms_per_round": [1e3 * _pct(r["itl_window"], 99) for r in rounds],
+        "idle_itl_p50_ms": 1e3 * _pct(idle, 50),
+        "tokens_per_chunk": (sum(r["decode_tokens_in_window"] for r in rounds)
+                             / max(1, sum(r["decode_chunks_in_window"] for r in rounds))),
+        "restore_ttft_p50_ms": 1e3 * _pct(restore, 50),
+        "restore_ttft_p90_ms": 1e3 * _pct(restore, 90),
+        "store_ttft_p50_ms": 1e3 * _pct(store, 50),
+        "restore_cached_tokens": sum(cached),
+        "restore_prefix_tokens": shape.prefix_tokens * len(cached),
+        "window_s_mean": statistics.mean(r["window_s"] for r in rounds),
+        "errors": [e for r in rounds for e in r["errors"]],
+        "truncated_rounds": sum(r["truncated"] for r in rounds),
+        "load": [run["load_before"], run["load_after"]],
+    }
+
+
+RATIO_KEYS = (("itl_p99_vs_no_connector", "itl_p99_ms"),
+              ("itl_p50_vs_no_connector", "itl_p50_ms"),
+              ("itl_max_vs_no_connector", "itl_max_ms"),
+              ("restore_ttft_p50_vs_no_connector", "restore_ttft_p50_ms"),
+              ("store_ttft_p50_vs_no_connector", "store_ttft_p50_ms"))
+
+
+def ratios_for(summary: dict[str, dict[str, Any]], config: str) -> dict[str, float | None]:
+    ref = summary.get("none")
+    mine = summary.get(config)
+    out: dict[str, float | None] = {}
+    for name, key in RATIO_KEYS:
+        ok = ref is not None and mine is not None and ref[key] and ref[key] == ref[key]
+        out[name] = mine[key] / ref[key] if ok else None
+    return out
+
+
+def render(summary: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> str:
+    cols = [("ITL p50", "itl_p50_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
+            ("ITL max", "itl_max_ms", "{:.1f}"), ("idle p50", "idle_itl_p50_ms", "{:.1f}"),
+            ("restore TTFT p50", "restore_ttft_p50_ms", "{:.0f}"),
+            ("restore TTFT p90", "restore_ttft_p90_ms", "{:.0f}"),
+            ("store TTFT p50", "store_ttft_p50_ms", "{:.0f}")]
+    head = (f"{'config':<8} " + " ".join(f"{c[0]:>16}" for c in cols)
+            + f" {'cached/prefix':>15} {'p99 ×none':>10} {'p50 ×none':>10} {'load':>10}")
+    lines = [head, "-" * len(head)]
+    for config, s in summary.items():
+        r = ratios.get(config, {})
+        p99, p50 = r.get("itl_p99_vs_no_connector"), r.get("itl_p50_vs_no_connector")
+        lines.append(
+            f"{config:<8} " + " ".join(f"{c[2].format(s[c[1]]):>16}" for c in cols)
+            + f" {s['restore_cached_tokens']:>7}/{s['restore_prefix_tokens']:<7}"
+            + f" {p99 if p99 is not None else 1.0:>10.2f} {p50 if p50 is not None else 1.0:>10.2f}"
+            + f" {s['load'][0]:>4.1f}/{s['load'][1]:<4.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workload (~4 min)")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REDIS_URL",
+                                                              "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--rtt-ms", type=float, default=4.0,
+                        help="latency the proxy adds per Redis round trip (default 4)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=None, help="override the shape's rounds")
+    parser.add_argument("--reserved-cpus", default="1",
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (default 1; "
+                             "'vllm': vLLM's own default, which differs with a connector)")
+    parser.add_argument("--log-dir", default=None)
+    args = parser.parse_args(argv)
+    env = server_env(None if args.reserved_cpus == "vllm" else int(args.reserved_cpus))
+
+    shape = QUICK if args.quick else FULL
+    if args.rounds:
+        shape = Shape(**{**asdict(shape), "rounds": args.rounds})
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if c not in CONFIGS:
+            parser.error(f"unknown config {c!r}: expected some of {', '.join(CONFIGS)}")
+    log_dir = Path(args.log_dir or f"/tmp/kvtier-bench-stall-{os.getpid()}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = tiny_llama()
+    t0 = time.monotonic()
+    runs: dict[str, dict[str, Any]] = {}
+    for config in configs:
+        runs[config] = run_config(config, model_dir, shape, log_dir, args.redis_url,
+                                  args.rtt_ms / 1e3, env)
+    summary = {c: summarize(r, shape) for c, r in runs.items()}
+    per = {c: ratios_for(summary, c) for c in summary if c != "none"}
+    ratios: dict[str, Any] = dict(per.get("kvtier", {}))
+    for name, value in per.get("native", {}).items():
+        ratios[f"native_{name}"] = value
+
+    print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama; {shape.rounds} rounds x "
+          f"({shape.restores} restores of a {shape.prefix_tokens}-token prefix + "
+          f"{shape.suffix_tokens} new, {shape.stores} stores of {shape.store_tokens} tokens, "
+          f"one every {shape.interval_s / 2:.3f} s) beside one decoding stream; kvtier's "
+          f"Redis +{args.rtt_ms:g} ms per round trip")
+    print(render(summary, per))
+    for config, s in summary.items():
+        if s["errors"] or s["truncated_rounds"]:
+            print(f"  {config}: errors {s['errors'][:3]}, truncated rounds "
+                  f"{s['truncated_rounds']}")
+    if "kvtier" in runs:
+        c = runs["kvtier"]["kvtier_counters"]
+        print("kvtier counters over the measured rounds: " + ", ".join(
+            f"{k.removeprefix('vllm:kvtier_')}={v:g}" for k, v in sorted(c.items())
+            if any(w in k for w in ("hit_tokens", "written_redis", "drops", "errors",
+                                    "failed", "blocks_saved", "misses"))))
+    print("ratios (kvtier; native_*: native)")
+    for key, value in ratios.items():
+        print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")
+    print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
+    if args.json_path:
+        out = {"ratios": ratios,
+               "connectors": {c: {"ratios": per.get(c), "summary": summary[c]}
+                              for c in summary},
+               "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,
+               "runs": runs,
+               "elapsed_s": time.monotonic() - t0}
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
