@@ -77,7 +77,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.e2e_engine import EngineProc  # noqa: E402
+from benchmarks.e2e_engine import SMALL_KV_OVERRIDES, EngineProc  # noqa: E402
 from connector.demo import choose_redis, delete_redis_prefix, model_path  # noqa: E402
 from connector.demo_engine import EngineRunError  # noqa: E402
 from connector.demo_report import Row, render_table, summarize  # noqa: E402
@@ -148,7 +148,8 @@ class Bench:
     def engine(self, label: str, model: str, ktc: dict[str, Any] | None, workload: Workload,
                extra_paths: list[str] | None = None) -> EngineProc:
         spec = {"label": label, "model": model, "model_dir": _model_dir(model),
-                "workload": asdict(workload), "kv_transfer_config": ktc}
+                "workload": asdict(workload), "kv_transfer_config": ktc,
+                "engine_overrides": dict(SMALL_KV_OVERRIDES)}
         engine = EngineProc(spec, self.log_dir, extra_paths=extra_paths, env=self.env).start()
         _say(f"  {label}: engine started in {engine.startup_s:.1f} s")
         return engine

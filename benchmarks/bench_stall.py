@@ -18,6 +18,11 @@ streaming completions (``httpx`` async). Side by side in one run:
            measure: every prefix comes from Redis (asynchronous probe, then an
            asynchronous fetch in the worker's I/O threads)
 
+The three measured servers are up at once (idle ones cost nothing once their queues stop
+spinning) and take turns round by round, the order rotated per round: round ``r`` of every
+config runs the same prompts within seconds of the others', so load from elsewhere on the
+machine falls on all of them alike.
+
 A round: one *decoding stream* (short prompt, long ``max_tokens``, ``ignore_eos``) runs;
 once it decodes steadily, ``restores`` requests (a warmed prefix + a new suffix) and
 ``stores`` requests (a new long prompt nothing holds: kvtier saves it, to Redis too) start
@@ -27,7 +32,8 @@ window is one inter-token latency sample (pooled over the rounds). ``idle ITL`` 
 same stream before the window. A warm-up round (its own prefixes) runs first on every
 measured server and is not counted.
 
-Reported per config: decoding ITL p50/p99/max, restoring requests' TTFT p50/p90 and cached
+Reported per config: decoding ITL p50/p99/max (and p50 over the same stream's idle p50),
+restoring requests' TTFT p50/p90 and cached
 tokens (``--enable-prompt-tokens-details``), store requests' TTFT p50, kvtier's
 ``vllm:kvtier_*`` counters. Ratios are against ``none``; JSON ``ratios`` holds kvtier's
 (headline ``itl_p99_vs_no_connector``) plus native's under ``native_*``, and
@@ -36,8 +42,12 @@ tokens (``--enable-prompt-tokens-details``), store requests' TTFT p50, kvtier's
 The client, the proxy and the server share the machine's cores (2 here): run it on a quiet
 machine, repeat it, and read ``load`` (1-min load average before/after each config).
 
+Every server gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``; see
+``server_env``).
+
 Usage: python benchmarks/bench_stall.py [--quick] [--json PATH] [--redis-url URL]
-       [--rtt-ms MS] [--configs none,native,kvtier] [--log-dir DIR]
+       [--rtt-ms MS] [--configs none,native,kvtier] [--rounds N] [--gap-s S]
+       [--reserved-cpus N|vllm] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 
+from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory  # noqa: E402
 from connector.demo import delete_redis_prefix  # noqa: E402
 from connector.engine_presets import kvtier_transfer_config  # noqa: E402
 from connector.tiny_models import prompt_words, tiny_llama  # noqa: E402
@@ -299,7 +310,7 @@ class Proxy:
         self.proc.wait(10)
 
 
-def server_env(reserved_cpus: int | None) -> dict[str, str]:
+def server_env(reserved_cpus: int | None) -> dict[str, str | None]:
     """The same OpenMP binding for every config.
 
     vLLM's CPU worker binds its OpenMP threads to every allowed core but
@@ -309,16 +320,23 @@ def server_env(reserved_cpus: int | None) -> dict[str, str]:
     reservation exceeds the cores and is dropped), threads that then fight the engine core
     and API server for the same 2 cores: connector runs decode ~3x slower with no connector
     code involved. Pinning the reservation measures the connectors, not the binding.
+    Also a 256 MiB KV cache (``SMALL_KV_ENV`` + ``--kv-cache-memory-bytes``), so three
+    servers fit beside other work.
     """
-    return {} if reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    env = dict(SMALL_KV_ENV)
+    if reserved_cpus is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+    return env
 
 
 def _server(model_dir: Path, log_dir: Path, name: str, shape: Shape,
-            ktc: dict[str, Any] | None, env: dict[str, str]) -> OpenAIServer:
+            ktc: dict[str, Any] | None, env: dict[str, str | None]) -> OpenAIServer:
+    wait_for_memory()
     _say(f"{name}: starting server")
     t0 = time.monotonic()
     server = OpenAIServer(model_dir, log_dir / f"{name}.log", kv_transfer_config=ktc,
                           max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
+                          extra_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
                           env=env).start(timeout_s=600)
     _say(f"{name}: healthy after {time.monotonic() - t0:.0f} s (port {server.port})")
     return server
@@ -360,78 +378,95 @@ def _wait_for_redis(url: str, prefix: str, expect: int, timeout_s: float = 120) 
     return last
 
 
-def _measure(server: OpenAIServer, shape: Shape, tag: str) -> dict[str, Any]:
-    _say(f"{tag}: warm-up round (not counted)")
-    run_round(server, WARMUP_ROUND, shape)
-    before = server.metrics()
-    rounds = []
-    for rnd in range(shape.rounds):
-        load = _load()
-        res = run_round(server, rnd, shape)
-        rounds.append({**asdict(res), "load_before": load})
-        _say(f"{tag}: round {rnd}: window {res.window_s:.2f} s, "
-             f"ITL p50 {_pct(res.itl_window, 50) * 1e3:.1f} ms, "
-             f"p99 {_pct(res.itl_window, 99) * 1e3:.1f} ms, restore TTFT p50 "
-             f"{_pct(res.restore_ttft, 50) * 1e3:.0f} ms, cached {res.restore_cached}"
-             + (f", errors {res.errors}" if res.errors else "")
-             + (" (TRUNCATED)" if res.truncated else ""))
-    after = server.metrics()
-    counters = {k: after[k] - before.get(k, 0.0) for k in after
-                if after[k] - before.get(k, 0.0)}
-    return {"rounds": rounds, "kvtier_counters": counters}
+def _native_config() -> dict[str, Any]:
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": dict(NATIVE_EXTRA)}
 
 
-def run_config(tag: str, model_dir: Path, shape: Shape, log_dir: Path, redis_url: str | None,
-               rtt_s: float, env: dict[str, str]) -> dict[str, Any]:
-    load0 = _load()
-    t0 = time.monotonic()
+def _warm_kvtier_redis(model_dir: Path, log_dir: Path, shape: Shape,
+                       env: dict[str, str | None],
+                       settings: dict[str, Any], redis_url: str) -> int:
+    """One kvtier server stores every prefix in Redis (straight, no proxy: the namespace
+    does not depend on the URL), then stops; returns the keys Redis holds."""
     warm = _warm_prompts(shape)
-    extra: dict[str, Any] = {}
-    if tag in ("none", "native"):
-        ktc = None if tag == "none" else {"kv_connector": "OffloadingConnector",
-                                          "kv_role": "kv_both",
-                                          "kv_connector_extra_config": dict(NATIVE_EXTRA)}
-        server = _server(model_dir, log_dir, tag, shape, ktc, env)
-        try:
-            _say(f"{tag}: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens")
-            complete_many(server, warm)
-            time.sleep(1.0)  # native: let the last stores finish before the reset
-            _reset(server)
-            out = _measure(server, shape, tag)
-        finally:
+    first = _server(model_dir, log_dir, "kvtier-warm", shape,
+                    kvtier_transfer_config({**settings, "redis_url": redis_url}), env)
+    try:
+        _say(f"kvtier: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens")
+        complete_many(first, warm)
+        expect = len(warm) * (shape.prefix_tokens // BLOCK)
+        held = _wait_for_redis(redis_url, settings["redis_prefix"], expect)
+        _say(f"kvtier: Redis holds {held} keys (>= {expect} expected); stopping that server")
+        return held
+    finally:
+        first.stop()
+
+
+def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
+            redis_url: str, rtt_s: float, env: dict[str, str | None], gap_s: float
+            ) -> dict[str, dict[str, Any]]:
+    """Every config's server up at once; the configs take turns, round by round.
+
+    Round ``r`` of every config runs the same prompts within seconds of the others' round
+    ``r`` (order rotated per round), so load from elsewhere on the machine falls on all of
+    them alike. ``gap_s`` before each round lets the server that just ran stop spinning.
+    """
+    runs: dict[str, dict[str, Any]] = {c: {"rounds": [], "load_before": _load()}
+                                       for c in configs}
+    servers: dict[str, OpenAIServer] = {}
+    proxy: Proxy | None = None
+    prefix = f"kvtier-stall-{uuid.uuid4().hex[:10]}"
+    settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0}
+    try:
+        if "kvtier" in configs:
+            proxy = Proxy(redis_url, rtt_s)
+            runs["kvtier"]["redis_keys_after_warm"] = _warm_kvtier_redis(
+                model_dir, log_dir, shape, env, settings, redis_url)
+        for config in configs:
+            ktc = {"none": None, "native": _native_config()}.get(config)
+            if config == "kvtier":
+                assert proxy is not None
+                _say(f"kvtier: a new server process; Redis behind the proxy "
+                     f"(+{rtt_s * 1e3:.1f} ms per round trip)")
+                ktc = kvtier_transfer_config({**settings, "redis_url": proxy.url})
+            servers[config] = _server(model_dir, log_dir, config, shape, ktc, env)
+            if config != "kvtier":
+                warm = _warm_prompts(shape)
+                _say(f"{config}: warming {len(warm)} prefixes, then POST /reset_prefix_cache")
+                complete_many(servers[config], warm)
+                time.sleep(1.0)  # native: let the last stores finish before the reset
+                _reset(servers[config])
+        before = {c: servers[c].metrics() for c in configs}
+        for rnd in [WARMUP_ROUND, *range(shape.rounds)]:
+            k = rnd % len(configs) if rnd >= 0 else 0
+            for config in configs[k:] + configs[:k]:
+                time.sleep(gap_s)
+                load = _load()
+                res = run_round(servers[config], rnd, shape)
+                if rnd == WARMUP_ROUND:
+                    continue
+                runs[config]["rounds"].append({**asdict(res), "load_before": load})
+            if rnd >= 0:
+                _say(f"round {rnd + 1}/{shape.rounds}: " + "; ".join(
+                    f"{c} ITL p50/p99 {_pct(r['itl_window'], 50) * 1e3:.1f}/"
+                    f"{_pct(r['itl_window'], 99) * 1e3:.0f} ms, restore TTFT "
+                    f"{_pct(r['restore_ttft'], 50) * 1e3:.0f} ms"
+                    + (f" ERRORS {r['errors'][:2]}" if r["errors"] else "")
+                    for c in configs for r in [runs[c]["rounds"][-1]])
+                    + f" (load {_load():.1f})")
+        for config in configs:
+            after = servers[config].metrics()
+            runs[config]["kvtier_counters"] = {
+                k: after[k] - before[config].get(k, 0.0) for k in after
+                if after[k] - before[config].get(k, 0.0)}
+            runs[config]["load_after"] = _load()
+    finally:
+        for server in servers.values():
             server.stop()
-    else:
-        if redis_url is None:
-            raise RuntimeError("kvtier needs Redis (--redis-url)")
-        prefix = f"kvtier-stall-{uuid.uuid4().hex[:10]}"
-        proxy = Proxy(redis_url, rtt_s)
-        settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0}
-        try:
-            # Warm straight into Redis (the namespace does not depend on the URL).
-            first = _server(model_dir, log_dir, "kvtier-warm", shape,
-                            kvtier_transfer_config({**settings, "redis_url": redis_url}), env)
-            try:
-                _say(f"{tag}: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens")
-                complete_many(first, warm)
-                expect = len(warm) * (shape.prefix_tokens // BLOCK)
-                held = _wait_for_redis(redis_url, prefix, expect)
-                _say(f"{tag}: Redis holds {held} keys (>= {expect} expected)")
-                extra["redis_keys_after_warm"] = held
-            finally:
-                first.stop()
-            _say(f"{tag}: new server process; Redis behind the proxy "
-                 f"(+{rtt_s * 1e3:.1f} ms per round trip)")
-            server = _server(model_dir, log_dir, "kvtier", shape,
-                             kvtier_transfer_config({**settings, "redis_url": proxy.url}), env)
-            try:
-                out = _measure(server, shape, tag)
-            finally:
-                server.stop()
-        finally:
+        if proxy is not None:
             proxy.stop()
             delete_redis_prefix(redis_url, prefix)
-    return {**out, **extra, "load_before": load0, "load_after": _load(),
-            "elapsed_s": time.monotonic() - t0}
+    return runs
 
 
 # ---------------------------------------------------------------------------- summary
@@ -460,6 +495,7 @@ def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
         "itl_samples": len(itl),
         "itl_p99_ms_per_round": [1e3 * _pct(r["itl_window"], 99) for r in rounds],
         "idle_itl_p50_ms": 1e3 * _pct(idle, 50),
+        "itl_p50_vs_own_idle": _pct(itl, 50) / _pct(idle, 50) if idle else float("nan"),
         "tokens_per_chunk": (sum(r["decode_tokens_in_window"] for r in rounds)
                              / max(1, sum(r["decode_chunks_in_window"] for r in rounds))),
         "restore_ttft_p50_ms": 1e3 * _pct(restore, 50),
@@ -494,6 +530,7 @@ def ratios_for(summary: dict[str, dict[str, Any]], config: str) -> dict[str, flo
 def render(summary: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> str:
     cols = [("ITL p50", "itl_p50_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
             ("ITL max", "itl_max_ms", "{:.1f}"), ("idle p50", "idle_itl_p50_ms", "{:.1f}"),
+            ("p50/idle", "itl_p50_vs_own_idle", "{:.2f}"),
             ("restore TTFT p50", "restore_ttft_p50_ms", "{:.0f}"),
             ("restore TTFT p90", "restore_ttft_p90_ms", "{:.0f}"),
             ("store TTFT p50", "store_ttft_p50_ms", "{:.0f}")]
@@ -524,6 +561,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reserved-cpus", default="1",
                         help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (default 1; "
                              "'vllm': vLLM's own default, which differs with a connector)")
+    parser.add_argument("--gap-s", type=float, default=1.5,
+                        help="pause before each round (the server that ran stops spinning)")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args(argv)
     env = server_env(None if args.reserved_cpus == "vllm" else int(args.reserved_cpus))
@@ -539,10 +578,8 @@ def main(argv: list[str]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir = tiny_llama()
     t0 = time.monotonic()
-    runs: dict[str, dict[str, Any]] = {}
-    for config in configs:
-        runs[config] = run_config(config, model_dir, shape, log_dir, args.redis_url,
-                                  args.rtt_ms / 1e3, env)
+    runs = run_all(configs, model_dir, shape, log_dir, args.redis_url, args.rtt_ms / 1e3,
+                   env, args.gap_s)
     summary = {c: summarize(r, shape) for c, r in runs.items()}
     per = {c: ratios_for(summary, c) for c in summary if c != "none"}
     ratios: dict[str, Any] = dict(per.get("kvtier", {}))

@@ -37,6 +37,32 @@ DONE_TAG = "[kvtier-bench-done]"
 READY_TAG = "[kvtier-bench-ready]"
 
 
+KV_CACHE_BYTES = 256 << 20
+# vLLM's CPU KV cache for a benchmark engine: 256 MiB (262k tokens of the tiny Llama) instead
+# of CPU_ENGINE_ENV's 1 GiB, so that several engines fit beside other work. Without
+# VLLM_CPU_KVCACHE_SPACE (a legacy setting in whole GiB that overrides the engine argument;
+# None = removed from the environment) vLLM reads ``kv_cache_memory_bytes``.
+SMALL_KV_ENV: dict[str, str | None] = {"VLLM_CPU_KVCACHE_SPACE": None}
+SMALL_KV_OVERRIDES = {"kv_cache_memory_bytes": KV_CACHE_BYTES}
+
+
+def wait_for_memory(need_bytes: int = 3 << 30, timeout_s: float = 300) -> None:
+    """Before an engine starts: until the machine has ``need_bytes`` available (others' jobs
+    come and go), else raise; an engine killed by the OOM killer helps no one."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = psutil.virtual_memory().available
+        if free >= need_bytes:
+            return
+        if time.monotonic() > deadline:
+            raise EngineRunError(f"only {free >> 20} MiB of memory available, need "
+                                 f"{need_bytes >> 20} MiB to start another engine")
+        print(f"  waiting for memory: {free >> 20} MiB available", file=sys.stderr, flush=True)
+        time.sleep(10)
+
+
 def tree_cpu_s() -> float:
     """CPU seconds (user + system) of this process and all its live descendants."""
     import psutil
@@ -84,7 +110,8 @@ def _child(spec_path: str) -> int:
     t0 = time.perf_counter()
     from vllm import LLM
 
-    kwargs = engine_kwargs(spec["model"], spec["model_dir"], disable_log_stats=False)
+    kwargs = engine_kwargs(spec["model"], spec["model_dir"], disable_log_stats=False,
+                           **spec.get("engine_overrides", {}))
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     progress(f"{spec['label']}: starting engine")
@@ -120,8 +147,9 @@ class EngineProc:
         self.timeout_s = timeout_s
         self.startup_s: float | None = None
         self._n = 0
-        self._env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING", **os.environ,
-                     **(env or {})}
+        merged = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING", **os.environ,
+                  **SMALL_KV_ENV, **(env or {})}
+        self._env = {k: v for k, v in merged.items() if v is not None}
         self._env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO_ROOT), *(extra_paths or []), os.environ.get("PYTHONPATH", "")]
         ).rstrip(os.pathsep)
@@ -130,6 +158,7 @@ class EngineProc:
         self._tail: list[str] = []
 
     def start(self) -> EngineProc:
+        wait_for_memory()
         spec_path = self.log_dir / f"{self.slug}.spec.json"
         spec_path.write_text(json.dumps(self.spec))
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the child

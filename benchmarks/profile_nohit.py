@@ -202,6 +202,8 @@ def main(argv: list[str]) -> int:
             print(summarize(path))
     if args.config == "kvtier":
         delete_redis_prefix(args.redis_url, prefix)
+    # The engine core and worker are other processes: shut them down, or they outlive us.
+    llm.llm_engine.engine_core.shutdown()
     sys.stdout.flush()
     os._exit(0)
 

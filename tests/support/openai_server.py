@@ -28,13 +28,13 @@ class OpenAIServer:
     """One server process on a loopback port; ``start()`` waits for ``/health``.
 
     ``extra_args`` go after the presets (CPU backend, block 32, prefix caching); ``env``
-    is added to the process environment last (e.g. ``VLLM_LOGGING_LEVEL``).
+    is applied to the process environment last (a ``None`` value removes the variable).
     """
 
     def __init__(self, model_dir: Path, log_path: Path, *,
                  kv_transfer_config: dict[str, Any] | None = None,
                  extra_args: list[str] | None = None, max_model_len: int = 1024,
-                 max_num_seqs: int = 4, env: dict[str, str] | None = None) -> None:
+                 max_num_seqs: int = 4, env: dict[str, str | None] | None = None) -> None:
         self.model_dir = model_dir
         self.log_path = log_path
         self.port = free_port()
@@ -61,7 +61,11 @@ class OpenAIServer:
         env = dict(os.environ, **CPU_ENGINE_ENV, VLLM_SERVER_DEV_MODE="1")
         if {"--tensor-parallel-size", "--data-parallel-size"} & set(self.extra_args):
             env.update(TP2_ENV)  # one core per rank (CPU backend on this 2-core machine)
-        env.update(self.env)
+        for key, value in self.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
