@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,10 @@ from connector.demo_workload import PROGRESS_TAG
 from connector.engine_presets import CPU_ENGINE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# "pkg.SomeError: message", alone or after vLLM's "(Worker pid=1) ERROR <date> [file]" prefix
+_ERROR_LINE = re.compile(r"(?:^|\] |^\s+)([\w.]*(?:Error|Exception): .*)")
 
 
 class EngineRunError(RuntimeError):
@@ -56,6 +61,7 @@ def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: 
     cmd = [sys.executable, "-m", "connector.demo_workload", str(spec_path), str(out_path)]
     t0 = time.monotonic()
     tail: deque[str] = deque(maxlen=40)
+    errors: deque[str] = deque(maxlen=8)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=_child_env(extra_paths or []),
@@ -65,6 +71,9 @@ def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: 
             for line in proc.stdout:
                 log.write(line)
                 tail.append(line.rstrip())
+                found = _ERROR_LINE.search(line)
+                if found:
+                    errors.append(found.group(1).rstrip())
                 if line.startswith(PROGRESS_TAG) and not quiet:
                     msg = line[len(PROGRESS_TAG):].strip()
                     print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr,
@@ -78,7 +87,9 @@ def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: 
             proc.wait()
             rc = -9
     if rc != 0 or not out_path.exists():
+        cause = "\n".join(dict.fromkeys(errors)) or "(no exception line in the log)"
         last = "\n".join(tail)
         raise EngineRunError(
-            f"engine run {spec['label']!r} failed (exit {rc}); full log: {log_path}\n{last}")
+            f"engine run {spec['label']!r} failed (exit {rc}); full log: {log_path}\n"
+            f"errors:\n{cause}\nlog tail:\n{last}")
     return json.loads(out_path.read_text())

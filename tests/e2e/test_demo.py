@@ -120,7 +120,9 @@ def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir:
     with pytest.raises(EngineRunError) as info:
         run_engine(spec, log_dir=tmp_path, quiet=True, timeout_s=300)
     message = str(info.value)
-    assert "bad-config" in message and "cpu_bytes" in message
+    assert "bad-config" in message
+    cause = message.split("errors:\n", 1)[1].split("log tail:", 1)[0]
+    assert "ConnectorConfigError" in cause and "cpu_bytes" in cause, cause
     assert (tmp_path / "bad-config.log").exists()
 
 
