@@ -1,6 +1,6 @@
 """End-to-end benchmark: kvtier against vLLM's native offloading, on real CPU engines.
 
-The demo's multi-turn shared-prefix workload (``connector.demo_workload``) runs through
+The demo's multi-turn shared-prefix workload (``connector.demo.workload``) runs through
 vLLM 0.32 (CPU, vLLM's default multiprocess executors: caller, engine core and worker are
 three processes) with a tiny Llama (one KV-cache group) and a tiny Mamba+attention hybrid
 (partial prefix entries), under these configurations:
@@ -78,11 +78,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.e2e_engine import SMALL_KV_OVERRIDES, EngineProc  # noqa: E402
-from connector.demo import choose_redis, delete_redis_prefix, model_path  # noqa: E402
-from connector.demo_engine import EngineRunError  # noqa: E402
-from connector.demo_report import Row, render_table, summarize  # noqa: E402
-from connector.demo_workload import Workload  # noqa: E402
-from connector.engine_presets import kvtier_transfer_config  # noqa: E402
+from connector.demo.cli import choose_redis, delete_redis_prefix, model_path  # noqa: E402
+from connector.demo.engine import EngineRunError  # noqa: E402
+from connector.demo.presets import kvtier_transfer_config  # noqa: E402
+from connector.demo.report import Row, render_table, summarize  # noqa: E402
+from connector.demo.workload import Workload  # noqa: E402
 
 CPU_BYTES = 256 << 20
 NATIVE_EXTRA = {

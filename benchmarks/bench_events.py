@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from connector.daemon.ingest import Ingestor  # noqa: E402
-from connector.events import (  # noqa: E402
+from connector.events.wire import (  # noqa: E402
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,

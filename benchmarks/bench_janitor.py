@@ -22,10 +22,10 @@ import time
 
 import redis
 
-from connector.daemon.redis_janitor import RedisJanitor, judge, parse_key_name
 from offload_tiers import codec
 from offload_tiers.keys import BlockKey, BlockKind, Namespace
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.janitor import RedisJanitor, judge, parse_key_name
+from offload_tiers.redis.tier import RedisTier
 
 NS = Namespace("bench", "float16", "nhd", 16)
 

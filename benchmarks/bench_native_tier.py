@@ -7,7 +7,7 @@ default executors), each engine lifetime its own process (``benchmarks/native_ti
   fs       OffloadingConnector + TieringOffloadingSpec + vLLM's file-system tier
            (``vllm/v1/kv_offload/tiering/fs``), root in a fresh temporary directory
   kvtier   OffloadingConnector + TieringOffloadingSpec + kvtier's Redis tier
-           (``connector.native_tier.KvtierRedisTier``), a fresh key prefix
+           (``connector.native_tier.tier.KvtierRedisTier``), a fresh key prefix
 
 Both offloading configurations use ``CpuTieringOffloadingSpec`` (the stock tiering worker
 refuses the CPU platform; ``benchmarks/peers/native_tiering_cpu.py``). Per configuration two
@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.native_tier_engine import run_in_subprocess  # noqa: E402
-from connector.tiny_models import prompt_words  # noqa: E402
+from connector.demo.tiny_models import prompt_words  # noqa: E402
 
 CONFIGS = ("none", "fs", "kvtier")
 
@@ -93,7 +93,7 @@ def run_config(name: str, prompts: list[list[Any]], redis_url: str, fs_root: Pat
         print(f"  {name:7s} {phase} ...", file=sys.stderr, flush=True)
         phases[phase] = summarize(run_in_subprocess(spec))
     if name == "kvtier":
-        from connector.demo import delete_redis_prefix
+        from connector.demo.cli import delete_redis_prefix
 
         delete_redis_prefix(redis_url, spec["redis_prefix"])
     return phases

@@ -72,9 +72,9 @@ if str(REPO_ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory  # noqa: E402
-from connector.demo import delete_redis_prefix  # noqa: E402
-from connector.engine_presets import kvtier_transfer_config  # noqa: E402
-from connector.tiny_models import prompt_words, tiny_llama  # noqa: E402
+from connector.demo.cli import delete_redis_prefix  # noqa: E402
+from connector.demo.presets import kvtier_transfer_config  # noqa: E402
+from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
 from tests.support.openai_server import OpenAIServer  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 

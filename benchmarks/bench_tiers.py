@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from offload_tiers.cpu_tier import CpuTier  # noqa: E402
 from offload_tiers.keys import BlockKey, BlockKind, Namespace  # noqa: E402
-from offload_tiers.redis_tier import RedisTier  # noqa: E402
+from offload_tiers.redis.tier import RedisTier  # noqa: E402
 
 MiB = 1 << 20
 SHAPES = {"block_2MiB": 2 * MiB, "page_64KiB": 64 * 1024}

@@ -2,7 +2,7 @@
 
 The child (``python benchmarks/e2e_engine.py SPEC.json``) builds one ``LLM`` as the spec
 says (vLLM's default executors: the caller, the engine core and the worker are three
-processes), then runs passes of ``connector.demo_workload``'s workload on command: one JSON
+processes), then runs passes of ``connector.demo.workload``'s workload on command: one JSON
 line on stdin per pass (``{"phase": {...}, "out": PATH}``), the result written to ``out``,
 then a ``[kvtier-bench-done]`` line on stdout. An empty line or EOF shuts it down.
 
@@ -29,9 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from connector.demo_engine import EngineRunError  # noqa: E402
-from connector.demo_workload import PROGRESS_TAG, Workload  # noqa: E402
-from connector.engine_presets import CPU_ENGINE_ENV  # noqa: E402
+from connector.demo.engine import EngineRunError  # noqa: E402
+from connector.demo.presets import CPU_ENGINE_ENV  # noqa: E402
+from connector.demo.workload import PROGRESS_TAG, Workload  # noqa: E402
 
 DONE_TAG = "[kvtier-bench-done]"
 READY_TAG = "[kvtier-bench-ready]"
@@ -89,7 +89,7 @@ def _reset_gpu_prefix_cache(llm: Any) -> bool:
 
 
 def _run_phase(llm: Any, base: dict[str, Any], phase: dict[str, Any]) -> dict[str, Any]:
-    from connector.demo_workload import run_workload
+    from connector.demo.workload import run_workload
 
     reset_ok = _reset_gpu_prefix_cache(llm) if phase.get("reset_before") else None
     workload = Workload(**{**base, **phase.get("workload", {})})
@@ -101,8 +101,8 @@ def _run_phase(llm: Any, base: dict[str, Any], phase: dict[str, Any]) -> dict[st
 
 
 def _child(spec_path: str) -> int:
-    from connector.demo_workload import progress
-    from connector.engine_presets import apply_cpu_engine_env, engine_kwargs
+    from connector.demo.presets import apply_cpu_engine_env, engine_kwargs
+    from connector.demo.workload import progress
 
     spec = json.loads(Path(spec_path).read_text())
     apply_cpu_engine_env()

@@ -10,7 +10,7 @@ Used by ``benchmarks/bench_native_tier.py`` and ``tests/native/test_native_tier_
 
 Modes: ``none`` = vLLM alone; ``fs`` = OffloadingConnector + TieringOffloadingSpec with
 vLLM's file-system tier; ``kvtier`` = the same with kvtier's Redis tier
-(``connector.native_tier.KvtierRedisTier``). The spec is ``CpuTieringOffloadingSpec``
+(``connector.native_tier.tier.KvtierRedisTier``). The spec is ``CpuTieringOffloadingSpec``
 (``benchmarks/peers/native_tiering_cpu.py``): ``TieringOffloadingSpec`` with a CPU worker.
 vLLM's default executors (engine core and worker in their own processes).
 
@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from connector.engine_presets import TP2_ENV, apply_cpu_engine_env, engine_kwargs
+from connector.demo.presets import TP2_ENV, apply_cpu_engine_env, engine_kwargs
 
 SPEC = {"spec_name": "CpuTieringOffloadingSpec",
         "spec_module_path": "benchmarks.peers.native_tiering_cpu"}
@@ -42,7 +42,7 @@ def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
         tier = {"type": "fs", "root_dir": spec["fs_root"], "n_read_threads": 2,
                 "n_write_threads": 2}
     elif mode == "kvtier":
-        tier = {"type": "KvtierRedisTier", "module_path": "connector.native_tier",
+        tier = {"type": "KvtierRedisTier", "module_path": "connector.native_tier.tier",
                 "redis_url": spec["redis_url"], "redis_prefix": spec["redis_prefix"],
                 **spec.get("tier", {})}
     else:
@@ -71,7 +71,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     from vllm import LLM, SamplingParams
 
-    from connector.tiny_models import tiny_llama
+    from connector.demo.tiny_models import tiny_llama
 
     overrides: dict[str, Any] = dict(spec.get("engine") or {})
     if int(overrides.get("tensor_parallel_size", 1)) > 1:

@@ -34,8 +34,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.bench_e2e import CPU_BYTES, NATIVE_EXTRA, NOHIT  # noqa: E402
-from connector.demo import delete_redis_prefix, model_path  # noqa: E402
-from connector.engine_presets import (  # noqa: E402
+from connector.demo.cli import delete_redis_prefix, model_path  # noqa: E402
+from connector.demo.presets import (  # noqa: E402
     apply_cpu_engine_env,
     engine_kwargs,
     kvtier_transfer_config,
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
     import psutil
     from vllm import LLM, SamplingParams
 
-    from connector.demo_workload import run_workload
+    from connector.demo.workload import run_workload
 
     kwargs = engine_kwargs(args.model, str(model_path(args.model)))
     ktc = transfer_config(args.config, args.redis_url, prefix)

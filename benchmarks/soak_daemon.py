@@ -25,7 +25,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from connector.events import (  # noqa: E402
+from connector.events.wire import (  # noqa: E402
     BlockRemoved,
     BlockStored,
     KVEventBatch,

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("connector.daemon.cli", "Subscribe to vLLM KV events; serve prefix look-ups."),
     "audit": ("audit.cli", "Flag code that treats block_hash presence as 'full block'."),
-    "demo": ("connector.demo", "Run a real vLLM CPU engine with kvtier; print a hit table."),
-    "bench": ("connector.bench_cli", "Run the benchmarks in benchmarks/ side by side."),
+    "demo": ("connector.demo.cli", "Run a real vLLM CPU engine with kvtier; print a hit table."),
+    "bench": ("connector.demo.bench_cli", "Run the benchmarks in benchmarks/ side by side."),
 }
 
 

@@ -25,7 +25,7 @@ from typing import Literal
 from offload_tiers._types import BytesLike
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKey, BlockKind
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 
 log = logging.getLogger(__name__)
 

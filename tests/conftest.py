@@ -59,7 +59,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir() -> Path:
     """A tiny random Llama checkpoint, built once and cached outside the repo."""
-    from connector.tiny_models import tiny_llama
+    from connector.demo.tiny_models import tiny_llama
 
     return tiny_llama()
 
@@ -67,6 +67,6 @@ def tiny_llama_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir() -> Path:
     """A tiny random GraniteMoeHybrid (Mamba + attention) checkpoint, built once."""
-    from connector.tiny_models import tiny_hybrid
+    from connector.demo.tiny_models import tiny_hybrid
 
     return tiny_hybrid()

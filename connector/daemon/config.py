@@ -55,7 +55,7 @@ class PublisherConfig(BaseModel):
     replaced by ``connect_host``). Without ``*``: vLLM connects, so the daemon binds it.
     ``replay_endpoint`` is always bound by vLLM (ROUTER); the daemon connects a DEALER.
 
-    How repeated announcements count (see :mod:`connector.index`): ``set_media`` are sets
+    How repeated announcements count (see :mod:`connector.events.index`): ``set_media`` are sets
     (one entry per hash; one removal removes it): kvtier's CPU tier and Redis. Give ``[]``
     for a connector that re-announces and expects refcounts (vLLM's OffloadingConnector).
     ``kv_cache_report_mode: full`` (vLLM's request setting of that name, used by this
@@ -115,7 +115,7 @@ class TokenHashingConfig(BaseModel):
     @field_validator("algo")
     @classmethod
     def _algo(cls, v: str) -> str:
-        from connector.token_hashing import ALGORITHMS
+        from connector.events.token_hashing import ALGORITHMS
 
         if v not in ALGORITHMS:
             raise ValueError(f"unknown algo {v!r}; use one of {sorted(ALGORITHMS)}")
@@ -150,7 +150,7 @@ class DaemonConfig(BaseModel):
     storage_ttl_s: float | None = Field(default=None, gt=0)
     log_level: str = "INFO"
     token_hashing: TokenHashingConfig | None = None
-    # Redis janitor (off unless redis_url is set): see connector/daemon/redis_janitor.py
+    # Redis janitor (off unless redis_url is set): see offload_tiers/redis/janitor.py
     redis_url: str | None = None
     redis_prefix: str = Field(default="kvtier", min_length=1)
     redis_ssl_ca_certs: str | None = None
@@ -167,7 +167,7 @@ class DaemonConfig(BaseModel):
     def _redis_url(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        from offload_tiers.redis_url import parse_redis_url
+        from offload_tiers.redis.url import parse_redis_url
 
         parse_redis_url(v)  # its errors name the URL redacted
         return v

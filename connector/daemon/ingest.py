@@ -7,9 +7,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from connector.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes, Run
-from connector.events import MEDIUM_GPU, BatchDecoder, DecodeError
-from connector.index import KVIndex, ResidencyPolicy
+from connector.events.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes, Run
+from connector.events.index import KVIndex, ResidencyPolicy
+from connector.events.wire import MEDIUM_GPU, BatchDecoder, DecodeError
 
 __all__ = ["Ingestor", "PublisherStats"]
 

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from connector.daemon.redis_janitor import REASONS, RedisJanitor
+from offload_tiers.redis.janitor import REASONS, RedisJanitor
 
 __all__ = ["JanitorCollector"]
 

@@ -15,9 +15,9 @@ from prometheus_client.registry import Collector
 from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
 from connector.daemon.subscriber import Subscriber
-from connector.events import MEDIUM_STORAGE, MEDIUMS
-from connector.index import ResidencyPolicy
-from connector.token_hashing import TokenHasher
+from connector.events.index import ResidencyPolicy
+from connector.events.token_hashing import TokenHasher
+from connector.events.wire import MEDIUM_STORAGE, MEDIUMS
 
 __all__ = ["Daemon", "LookupRequest"]
 
@@ -193,7 +193,7 @@ def _make_janitor(cfg: DaemonConfig) -> Any:
     """The Redis janitor when ``redis_url`` is configured (redis is imported only then)."""
     if cfg.redis_url is None:
         return None
-    from connector.daemon.redis_janitor import RedisJanitor
+    from offload_tiers.redis.janitor import RedisJanitor
 
     return RedisJanitor(
         cfg.redis_url, cfg.redis_prefix, interval_s=cfg.janitor_interval_s,

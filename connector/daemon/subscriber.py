@@ -21,7 +21,7 @@ import zmq
 
 from connector.daemon.config import DaemonConfig, PublisherConfig, offset_endpoint
 from connector.daemon.ingest import Ingestor
-from connector.events import DecodeError
+from connector.events.wire import DecodeError
 
 __all__ = ["Source", "SourceCounters", "Subscriber"]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.connector_config import ConnectorConfigError, load_config
+from connector.vllm_connector.config import ConnectorConfigError, load_config
 
 
 def test_defaults() -> None:

@@ -16,9 +16,9 @@ import pytest
 import redis
 import torch
 
-from connector.connector_config import TieredConfig
-from connector.connector_metadata import OVERFLOW_SLOT
-from connector.scheduler_side import ATTENTION, GroupSpec
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.plan import OVERFLOW_SLOT
+from connector.vllm_connector.scheduler import ATTENTION, GroupSpec
 from offload_tiers.keys import BlockKey, BlockKind
 from tests.support.halves import BS, HYBRID, Halves, as_bytes, identity
 from tests.support.redis_server import RedisServer

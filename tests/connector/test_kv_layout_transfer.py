@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.kv_layout import LayoutError, build_layout, find_block_dim
-from connector.transfer import BlockTransfer
+from connector.vllm_connector.layout import LayoutError, build_layout, find_block_dim
+from connector.vllm_connector.transfer import BlockTransfer
 
 NB = 7
 
@@ -71,7 +71,7 @@ def test_corrupt_switch_changes_loaded_floats() -> None:
 
 
 def test_descriptor_tells_layouts_apart() -> None:
-    """The descriptor is part of each rank's storage namespace (connector.namespace)."""
+    """The descriptor is part of each rank's storage namespace (vllm_connector.namespace)."""
     caches = _caches()
     cpu = build_layout(caches, [(0, "attention", 8, ["attn"])], NB).descriptor()
     again = build_layout(_caches(), [(0, "attention", 8, ["attn"])], NB).descriptor()

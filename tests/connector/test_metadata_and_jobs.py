@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pickle
 
-from connector.connector_metadata import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
-from connector.scheduler_jobs import JobBook
+from connector.vllm_connector.jobs import JobBook
+from connector.vllm_connector.plan import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
 from offload_tiers.keys import BlockKey, BlockKind
 
 K1 = BlockKey("ab" * 16, 0, b"h0", 32, BlockKind.FULL)

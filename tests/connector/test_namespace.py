@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from connector.namespace import (
+from connector.vllm_connector.namespace import (
     EngineIdentity,
     architecture_digest,
     expected_slot_bytes,

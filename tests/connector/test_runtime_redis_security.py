@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from connector.connector_config import TieredConfig, load_config
-from connector.worker_side import TieredWorker, make_redis_tier
+from connector.vllm_connector.config import TieredConfig, load_config
+from connector.vllm_connector.worker import TieredWorker, make_redis_tier
 from tests.support.halves import BS, Halves
 from tests.support.redis_tls import start_tls_acl_server, tls_url
 from tests.support.sched_doubles import Blk, Req
@@ -85,7 +85,7 @@ def test_unverifiable_server_or_wrong_password_is_a_clear_cpu_only_start(
     ca = tls.other_ca_cert if case == "other-ca" else tls.ca_cert
     wrong = "Bad-Pw-99aa" if case == "wrong-password" else PASSWORD
     cfg = _config(server, ca, wrong)
-    with caplog.at_level(logging.WARNING, logger="connector.worker_side"):
+    with caplog.at_level(logging.WARNING, logger="connector.vllm_connector.worker"):
         worker = _worker(cfg)
     try:
         assert worker.redis is not None and not worker.redis.available

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from connector.connector_config import TieredConfig
-from connector.connector_metadata import OVERFLOW_SLOT, WorkerReport
-from connector.scheduler_side import (
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.plan import OVERFLOW_SLOT, WorkerReport
+from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
     TIER_CPU,

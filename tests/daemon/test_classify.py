@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.classify import (
+from connector.events.classify import (
     FULL,
     PARTIAL,
     PENDING,
@@ -14,8 +14,8 @@ from connector.classify import (
     GroupSizes,
     unpack,
 )
-from connector.events import AllBlocksCleared, BlockRemoved, BlockStored
-from connector.index import KVIndex
+from connector.events.index import KVIndex
+from connector.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from offload_tiers.keys import BlockKind
 
 P = "pub#dp0"

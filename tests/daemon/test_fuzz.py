@@ -14,7 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector import events as ev
+from connector.events import wire as ev
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.ports import free_port
 

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from connector.classify import Classifier, GroupSizes
-from connector.events import BlockRemoved, BlockStored
-from connector.index import ANY, KVIndex, ResidencyPolicy
+from connector.events.classify import Classifier, GroupSizes
+from connector.events.index import ANY, KVIndex, ResidencyPolicy
+from connector.events.wire import BlockRemoved, BlockStored
 
 U = 8  # hash unit (prefix_match_unit)
 B = 32  # physical block size of group 0
@@ -212,7 +212,7 @@ class IndexModel(RuleBasedStateMachine):
 
 
 def _cleared() -> object:
-    from connector.events import AllBlocksCleared
+    from connector.events.wire import AllBlocksCleared
 
     return AllBlocksCleared()
 

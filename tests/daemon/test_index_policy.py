@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from connector.classify import Classifier, GroupSizes
 from connector.daemon.config import load_config
 from connector.daemon.service import residency_policy
-from connector.events import AllBlocksCleared, BlockRemoved, BlockStored
-from connector.index import KVIndex, ResidencyPolicy
+from connector.events.classify import Classifier, GroupSizes
+from connector.events.index import KVIndex, ResidencyPolicy
+from connector.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 P = "engine#dp0"
 
@@ -139,7 +139,7 @@ def test_a_lookup_never_claims_an_entry_past_its_ttl() -> None:
     """No sweep has run (the ingest thread is not started): the look-up expires first. The
     TTL runs from the batch's own timestamp when it is earlier than the daemon's clock."""
     from connector.daemon.service import Daemon, LookupRequest
-    from connector.events import KVEventBatch, encode_batch
+    from connector.events.wire import KVEventBatch, encode_batch
 
     cfg = load_config(None, {"storage_ttl_s": 10, "block_sizes": {0: 16},
                              "publishers": [{"endpoint": "tcp://127.0.0.1:9", "name": "e"}]})

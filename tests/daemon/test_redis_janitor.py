@@ -21,16 +21,16 @@ import redis
 import yaml
 
 from connector.daemon.config import ConfigError, load_config
-from connector.daemon.redis_janitor import (
+from offload_tiers import codec
+from offload_tiers.keys import BlockKey, BlockKind, Namespace
+from offload_tiers.redis.janitor import (
     REASONS,
     Pacer,
     RedisJanitor,
     judge,
     parse_key_name,
 )
-from offload_tiers import codec
-from offload_tiers.keys import BlockKey, BlockKind, Namespace
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from tests.support.daemon_proc import REPO, DaemonProcess
 from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer
@@ -669,7 +669,7 @@ def test_vanished_keys_and_internal_errors_are_counted(redis_url: str, key_prefi
     s = janitor.stats()
     assert s["changed_before_delete"] == 1 and s["deleted_total"] == 1  # gone, not by us
     client.set(k, b"bad")
-    monkeypatch.setattr("connector.daemon.redis_janitor.judge",
+    monkeypatch.setattr("offload_tiers.redis.janitor.judge",
                         lambda *a, **kw: 1 / 0)  # a bug inside a pass
     assert janitor.run_pass() is False  # counted, never raised
     s = janitor.stats()

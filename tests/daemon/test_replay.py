@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 
-from connector import events as ev
+from connector.events import wire as ev
 from tests.daemon.test_daemon_zmq import DroppingSocket, Rig, stored
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.ports import free_port

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.token_hashing import ALGORITHMS, TokenHasher
+from connector.events.token_hashing import ALGORITHMS, TokenHasher
 from tests.daemon.vllm_required import import_vllm
 
 kcu = import_vllm("vllm.v1.core.kv_cache_utils")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from connector import events as ours
+from connector.events import wire as ours
 from tests.daemon.vllm_required import import_vllm
 
 kv = import_vllm("vllm.distributed.kv_events")
@@ -121,7 +121,7 @@ def test_events_module_does_not_import_vllm() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, connector.events, connector.classify, connector.index, "
+    code = ("import sys, connector.events.wire, connector.events.classify, connector.events.index, "
             "connector.daemon.cli, connector.daemon.service, connector.daemon.http; "
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from connector.tiny_models import prompt_words
+from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import (
     counters,
     kvtier_stats,
@@ -66,7 +66,7 @@ class EventSink:
     def _run(self) -> None:
         import zmq
 
-        from connector.events import decode_batch
+        from connector.events.wire import decode_batch
 
         while not self._stop.is_set():
             try:
@@ -175,7 +175,7 @@ def test_second_engine_serves_hybrid_prefix_from_redis(
 def test_partial_entries_stored_as_partial(run: dict[str, Any]) -> None:
     """PARTIAL entries reach the CPU tier as PARTIAL: announced with the hash unit (32) as
     their block size and one hash, never as a 64-token block."""
-    from connector.events import BlockStored
+    from connector.events.wire import BlockStored
 
     assert run["stats"]["partial_blocks_saved"] > 0
     cpu = [e for e in run["events"] if isinstance(e, BlockStored) and e.medium == "CPU"
@@ -186,7 +186,7 @@ def test_partial_entries_stored_as_partial(run: dict[str, Any]) -> None:
 
 
 def test_events_shaped_as_vllm_shapes_them(run: dict[str, Any]) -> None:
-    from connector.events import BlockStored
+    from connector.events.wire import BlockStored
 
     stored = [e for e in run["events"] if isinstance(e, BlockStored)
               and e.medium in ("CPU", "STORAGE")]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from connector.tiny_models import prompt_words
+from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 

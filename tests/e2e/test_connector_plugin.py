@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from connector.tiny_models import prompt_words
+from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
 
 pytestmark = pytest.mark.e2e

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.engine_presets import kvtier_transfer_config
-from connector.tiny_models import prompt_words
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.tiny_models import prompt_words
 from tests.support.openai_server import OpenAIServer
 from tests.support.redis_keys import scratch_prefix
 from tests.support.tcp_proxy import TcpProxy

@@ -110,8 +110,8 @@ def test_demo_detects_wrong_outputs(tmp_path: Path) -> None:
 
 def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir: Path) -> None:
     """A bad connector setting fails the child engine; the parent raises with the log tail."""
-    from connector.demo_engine import EngineRunError, run_engine
-    from connector.engine_presets import kvtier_transfer_config
+    from connector.demo.engine import EngineRunError, run_engine
+    from connector.demo.presets import kvtier_transfer_config
 
     spec = {"label": "bad-config", "model": "llama", "model_dir": str(tiny_llama_dir),
             "workload": {"conversations": 1, "turns": 1},

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from connector.engine_presets import kvtier_transfer_config
-from connector.tiny_models import prompt_words
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.tiny_models import prompt_words
 from tests.support.openai_server import OpenAIServer
 from tests.support.redis_keys import scratch_prefix
 

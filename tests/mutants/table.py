@@ -42,7 +42,7 @@ def _codec_ignores_kind_and_num_tokens(mp: pytest.MonkeyPatch) -> None:
 
 def _classifier_partial_as_full(mp: pytest.MonkeyPatch) -> None:
     """Every PARTIAL store the classifier hands the index is counted as FULL."""
-    from connector import classify
+    from connector.events import classify
 
     original = classify.Classifier.classify
 
@@ -57,7 +57,7 @@ def _classifier_partial_as_full(mp: pytest.MonkeyPatch) -> None:
 
 def _policy_is_set(value: bool) -> Callable[[pytest.MonkeyPatch], None]:
     def patch(mp: pytest.MonkeyPatch) -> None:
-        from connector.index import ResidencyPolicy
+        from connector.events.index import ResidencyPolicy
 
         mp.setattr(ResidencyPolicy, "is_set", lambda self, key: value)
 
@@ -66,7 +66,7 @@ def _policy_is_set(value: bool) -> Callable[[pytest.MonkeyPatch], None]:
 
 def _clear_all_media(mp: pytest.MonkeyPatch) -> None:
     """AllBlocksCleared drops the publisher's entries on every medium, not GPU only."""
-    from connector.index import KVIndex
+    from connector.events.index import KVIndex
 
     original = KVIndex.clear
     mp.setattr(KVIndex, "clear", lambda self, publisher, mediums=None: original(self, publisher))
@@ -74,7 +74,7 @@ def _clear_all_media(mp: pytest.MonkeyPatch) -> None:
 
 def _first_learned_block_size(mp: pytest.MonkeyPatch) -> None:
     """A look-up without ``publisher`` walks every publisher with the first block size learned."""
-    from connector.index import KVIndex
+    from connector.events.index import KVIndex
 
     original = KVIndex._size_classes
 
@@ -90,7 +90,7 @@ def _first_learned_block_size(mp: pytest.MonkeyPatch) -> None:
 def _lookup_without_expiry(mp: pytest.MonkeyPatch) -> None:
     """The daemon's look-up skips ``index.expire`` (entries past their TTL are claimed)."""
     from connector.daemon.service import Daemon
-    from connector.index import KVIndex
+    from connector.events.index import KVIndex
 
     original = Daemon.lookup
 
@@ -104,14 +104,14 @@ def _lookup_without_expiry(mp: pytest.MonkeyPatch) -> None:
 
 def _janitor_plain_unlink(mp: pytest.MonkeyPatch) -> None:
     """The conditional delete (type, length, header unchanged) becomes a plain UNLINK."""
-    from connector.daemon import redis_janitor
+    from offload_tiers.redis import janitor as redis_janitor
 
     mp.setattr(redis_janitor, "_LUA_DELETE_IF_SAME", "return redis.call('UNLINK', KEYS[1])")
 
 
 def _pacer_never_sleeps(mp: pytest.MonkeyPatch) -> None:
     """The janitor's pacer keeps its books but its sleep does nothing."""
-    from connector.daemon.redis_janitor import Pacer
+    from offload_tiers.redis.janitor import Pacer
 
     original = Pacer.__init__
 
@@ -123,7 +123,7 @@ def _pacer_never_sleeps(mp: pytest.MonkeyPatch) -> None:
 
 def _glob_unescaped(mp: pytest.MonkeyPatch) -> None:
     """The janitor's SCAN MATCH pattern is built from the prefix without escaping."""
-    from connector.daemon import redis_janitor
+    from offload_tiers.redis import janitor as redis_janitor
 
     mp.setattr(redis_janitor, "_glob_escape", lambda raw: raw)
 

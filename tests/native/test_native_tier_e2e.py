@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from benchmarks.native_tier_engine import run_in_subprocess
-from connector.tiny_models import prompt_words
+from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import corrupt_redis
 from tests.support.ports import free_port
 from tests.support.redis_keys import scratch_prefix

@@ -39,8 +39,8 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from connector.native_tier import KvtierRedisTier  # noqa: E402
-from connector.native_tier_config import NativeTierConfigError  # noqa: E402
+from connector.native_tier.config import NativeTierConfigError  # noqa: E402
+from connector.native_tier.tier import KvtierRedisTier  # noqa: E402
 from offload_tiers import codec  # noqa: E402
 
 BLOCK_BYTES = 8192  # worker KV bytes per block: one page-aligned chunk row
@@ -52,7 +52,7 @@ _ids = itertools.count()
 def make_spec(redis_url: str, prefix: str, *, chunks: int = 4, events: bool = True,
               model: str = "tiny-llama", dtype: str = "float32", tp_size: int = 1,
               engine: str | None = None, **tier: Any) -> TieringOffloadingSpec:
-    entry = {"type": "KvtierRedisTier", "module_path": "connector.native_tier",
+    entry = {"type": "KvtierRedisTier", "module_path": "connector.native_tier.tier",
              "redis_url": redis_url, "redis_prefix": prefix, **tier}
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"),
@@ -468,7 +468,7 @@ def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any,
 ])
 def test_bad_settings_name_the_key_and_the_fix(redis_url: str, entry: dict[str, Any],
                                                needle: str) -> None:
-    from connector.native_tier_config import load_native_settings
+    from connector.native_tier.config import load_native_settings
 
     base = {"redis_url": redis_url}
     base.update(entry)
@@ -483,8 +483,8 @@ def test_importing_offload_tiers_does_not_import_vllm() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, offload_tiers.redis_tier, offload_tiers.codec, "
-            "connector.native_tier_config, connector.daemon.service; print('vllm' in sys.modules)")
+    code = ("import sys, offload_tiers.redis.tier, offload_tiers.codec, "
+            "connector.native_tier.config, connector.daemon.service; print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
@@ -493,7 +493,7 @@ def test_importing_offload_tiers_does_not_import_vllm() -> None:
 # ---------------------------------------------------------------------------- janitor, namespace
 def test_janitor_keeps_the_tier_s_values_and_removes_a_damaged_one(engines: Any, redis_url: str,
                                                                    key_prefix: str) -> None:
-    from connector.daemon.redis_janitor import RedisJanitor
+    from offload_tiers.redis.janitor import RedisJanitor
 
     eng = engines()
     keys = chain(3)
@@ -517,8 +517,8 @@ def test_namespace_follows_the_checkpoint_and_the_settings(tmp_path: Any, redis_
                                                            key_prefix: str) -> None:
     import json
 
-    from connector.native_tier import namespace_for
-    from connector.native_tier_config import load_native_settings
+    from connector.native_tier.config import load_native_settings
+    from connector.native_tier.tier import namespace_for
 
     fps = []
     for name, layers in (("a", 2), ("b", 3)):

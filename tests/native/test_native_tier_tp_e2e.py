@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks.native_tier_engine import run_in_subprocess
-from connector.tiny_models import prompt_words
+from connector.demo.tiny_models import prompt_words
 from tests.support.redis_keys import scratch_prefix
 
 pytestmark = pytest.mark.e2e

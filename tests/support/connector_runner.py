@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from connector.engine_presets import TP2_ENV
+from connector.demo.presets import TP2_ENV
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -110,7 +110,7 @@ def multi_turn(generate: Any, reset: Any, first_prompt: str, turns: int,
     ``reset()`` empties vLLM's prefix cache before every turn, so any hit comes from kvtier.
     ``hooks[i]()`` runs before turn ``i`` (fault injection).
     """
-    from connector.tiny_models import prompt_words
+    from connector.demo.tiny_models import prompt_words
 
     prompt = first_prompt
     texts = []
@@ -132,7 +132,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     apply_cpu_engine_env()
     from vllm import LLM, SamplingParams
 
-    from connector.tiny_models import tiny_hybrid, tiny_llama
+    from connector.demo.tiny_models import tiny_hybrid, tiny_llama
 
     extra = spec.get("extra")
     proxy = None

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.connector_config import TieredConfig
-from connector.connector_metadata import StepPlan, WorkerReport
-from connector.kv_layout import build_layout
-from connector.namespace import EngineIdentity, slot_count
-from connector.scheduler_side import ATTENTION, MAMBA, GroupSpec, TieredScheduler
-from connector.worker_side import TieredWorker, make_redis_tier
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.layout import build_layout
+from connector.vllm_connector.namespace import EngineIdentity, slot_count
+from connector.vllm_connector.plan import StepPlan, WorkerReport
+from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
+from connector.vllm_connector.worker import TieredWorker, make_redis_tier
 from offload_tiers.keys import BlockKey
 from tests.support.sched_doubles import Blk, Req
 

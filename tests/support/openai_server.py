@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from connector.engine_presets import CPU_ENGINE_ENV, TP2_ENV
+from connector.demo.presets import CPU_ENGINE_ENV, TP2_ENV
 from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]

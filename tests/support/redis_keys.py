@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from connector.demo import delete_redis_prefix
+from connector.demo.cli import delete_redis_prefix
 
 
 def delete_prefix(url: str, prefix: str) -> int:

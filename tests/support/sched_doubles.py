@@ -1,6 +1,6 @@
 """Small stand-ins for vLLM's Request and KVCacheBlock, for the connector's scheduler tests.
 
-Pure data with the attributes the scheduler half reads (see ``connector.scheduler_side``'s
+Pure data with the attributes the scheduler half reads (see ``connector.vllm_connector.scheduler``'s
 ``RequestLike`` / ``BlockLike``); no vLLM import.
 """
 

@@ -1,4 +1,4 @@
-"""Engine settings for e2e tests: thin wrappers over :mod:`connector.engine_presets`.
+"""Engine settings for e2e tests: thin wrappers over :mod:`connector.demo.presets`.
 
 Import vLLM only inside e2e tests: ``import vllm`` costs ~5-15 s and 0.6 GB.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from connector.engine_presets import (
+from connector.demo.presets import (
     CPU_ENGINE_ENV,
     apply_cpu_engine_env,
     engine_kwargs,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from tests.tiers.helpers import key, payload
 
 #: tier.stats() fields the write accounting compares (deltas over the traffic's run)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_cluster import RedisClusterProcs
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import key, payload

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_server import RedisServer
 from tests.support.tcp_proxy import TcpProxy
 from tests.tiers.faults import Traffic, wait_until

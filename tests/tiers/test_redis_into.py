@@ -16,7 +16,7 @@ import redis
 from offload_tiers import codec
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKind
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_server import RedisServer
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload

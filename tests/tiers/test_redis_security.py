@@ -10,8 +10,8 @@ from urllib.parse import quote
 import numpy as np
 import pytest
 
-from offload_tiers.redis_tier import RedisTier, RedisTierError
-from offload_tiers.redis_url import parse_redis_url, redact_url
+from offload_tiers.redis.tier import RedisTier, RedisTierError
+from offload_tiers.redis.url import parse_redis_url, redact_url
 from tests.support.redis_server import RedisServer
 from tests.support.redis_tls import start_tls_acl_server, start_tls_server
 from tests.support.tls_certs import make_tls_files
@@ -164,7 +164,7 @@ def test_get_many_into_over_tls_with_an_acl_user(tmp_path: Path, key_prefix: str
         assert t.get_many_into(keys + [key(3), key(4)], dests) == [True] * 3 + [False] * 2
         assert [d.tobytes() for d in dests[:3]] == [payload(k, n)
                                                     for k, n in zip(keys, sizes, strict=True)]
-        with caplog.at_level(logging.DEBUG, logger="offload_tiers.redis_tier"):
+        with caplog.at_level(logging.DEBUG, logger="offload_tiers.redis.tier"):
             server.kill()
             assert t.get_many_into(keys, dests[:3]) == [False] * 3 and not t.available
         _no_secret(t.last_error, str(t.stats()), caplog.text)

@@ -13,7 +13,7 @@ import redis
 
 from offload_tiers import codec
 from offload_tiers.keys import BlockKind
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_server import RedisServer
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload, run_threads
 
@@ -144,7 +144,7 @@ def test_invalid_settings_are_clear_errors() -> None:
 def test_noeviction_policy_warns_once(redis_server: RedisServer, key_prefix: str,
                                       caplog: pytest.LogCaptureFixture) -> None:
     redis_server.client().config_set("maxmemory-policy", "noeviction")
-    with caplog.at_level(logging.WARNING, logger="offload_tiers.redis_tier"):
+    with caplog.at_level(logging.WARNING, logger="offload_tiers.redis.tier"):
         with RedisTier.from_url(redis_server.url, prefix=key_prefix) as t:
             t.put_many([(key(0), b"x")])
             assert t.stats()["noeviction"]

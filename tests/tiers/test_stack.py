@@ -11,7 +11,7 @@ import pytest
 
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKind
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from offload_tiers.stack import TierAvailability, TierStack, chain_availability
 from tests.tiers.helpers import NS_B, key, payload, run_threads
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from offload_tiers.cpu_tier import CpuTier
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from offload_tiers.stack import TierStack
 from tests.tiers.helpers import key, payload, run_threads
 

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKind
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 from offload_tiers.stack import TierStack, chain_availability
 from tests.support.tcp_proxy import TcpProxy
 from tests.tiers.helpers import key, payload

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from offload_tiers.write_behind import Item, WriteBehind
+from offload_tiers.redis.write_behind import Item, WriteBehind
 from tests.tiers.faults import wait_until
 
 

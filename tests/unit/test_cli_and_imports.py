@@ -29,7 +29,7 @@ def test_no_arguments_is_a_usage_error() -> None:
 @pytest.mark.parametrize(
     "module",
     ["offload_tiers", "offload_tiers.keys", "audit", "connector", "connector.cli",
-     "connector.events", "connector.index", "connector.daemon.cli"],
+     "connector.events.wire", "connector.events.index", "connector.daemon.cli"],
 )
 def test_import_does_not_pull_in_vllm_or_torch(module: str) -> None:
     code = (
@@ -50,7 +50,7 @@ def test_connector_attribute_is_the_vllm_connector_class() -> None:
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from connector import tiered_connector
+    from connector.vllm_connector import connector as tiered_connector
 
     kv_connector, kv_connector_module_path = "TieredOffloadingConnector", "connector"
     cls = getattr(importlib.import_module(kv_connector_module_path), kv_connector)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from offload_tiers.redis_url import redact_url
+from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",

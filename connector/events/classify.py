@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
-from connector.events import MEDIUM_GPU, normalize_medium, raw_array_len
+from connector.events.wire import MEDIUM_GPU, normalize_medium, raw_array_len
 from offload_tiers.keys import BlockKind, kind_for
 
 __all__ = [
@@ -220,7 +220,7 @@ def _op_of(event: Any) -> int:
 class Classifier:
     """Turns decoded events into :class:`Run` updates.
 
-    Accepts both the public structs (:mod:`connector.events`) and the hot-path ones. Holds
+    Accepts both the public structs (:mod:`connector.events.wire`) and the hot-path ones. Holds
     the bounded bookkeeping for undecidable entries: single-hash stores waiting for their
     group's block size (``pending``) and stores waiting for their parent (``orphans``).
     """

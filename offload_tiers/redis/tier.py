@@ -8,7 +8,7 @@ split per node and the nodes are served at once (a thread per node share).
 
 Transport: redis-py makes and pools the connections (TLS, AUTH/ACL, HELLO, Cluster
 topology); the commands and replies of a batch travel as hand-packed RESP on the
-connection's socket (:mod:`offload_tiers.resp`), pipelined in a sliding window of at most
+connection's socket (:mod:`offload_tiers.redis.resp`), pipelined in a sliding window of at most
 ``max_inflight`` commands and ``max_inflight_bytes``. ``get_many_into`` receives each GET
 reply straight into the caller's buffer (a CPU-tier slot) and checks header and checksum
 there; a SET's header is built as the window reaches it, so encoding overlaps the server.
@@ -41,9 +41,9 @@ from redis.retry import Retry
 from offload_tiers import codec
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
-from offload_tiers.redis_url import RedisTarget, parse_redis_url
-from offload_tiers.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
-from offload_tiers.write_behind import DoneCallback, Item, WriteBehind
+from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
+from offload_tiers.redis.url import RedisTarget, parse_redis_url
+from offload_tiers.redis.write_behind import DoneCallback, Item, WriteBehind
 
 log = logging.getLogger(__name__)
 

@@ -12,5 +12,5 @@ def register() -> None:
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
     KVConnectorFactory.register_connector(
-        CONNECTOR_NAME, "connector.tiered_connector", CONNECTOR_NAME
+        CONNECTOR_NAME, "connector.vllm_connector.connector", CONNECTOR_NAME
     )

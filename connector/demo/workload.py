@@ -4,13 +4,13 @@ A multi-turn, shared-prefix chat workload: ``conversations`` chats share one lon
 prompt; every turn appends the previous answer and a new user message, so each request
 extends the one before it. Requests go one at a time (deterministic hits, clean TTFT).
 
-This module is the *child* side: ``python -m connector.demo_workload SPEC.json OUT.json``
+This module is the *child* side: ``python -m connector.demo.workload SPEC.json OUT.json``
 builds one vLLM engine as the spec says, runs the workload once per phase (optionally
 resetting vLLM's GPU prefix cache before a phase, never the connector's tiers) and writes
 per-phase results as JSON. What each phase got from where comes from vLLM's own counters
 (``prompt_tokens_by_source``, ``prompt_tokens_cached_by_source``), read before and after the
 phase, plus the connector's own Prometheus counters when it has any. The parent side
-(``connector.demo_engine``) starts one such process per engine lifetime, so an engine
+(``connector.demo.engine``) starts one such process per engine lifetime, so an engine
 restart is a real new process. Importing this module does not import vLLM.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from connector.engine_presets import apply_cpu_engine_env, engine_kwargs
-from connector.tiny_models import prompt_words
+from connector.demo.presets import apply_cpu_engine_env, engine_kwargs
+from connector.demo.tiny_models import prompt_words
 
 PROGRESS_TAG = "[kvtier-progress]"
 CONNECTOR_METRIC_PREFIXES = ("kvtier_", "lmcache")
@@ -208,9 +208,9 @@ def _shutdown(llm: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Child entry: ``python -m connector.demo_workload SPEC.json OUT.json``."""
+    """Child entry: ``python -m connector.demo.workload SPEC.json OUT.json``."""
     if len(argv) != 2:
-        print("usage: python -m connector.demo_workload SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m connector.demo.workload SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     data = run_spec(spec)

@@ -36,7 +36,7 @@ from redis.retry import Retry
 
 from offload_tiers import codec
 from offload_tiers.keys import BlockKind
-from offload_tiers.redis_url import RedisTarget, parse_redis_url
+from offload_tiers.redis.url import RedisTarget, parse_redis_url
 
 __all__ = ["REASONS", "JanitorCounters", "KeyName", "Pacer", "RedisJanitor", "judge",
            "parse_key_name"]

@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.connector_config import TieredConfig
-from connector.connector_metadata import (
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.layout import KVLayout, build_layout
+from connector.vllm_connector.namespace import rank_fingerprint
+from connector.vllm_connector.plan import (
     OVERFLOW_SLOT,
     FetchOp,
     LoadOp,
@@ -36,10 +38,8 @@ from connector.connector_metadata import (
     StepPlan,
     WorkerReport,
 )
-from connector.connector_stats import ConnectorCounters
-from connector.kv_layout import KVLayout, build_layout
-from connector.namespace import rank_fingerprint
-from connector.transfer import BlockTransfer
+from connector.vllm_connector.stats import ConnectorCounters
+from connector.vllm_connector.transfer import BlockTransfer
 from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.keys import BlockKey, BlockKind
 
@@ -53,7 +53,7 @@ def make_redis_tier(config: TieredConfig) -> Any:
     unavailable, says why in ``last_error`` (no password in it) and the worker serves from the
     CPU tier until Redis answers.
     """
-    from offload_tiers.redis_tier import RedisTier
+    from offload_tiers.redis.tier import RedisTier
 
     redis = RedisTier.from_url(
         config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,

@@ -5,7 +5,7 @@ Rules this module keeps:
 
 * The halves run in different processes and share nothing else; every field pickles.
 * Keys carry the engine's *base* fingerprint; each rank derives the fingerprint it stores
-  under (:func:`connector.namespace.rank_fingerprint`).
+  under (:func:`connector.vllm_connector.namespace.rank_fingerprint`).
 * Slots are chosen by the scheduler (it owns the CPU tier's bookkeeping); the bytes live in
   each worker's slab. A job id names each asynchronous piece of work (a probe, a fetch, a
   save); every rank reports each job exactly once.

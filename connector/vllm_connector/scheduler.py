@@ -3,7 +3,7 @@
 It runs in vLLM's engine-core process and keeps books only: which key sits in which CPU-tier
 slot (a slot directory, no bytes), which Redis keys the workers found, which jobs are still
 out. It never touches the network or a KV tensor; the workers (one per TP rank, other
-processes) do, and report back through :class:`~connector.connector_metadata.WorkerReport`.
+processes) do, and report back through :class:`~connector.vllm_connector.plan.WorkerReport`.
 
 Pure logic over small interfaces, so it is tested without vLLM:
 
@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from connector.connector_config import TieredConfig
-from connector.connector_metadata import (
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.jobs import JobBook, TierChange
+from connector.vllm_connector.plan import (
     OVERFLOW_SLOT,
     FetchOp,
     LoadOp,
@@ -38,8 +39,7 @@ from connector.connector_metadata import (
     StepPlan,
     WorkerReport,
 )
-from connector.connector_stats import ConnectorCounters
-from connector.scheduler_jobs import JobBook, TierChange
+from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKey, BlockKind, kind_for
 

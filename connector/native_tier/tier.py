@@ -1,7 +1,7 @@
 """kvtier's Redis tier as a secondary tier of vLLM's native multi-tier offloading.
 
 Load it with ``"spec_name": "TieringOffloadingSpec"`` and ``"secondary_tiers": [{"type":
-"KvtierRedisTier", "module_path": "connector.native_tier", "redis_url": "redis://..."}]``.
+"KvtierRedisTier", "module_path": "connector.native_tier.tier", "redis_url": "redis://..."}]``.
 
 Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage rules):
 
@@ -73,9 +73,9 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from connector.native_tier_config import NativeTierSettings, load_native_settings
+from connector.native_tier.config import NativeTierSettings, load_native_settings
 from offload_tiers.keys import BlockKey, BlockKind, Namespace
-from offload_tiers.redis_tier import RedisTier
+from offload_tiers.redis.tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def namespace_for(spec: OffloadingSpec, settings: NativeTierSettings, row_bytes:
 def _architecture(model: str) -> str:
     """A digest of the model's ``config.json`` when ``model`` is a local checkpoint, else
     ``hub`` (the name then identifies it; ``weights_version`` tells revisions apart)."""
-    from connector.namespace import architecture_digest
+    from connector.vllm_connector.namespace import architecture_digest
 
     path = Path(model) / "config.json"
     try:

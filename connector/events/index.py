@@ -17,7 +17,7 @@ TTL (STORAGE with ``storage_ttl_s``: Redis expires values and announces nothing)
 long after their last announcement (:meth:`KVIndex.expire`).
 
 Each residency key maps hash -> packed facts (``num_tokens * 4 + kind``, see
-:func:`connector.classify.pack`); counts above one live in a small side table, so the common
+:func:`connector.events.classify.pack`); counts above one live in a small side table, so the common
 case (announced once, removed once) costs one dict entry and the bulk paths stay in C.
 Facts live exactly as long as the entry: memory is bounded by ``max_entries``; stores
 beyond it are dropped and counted, which can only make look-ups answer *less*.
@@ -39,7 +39,7 @@ from itertools import count, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
-from connector.classify import (
+from connector.events.classify import (
     CLEAR,
     FULL,
     PARTIAL,
@@ -54,7 +54,7 @@ from connector.classify import (
     kind_name,
     merge,
 )
-from connector.events import MEDIUM_CPU, MEDIUM_STORAGE, MEDIUMS
+from connector.events.wire import MEDIUM_CPU, MEDIUM_STORAGE, MEDIUMS
 
 __all__ = ["ANY", "DEFAULT_SET_MEDIA", "KVIndex", "PrefixMatch", "ResidencyPolicy"]
 

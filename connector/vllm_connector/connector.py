@@ -2,10 +2,10 @@
 
 Load with ``kv_connector="TieredOffloadingConnector"``, ``kv_connector_module_path=
 "connector"`` (or nothing once kvtier is installed: the ``vllm.general_plugins`` entry point
-registers the name) and ``kv_role="kv_both"``. Settings: :mod:`connector.connector_config`.
+registers the name) and ``kv_role="kv_both"``. Settings: :mod:`connector.vllm_connector.config`.
 
-This module adapts vLLM's objects to the scheduler half (:mod:`connector.scheduler_side`,
-vLLM's engine-core process) and the worker half (:mod:`connector.worker_side`, one per TP
+This module adapts vLLM's objects to the scheduler half (:mod:`connector.vllm_connector.scheduler`,
+vLLM's engine-core process) and the worker half (:mod:`connector.vllm_connector.worker`, one per TP
 rank, in vLLM's worker processes). The halves share nothing but vLLM's channels: the step
 plan in the connector metadata, and the workers' :class:`WorkerReport`, transfer results and
 stats on the way back. It works with vLLM's default executors (multiprocess), the OpenAI
@@ -39,12 +39,12 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector import connector_stats
-from connector.connector_config import ConnectorConfigError, load_config
-from connector.connector_metadata import StepPlan, WorkerReport
-from connector.namespace import expected_slot_bytes, identity_from_vllm, slot_count
-from connector.scheduler_jobs import TierChange
-from connector.scheduler_side import (
+from connector.vllm_connector import stats as connector_stats
+from connector.vllm_connector.config import ConnectorConfigError, load_config
+from connector.vllm_connector.jobs import TierChange
+from connector.vllm_connector.namespace import expected_slot_bytes, identity_from_vllm, slot_count
+from connector.vllm_connector.plan import StepPlan, WorkerReport
+from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
     TIER_CPU,
@@ -52,7 +52,7 @@ from connector.scheduler_side import (
     GroupSpec,
     TieredScheduler,
 )
-from connector.worker_side import TieredWorker, make_redis_tier
+from connector.vllm_connector.worker import TieredWorker, make_redis_tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,7 +97,7 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 class TieredConnectorStats(KVConnectorStats):
-    """Per-interval counter deltas (see :mod:`connector.connector_stats`)."""
+    """Per-interval counter deltas (see :mod:`connector.vllm_connector.stats`)."""
 
     def reset(self) -> None:
         self.data = {}

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from offload_tiers.redis_url import redact_url
+from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
     "redis_url": "use redis://host:port/db, rediss://... for TLS, unix:///path.sock, or "

@@ -1,6 +1,6 @@
 """``kvtier demo``: a real vLLM CPU engine with kvtier, a multi-turn workload, a hit table.
 
-Steps (each engine lifetime is its own child process, see ``connector.demo_engine``):
+Steps (each engine lifetime is its own child process, see ``connector.demo.engine``):
 1. build the tiny local model if absent (cached outside the repository);
 2. vLLM without kvtier: the workload on a fresh engine, then again after resetting the GPU
    prefix cache — the reference outputs and the baseline recompute cost;
@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from connector.demo_report import Row, outputs_of, render_table, summarize
-from connector.demo_workload import Workload
-from connector.engine_presets import kvtier_transfer_config
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.report import Row, outputs_of, render_table, summarize
+from connector.demo.workload import Workload
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379"
 FULL = Workload(conversations=4, turns=3, system_words=320, user_words=40, max_tokens=8)
@@ -54,7 +54,7 @@ def _say(message: str) -> None:
 
 
 def _redact(url: str) -> str:
-    from offload_tiers.redis_url import redact_url
+    from offload_tiers.redis.url import redact_url
 
     return redact_url(url)
 
@@ -98,7 +98,7 @@ def delete_redis_prefix(url: str, prefix: str) -> int:
 
 def model_path(model: str) -> Path:
     """The tiny model's checkpoint, built first if absent (without importing torch if not)."""
-    from connector import tiny_models
+    from connector.demo import tiny_models
 
     name = "tiny-llama" if model == "llama" else "tiny-hybrid"
     path = tiny_models.cache_root() / name
@@ -121,7 +121,7 @@ def _spec(label: str, model: str, model_dir: Path, workload: Workload,
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Run every engine phase; return the JSON-ready result (table rows included)."""
-    from connector.demo_engine import run_engine
+    from connector.demo.engine import run_engine
 
     t_start = time.monotonic()
     workload = QUICK if args.quick else FULL
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from connector.demo_engine import EngineRunError
+    from connector.demo.engine import EngineRunError
 
     try:
         result = run_demo(args)

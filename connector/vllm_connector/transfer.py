@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.kv_layout import GroupLayout, KVLayout, TensorSlice
+from connector.vllm_connector.layout import GroupLayout, KVLayout, TensorSlice
 
 
 class BlockTransfer:

@@ -1,6 +1,6 @@
 """Parent side of the demo and the e2e benchmark: one engine lifetime = one child process.
 
-``run_engine(spec)`` writes the spec as JSON, starts ``python -m connector.demo_workload``,
+``run_engine(spec)`` writes the spec as JSON, starts ``python -m connector.demo.workload``,
 echoes the child's progress lines to stderr (with elapsed time), keeps everything else in
 a log file, and returns the child's JSON result. A separate process per engine lifetime
 makes an "engine restart" real and keeps each measurement's memory and timing clean.
@@ -20,8 +20,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from connector.demo_workload import PROGRESS_TAG
-from connector.engine_presets import CPU_ENGINE_ENV
+from connector.demo.presets import CPU_ENGINE_ENV
+from connector.demo.workload import PROGRESS_TAG
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: 
     log_path = log_dir / f"{slug}.log"
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "connector.demo_workload", str(spec_path), str(out_path)]
+    cmd = [sys.executable, "-m", "connector.demo.workload", str(spec_path), str(out_path)]
     t0 = time.monotonic()
     tail: deque[str] = deque(maxlen=40)
     errors: deque[str] = deque(maxlen=8)
