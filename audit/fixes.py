@@ -15,8 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from audit.model import Finding
-    from audit.rules import Candidate
+    from audit.model import Candidate, Finding
 
 _BLOCK_SIZE = re.compile(r"^_?(block_size|tokens_per_block|\w+_block_size|page_size)$")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import enum
 from dataclasses import asdict, dataclass, field
 
@@ -34,6 +35,24 @@ class Confidence(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """What an expression is, how sure we are, and the evidence."""
+
+    kind: str
+    confidence: Confidence
+    why: str
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A hash expression whose receiver resolved to a block."""
+
+    node: ast.expr  # the hash expression (attribute, getattr call, alias name)
+    receiver: ast.expr
+    kind: Kind
 
 
 @dataclass(frozen=True, slots=True)

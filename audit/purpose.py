@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from audit.resolve import Resolver
 
 if TYPE_CHECKING:
-    from audit.rules import Candidate
+    from audit.model import Candidate
 
 HASH_ATTR = "block_hash"
 NUM_TOKENS_ATTR = "block_hash_num_tokens"

@@ -12,7 +12,7 @@ import ast
 import re
 from dataclasses import dataclass
 
-from audit.model import Confidence
+from audit.model import Confidence, Kind
 
 BLOCK = "block"  # one KVCacheBlock
 BLOCKS = "blocks"  # a sequence of KVCacheBlock
@@ -46,15 +46,6 @@ _BLOCK_NAME = re.compile(r"^_?(blk|block|\w+_blk|\w+_block|block_\w+_?blk)$")
 _BLOCKS_NAME = re.compile(r"^_?(blks|blocks|\w+_blocks|\w+_blks)$")
 _NOT_BLOCK_NAME = re.compile(r"(^|_)(num|n|count|ids?|idx|index|size|mask|table|hash|hashes|"
                              r"meta|event|plan|spec|req|request|op|key|keys|len|tokens)(_|$)")
-
-
-@dataclass(frozen=True, slots=True)
-class Kind:
-    """What an expression is, how sure we are, and the evidence."""
-
-    kind: str
-    confidence: Confidence
-    why: str
 
 
 @dataclass(frozen=True, slots=True)

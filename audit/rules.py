@@ -12,10 +12,10 @@ from __future__ import annotations
 import ast
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from audit.fixes import suggest
-from audit.model import RULES, Confidence, Finding
+from audit.model import RULES, Candidate, Confidence, Finding
 from audit.purpose import (
     CORRECT,
     DEFAULT_BOOKKEEPING_CLASSES,
@@ -35,15 +35,6 @@ from audit.resolve import (
     Resolver,
     Vocabulary,
 )
-
-
-@dataclass(slots=True)
-class Candidate:
-    """A hash expression whose receiver resolved to a block."""
-
-    node: ast.expr  # the hash expression (attribute, getattr call, alias name)
-    receiver: ast.expr
-    kind: Kind
 
 
 class Checker:
