@@ -1,12 +1,14 @@
 """``kvtier bench NAME [args]``: run one of the side-by-side benchmarks in ``benchmarks/``.
 
 The benchmarks live in the source checkout (they compare kvtier with peers that are not
-kvtier's dependencies), so this only works from a clone, with an editable install.
+kvtier's dependencies). They are looked for in ``$KVTIER_BENCHMARKS``, then ``./benchmarks``,
+then beside the installed packages (an editable install of a clone).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +16,12 @@ from pathlib import Path
 BENCHMARKS = ("events", "tiers", "audit", "e2e")
 
 
-def benchmarks_dir() -> Path:
-    """``benchmarks/`` next to the installed ``connector`` package (an editable install)."""
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+def benchmarks_dir() -> Path | None:
+    """The first of ``$KVTIER_BENCHMARKS``, ``./benchmarks``, ``<checkout>/benchmarks``."""
+    candidates = [Path(os.environ["KVTIER_BENCHMARKS"])] if os.environ.get(
+        "KVTIER_BENCHMARKS") else []
+    candidates += [Path.cwd() / "benchmarks", Path(__file__).resolve().parents[2] / "benchmarks"]
+    return next((c for c in candidates if (c / "bench_e2e.py").is_file()), None)
 
 
 def main(argv: list[str]) -> int:
@@ -25,9 +30,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER,
                         help="passed to the benchmark (e.g. --quick --json out.json)")
     ns = parser.parse_args(argv)
-    script = benchmarks_dir() / f"bench_{ns.name}.py"
-    if not script.is_file():
-        print(f"kvtier bench: {script} not found; run from a source checkout "
-              "(pip install -e .)", file=sys.stderr)
+    folder = benchmarks_dir()
+    if folder is None:
+        print("kvtier bench: no benchmarks/ folder found; run from a clone of kvtier or set "
+              "KVTIER_BENCHMARKS to its benchmarks/ folder", file=sys.stderr)
         return 2
+    script = folder / f"bench_{ns.name}.py"
     return subprocess.call([sys.executable, str(script), *ns.args])

@@ -8,6 +8,7 @@ number of blocks. On CUDA the copies run on a side stream through pinned staging
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -77,10 +78,9 @@ class BlockTransfer:
         return data.view(torch.uint8).reshape(n, s.nbytes)
 
     def scatter(self, group: int, block_ids: list[int], slots: list[int], *,
-                source: torch.Tensor | None = None, corrupt: bool = False) -> int:
+                corrupt: bool = False) -> int:
         """Copy slab rows ``slots`` into blocks ``block_ids`` of ``group``; bytes copied.
 
-        ``source`` replaces the slab (e.g. a staging array of payloads fetched from Redis).
         ``corrupt`` (tests only) writes noise instead of floating-point KV, to prove that
         loaded blocks are really used.
         """
@@ -89,9 +89,9 @@ class BlockTransfer:
         layout = self._groups[group]
         ids = self._ids(block_ids)
         rows = torch.tensor(slots, dtype=torch.long)
-        slab = self.slab if source is None else source
+        slab = self.slab
         n = len(block_ids)
-        stream_ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
+        stream_ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         if self._cuda:
             assert self._stream is not None
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -110,11 +110,3 @@ class BlockTransfer:
             assert self._stream is not None
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return n * layout.nbytes
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

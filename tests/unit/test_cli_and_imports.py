@@ -58,3 +58,21 @@ def test_connector_attribute_is_the_vllm_connector_class() -> None:
     assert issubclass(cls, KVConnectorBase_V1)
     with pytest.raises(AttributeError, match="module 'connector' has no attribute 'NoSuchThing'"):
         _ = importlib.import_module("connector").NoSuchThing
+
+
+def test_bench_finds_the_checkouts_benchmarks(tmp_path, monkeypatch) -> None:
+    from connector.demo.bench_cli import benchmarks_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVTIER_BENCHMARKS", raising=False)
+    found = benchmarks_dir()
+    assert found is not None and (found / "bench_tiers.py").is_file()
+
+
+def test_bench_without_benchmarks_says_where_to_look(tmp_path, monkeypatch, capsys) -> None:
+    from connector.demo import bench_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_cli, "__file__", str(tmp_path / "a" / "b" / "bench_cli.py"))
+    assert bench_cli.main(["tiers"]) == 2
+    assert "KVTIER_BENCHMARKS" in capsys.readouterr().err
