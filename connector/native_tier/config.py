@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from offload_tiers.redis.url import redact_url
+from offload_tiers.redis.url import check_redis_url, redact_url
 
 _FIXES: dict[str, str] = {
     "redis_url": "use redis://host:port/db, rediss://... for TLS, unix:///path.sock, or "
@@ -64,10 +64,7 @@ class NativeTierSettings(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
-            raise ValueError(f"unsupported Redis URL {redact_url(value)}")
-        return value
+        return check_redis_url(value)
 
     @field_validator("redis_ssl_ca_certs")
     @classmethod

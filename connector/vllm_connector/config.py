@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from offload_tiers.redis.url import redact_url
+from offload_tiers.redis.url import check_redis_url, redact_url
 
 _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
@@ -66,10 +66,7 @@ class TieredConfig(BaseModel):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
-            raise ValueError(f"unsupported Redis URL {redact_url(value)}")
-        return value
+        return check_redis_url(value)
 
     @field_validator("redis_ssl_ca_certs")
     @classmethod

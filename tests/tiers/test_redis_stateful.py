@@ -71,7 +71,7 @@ class RedisTierMachine(RuleBasedStateMachine):
         super().__init__()
         self.prefix = f"kvtier-test-sm-{uuid.uuid4().hex[:10]}"
         self.proxy.mode = "forward"
-        self.redis = RedisTier.from_url(self.proxy.url, prefix=self.prefix, socket_timeout_s=0.5,
+        self.redis = RedisTier.from_url(self.proxy.url, prefix=self.prefix, redis_timeout_s=0.5,
                                         backoff_initial_s=0.01, backoff_max_s=0.1)
         self.slab = np.zeros((8, SLOT), np.uint8)
         self.sources = {k: np.frombuffer(data_for(k), np.uint8) for k in KEYS}
