@@ -177,7 +177,7 @@ class DaemonConfig(BaseModel):
     def _redis_url(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        from offload_tiers.redis.url import check_redis_url
+        from offload_tiers.redis.settings import check_redis_url
 
         return check_redis_url(v)
 

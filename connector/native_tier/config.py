@@ -9,12 +9,12 @@ This module never imports vLLM.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from offload_tiers.redis.url import check_redis_url, redact_url
+from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
+from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
     "redis_url": "use redis://host:port/db, rediss://... for TLS, unix:///path.sock, or "
@@ -69,12 +69,7 @@ class NativeTierSettings(BaseModel):
     @field_validator("redis_ssl_ca_certs")
     @classmethod
     def _check_ca(cls, value: str | None) -> str | None:
-        if value is None or value == "":
-            return None
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"no readable file at {path}")
-        return str(path)
+        return check_ca_file(value)
 
     @field_validator("redis_password_env")
     @classmethod
@@ -92,9 +87,7 @@ class NativeTierSettings(BaseModel):
     @field_validator("redis_prefix")
     @classmethod
     def _check_prefix(cls, value: str) -> str:
-        if not value or any(c.isspace() for c in value):
-            raise ValueError("must be non-empty without whitespace")
-        return value
+        return check_key_prefix(value)
 
     def describe(self) -> dict[str, Any]:
         """Settings safe to log (the Redis password is redacted)."""

@@ -13,7 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from offload_tiers.redis.url import check_redis_url, redact_url
+from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
+from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
@@ -71,19 +72,12 @@ class TieredConfig(BaseModel):
     @field_validator("redis_ssl_ca_certs")
     @classmethod
     def _check_ca(cls, value: str | None) -> str | None:
-        if value is None or value == "":
-            return None
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"no readable file at {path}")
-        return str(path)
+        return check_ca_file(value)
 
     @field_validator("redis_prefix")
     @classmethod
     def _check_prefix(cls, value: str) -> str:
-        if not value or any(c.isspace() for c in value):
-            raise ValueError("must be non-empty without whitespace")
-        return value
+        return check_key_prefix(value)
 
     def describe(self) -> dict[str, Any]:
         """Settings safe to log (the Redis password is redacted)."""

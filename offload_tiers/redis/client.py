@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -24,7 +25,9 @@ from redis.retry import Retry
 
 from offload_tiers.redis.url import RedisTarget
 
-__all__ = ["ClientFactory", "Health"]
+__all__ = ["ClientFactory", "Health", "close_quietly"]
+
+log = logging.getLogger(__name__)
 
 
 class ClientFactory:
@@ -107,6 +110,16 @@ class Health:
     def due(self, now: float) -> bool:
         """Down, and its backoff has expired: time to try again."""
         return not self.available and now >= self.next_try
+
+
+def close_quietly(client: Any) -> None:
+    """Close a client (None: nothing to do); a failure to close is only logged (debug)."""
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:
+        log.debug("closing a Redis client failed", exc_info=True)
 
 
 def _url_passwords(url: str) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ from redis.exceptions import NoPermissionError, ResponseError, WatchError
 
 from offload_tiers import codec
 from offload_tiers.keys import KeyName, parse_key_name
-from offload_tiers.redis.client import ClientFactory, Health
+from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 
 __all__ = ["REASONS", "JanitorCounters", "Pacer", "RedisJanitor", "judge"]
@@ -221,11 +221,7 @@ class RedisJanitor:
             self._thread.join(timeout)
             self._thread = None
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                log.debug("closing the janitor's Redis client failed", exc_info=True)
+        close_quietly(client)
 
     @property
     def running(self) -> bool:
@@ -484,11 +480,7 @@ class RedisJanitor:
                     log.debug("pool disconnect failed", exc_info=True)
             if self.target.cluster:  # topology may have changed: start over next pass
                 client, self._client, self._scripts = self._client, None, {}
-                if client is not None:
-                    try:
-                        client.close()
-                    except Exception:
-                        log.debug("closing the janitor's cluster client failed", exc_info=True)
+                close_quietly(client)
             raise _Unavailable from None
 
     def _failed(self, exc: BaseException) -> None:

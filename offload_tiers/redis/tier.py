@@ -38,7 +38,7 @@ from redis.exceptions import ResponseError
 from offload_tiers import codec
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
-from offload_tiers.redis.client import ClientFactory, Health
+from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 from offload_tiers.redis.write_behind import DoneCallback, Item, WriteBehind
@@ -503,12 +503,15 @@ class RedisTier:
                 corrupt += 1
                 log.debug("bad value at %s: %s", key.name, exc.reason)
                 out.append(None)
-        with self._lock:
-            self._n["gets"] += len(keys)
-            self._n["hits"] += hits
-            self._n["misses"] += len(keys) - hits
-            self._n["corrupt"] += corrupt
+        self._count_reads(len(keys), hits, corrupt)
         return out
+
+    def _count_reads(self, n: int, hits: int, corrupt: int) -> None:
+        with self._lock:
+            self._n["gets"] += n
+            self._n["hits"] += hits
+            self._n["misses"] += n - hits
+            self._n["corrupt"] += corrupt
 
     def get(self, key: BlockKey) -> memoryview | None:
         return self.get_many([key])[0]
@@ -543,11 +546,7 @@ class RedisTier:
             if isinstance(reply, str | ResponseError):
                 corrupt += 1
                 log.debug("bad value at %s: %s", key.name, self._factory.scrub(str(reply)))
-        with self._lock:
-            self._n["gets"] += len(keys)
-            self._n["hits"] += hits
-            self._n["misses"] += len(keys) - hits
-            self._n["corrupt"] += corrupt
+        self._count_reads(len(keys), hits, corrupt)
         return out
 
     def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -614,11 +613,7 @@ class RedisTier:
         if self._nodes_pool is not None:
             self._nodes_pool.shutdown(wait=True)
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                log.debug("closing the Redis client failed", exc_info=True)
+        close_quietly(client)
 
     def __enter__(self) -> RedisTier:
         return self

@@ -1,7 +1,8 @@
 """Redis URLs: which kind of deployment a URL names, and its form safe to log (no secrets).
 
 The one place that knows the accepted schemes: the tier, the janitor and every settings
-validator (connector, native tier, daemon) go through :func:`parse_redis_url`.
+validator (connector, native tier, daemon; :mod:`offload_tiers.redis.settings`) go through
+:func:`parse_redis_url`.
 """
 
 from __future__ import annotations
@@ -61,9 +62,3 @@ def parse_redis_url(url: str, cluster: bool | None = None) -> RedisTarget:
     return RedisTarget(url=plain, cluster=is_cluster, tls=base == "rediss",
                        redacted=redact_url(url))
 
-
-def check_redis_url(url: str) -> str:
-    """``url`` itself when :func:`parse_redis_url` accepts it (for settings validators);
-    otherwise its ValueError, which names the URL redacted."""
-    parse_redis_url(url)
-    return url

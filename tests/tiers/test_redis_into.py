@@ -7,7 +7,7 @@ import dataclasses
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,18 +22,6 @@ from tests.tiers.faults import wait_until
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload
 
 FAST = dict(redis_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
-
-
-@pytest.fixture
-def tier(redis_url: str, key_prefix: str) -> Iterator[RedisTier]:
-    t = RedisTier.from_url(redis_url, prefix=key_prefix, strict=True)
-    yield t
-    t.close()
-
-
-@pytest.fixture
-def raw(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url)
 
 
 def _rows(n: int, size: int, fill: int = 0xEE) -> np.ndarray:
