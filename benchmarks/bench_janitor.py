@@ -3,7 +3,7 @@
 A private redis-server on a free loopback port holds N valid values of ``--value-bytes``
 (written by RedisTier) plus 1% bad ones. Each round restores the bad ones and runs
 (a) one unpaced janitor pass (SCAN + pipelined GETRANGE 0 63 / STRLEN + conditional delete)
-and (b) a naive pass (SCAN + pipelined GET, codec.decode of each value), interleaved; best
+and (b) a naive pass (SCAN + pipelined GET of each whole value, judged), interleaved; best
 of ``--rounds``. Prints a table with ratios and, with ``--json``, the numbers.
 
     python benchmarks/bench_janitor.py [--keys 20000] [--value-bytes 65536] [--json PATH]
@@ -23,8 +23,8 @@ import time
 import redis
 
 from offload_tiers import codec
-from offload_tiers.keys import BlockKey, BlockKind, Namespace
-from offload_tiers.redis.janitor import RedisJanitor, judge, parse_key_name
+from offload_tiers.keys import BlockKey, BlockKind, Namespace, parse_key_name
+from offload_tiers.redis.janitor import RedisJanitor, judge
 from offload_tiers.redis.tier import RedisTier
 
 NS = Namespace("bench", "float16", "nhd", 16)

@@ -134,7 +134,7 @@ def bench_redis(url: str, size: int, total: int, reps: int,
     payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
     raw = redis.Redis.from_url(url, socket_timeout=60)
     prefix = f"kvtier-bench-{os.getpid()}"
-    tier = RedisTier.from_url(url, prefix=prefix, socket_timeout_s=60, strict=True)
+    tier = RedisTier.from_url(url, prefix=prefix, redis_timeout_s=60, strict=True)
     keys = keys_for(n, "redis")
     slots = CpuTier(n * size, size, pin_memory=False).slab  # restores land in CPU-tier slots
     slots[:] = 0

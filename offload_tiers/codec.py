@@ -39,12 +39,22 @@ MAX_PAYLOAD = 1 << 34  # 16 GiB: anything larger in a header is absurd, not a bl
 assert HEADER_SIZE == 64
 
 
-class CorruptValue(ValueError):
-    """A stored value that must not be served; ``reason`` says why (no payload bytes in it)."""
+#: Why a header was refused (``CorruptValue.code``), in the order the checks run.
+HEADER_PROBLEMS = ("truncated", "bad_magic", "bad_version", "bad_kind", "fingerprint_mismatch",
+                   "group_mismatch", "hash_mismatch", "bad_num_tokens", "bad_length")
+#: The kinds a stored value may have.
+STORED_KINDS = frozenset({int(BlockKind.FULL), int(BlockKind.PARTIAL)})
 
-    def __init__(self, reason: str) -> None:
+
+class CorruptValue(ValueError):
+    """A stored value that must not be served; ``reason`` says why (no payload bytes in it),
+    ``code`` names the check that refused it (a :data:`HEADER_PROBLEMS` entry, or
+    ``"bad_checksum"``)."""
+
+    def __init__(self, reason: str, code: str = "corrupt") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.code = code
 
 
 class HeaderFields(NamedTuple):
@@ -68,10 +78,54 @@ def parse_header(header: Buffer) -> HeaderFields:
     """
     hv = memoryview(header)
     if hv.nbytes < HEADER_SIZE:
-        raise CorruptValue(f"truncated header ({hv.nbytes} < {HEADER_SIZE} bytes)")
+        raise CorruptValue(f"truncated header ({hv.nbytes} < {HEADER_SIZE} bytes)", "truncated")
     (magic, version, kind, _r1, digest, group, num_tokens, tag, length, csum,
      _r2) = HEADER.unpack_from(hv, 0)
     return HeaderFields(magic, version, kind, digest, group, num_tokens, tag, length, csum)
+
+
+def check_fields(header: Buffer, *, digest: bytes, group: int, block_hash: bytes,
+                 kind: int | None = None, num_tokens: int | None = None,
+                 total_len: int | None = None) -> HeaderFields:
+    """The header's fields, once every one agrees with what is known of the key; else
+    :class:`CorruptValue` (its ``code`` names the first check that failed).
+
+    ``kind`` / ``num_tokens``: the requested ones; None accepts any stored kind and any
+    ``num_tokens`` but 0 (what a writer may have stored under a key name). ``total_len``: the
+    stored value's full length when known (then truncation and trailing bytes are caught
+    here, without reading the payload).
+    """
+    if total_len is not None and total_len < HEADER_SIZE:
+        raise CorruptValue(f"truncated header ({total_len} < {HEADER_SIZE} bytes)", "truncated")
+    f = parse_header(header)
+    if f.magic != MAGIC:
+        raise CorruptValue("bad magic (not a kvtier value)", "bad_magic")
+    if f.version != VALUE_VERSION:
+        raise CorruptValue(f"unsupported value format version {f.version}", "bad_version")
+    if kind is None:
+        if f.kind not in STORED_KINDS:
+            raise CorruptValue(f"kind {f.kind} is neither FULL nor PARTIAL", "bad_kind")
+    elif f.kind != kind:
+        raise CorruptValue(f"kind {f.kind} does not match requested {BlockKind(kind).name}",
+                           "bad_kind")
+    if f.digest != digest:
+        raise CorruptValue("foreign namespace fingerprint", "fingerprint_mismatch")
+    if f.group != group:
+        raise CorruptValue(f"group {f.group} does not match requested {group}", "group_mismatch")
+    if f.hash_tag != hash_tag(block_hash):
+        raise CorruptValue("block hash does not match", "hash_mismatch")
+    if num_tokens is None:
+        if f.num_tokens == 0:
+            raise CorruptValue("num_tokens 0", "bad_num_tokens")
+    elif f.num_tokens != num_tokens:
+        raise CorruptValue(f"num_tokens {f.num_tokens} does not match requested {num_tokens}",
+                           "bad_num_tokens")
+    if f.length > MAX_PAYLOAD:
+        raise CorruptValue(f"absurd payload length {f.length}", "bad_length")
+    if total_len is not None and total_len != HEADER_SIZE + f.length:
+        raise CorruptValue(f"value is {total_len} bytes, header says {HEADER_SIZE + f.length} "
+                           "(truncated or padded)", "bad_length")
+    return f
 
 
 def namespace_digest(key: BlockKey) -> bytes:
@@ -110,7 +164,7 @@ def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None
 
 def validate_key(key: BlockKey) -> None:
     """Raise ValueError when ``key`` cannot be stored (before any bytes are sent)."""
-    if key.kind not in (BlockKind.FULL, BlockKind.PARTIAL):
+    if int(key.kind) not in STORED_KINDS:
         raise ValueError(f"cannot store a {key.kind.name} entry")
     namespace_digest(key)
     if not 0 <= key.group < 1 << 32:
@@ -137,32 +191,10 @@ def check_header(key: BlockKey, header: Buffer, *, total_len: int | None = None,
     ``total_len`` is the stored value's full length when known (then truncation and
     trailing bytes are caught here, without reading the payload).
     """
-    hv = memoryview(header)
-    if hv.nbytes < HEADER_SIZE:
-        raise CorruptValue(f"truncated header ({hv.nbytes} < {HEADER_SIZE} bytes)")
-    (magic, version, kind, _r1, fp, group, num_tokens, tag, length, csum,
-     _r2) = HEADER.unpack_from(hv, 0)
-    if magic != MAGIC:
-        raise CorruptValue("bad magic (not a kvtier value)")
-    if version != VALUE_VERSION:
-        raise CorruptValue(f"unsupported value format version {version}")
-    if fp != (digest if digest is not None else namespace_digest(key)):
-        raise CorruptValue("foreign namespace fingerprint")
-    if kind != int(key.kind):
-        raise CorruptValue(f"kind {kind} does not match requested {key.kind.name}")
-    if group != key.group:
-        raise CorruptValue(f"group {group} does not match requested {key.group}")
-    if num_tokens != key.num_tokens:
-        raise CorruptValue(f"num_tokens {num_tokens} does not match requested {key.num_tokens}")
-    if tag != hash_tag(key.block_hash):
-        raise CorruptValue("block hash does not match")
-    if length > MAX_PAYLOAD:
-        raise CorruptValue(f"absurd payload length {length}")
-    if total_len is not None and total_len != HEADER_SIZE + length:
-        raise CorruptValue(
-            f"value is {total_len} bytes, header says {HEADER_SIZE + length} (truncated or padded)"
-        )
-    return length, csum
+    f = check_fields(header, digest=digest if digest is not None else namespace_digest(key),
+                     group=key.group, block_hash=key.block_hash, kind=int(key.kind),
+                     num_tokens=key.num_tokens, total_len=total_len)
+    return f.length, f.checksum
 
 
 def decode(key: BlockKey, value: Buffer, *, digest: bytes | None = None) -> memoryview:
@@ -171,5 +203,5 @@ def decode(key: BlockKey, value: Buffer, *, digest: bytes | None = None) -> memo
     length, csum = check_header(key, view, total_len=view.nbytes, digest=digest)
     payload = view[HEADER_SIZE:HEADER_SIZE + length]
     if checksum(payload) != csum:
-        raise CorruptValue("payload checksum mismatch")
+        raise CorruptValue("payload checksum mismatch", "bad_checksum")
     return payload

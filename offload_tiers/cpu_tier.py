@@ -11,8 +11,7 @@ Life of an entry::
 
 ``put``/``get`` wrap those for callers that just want bytes in and out. Keys compare by
 every field (fingerprint, group, hash, num_tokens, kind), so a PARTIAL entry never answers
-a FULL lookup. Promotion partial→full is ``promote(partial_key, full_key, data)``: store
-the FULL entry, then drop the PARTIAL one.
+a FULL lookup.
 
 A tier built with ``with_slab=False`` is a *slot directory*: the same bookkeeping (slots,
 LRU, pins) with no bytes, for a process that decides where blocks go while others hold them
@@ -250,13 +249,6 @@ class CpuTier:
             raise
         with self._lock:
             self._commit(ik)
-        return True
-
-    def promote(self, partial_key: BlockKey, full_key: BlockKey, data: BytesLike) -> bool:
-        """Store the FULL entry that supersedes a PARTIAL one, then drop the PARTIAL."""
-        if not self.put(full_key, data):
-            return False
-        self.remove(partial_key)
         return True
 
     def _take_slot(self) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 from dataclasses import dataclass
 
 FORMAT_VERSION = 1
@@ -99,14 +100,35 @@ class BlockKey:
 
     @property
     def name(self) -> str:
-        """The scoped part of the storage key: ``{fingerprint}:{group}:{hash}``."""
+        """The scoped part of the storage key: ``{fingerprint}:{group}:{hash}``
+        (:func:`parse_key_name` reads it back)."""
         return f"{self.fingerprint}:{self.group}:{self.block_hash.hex()}"
 
 
-def hash_to_bytes(block_hash: int | bytes) -> bytes:
-    """Wire hashes are ints (vLLM's events) or bytes (inside the engine); store bytes."""
-    if isinstance(block_hash, bytes):
-        return block_hash
-    if block_hash < 0:
-        raise ValueError(f"block hashes are non-negative integers, got {block_hash}")
-    return block_hash.to_bytes(max(8, (block_hash.bit_length() + 7) // 8), "big")
+@dataclass(frozen=True, slots=True)
+class KeyName:
+    """What a :attr:`BlockKey.name` says: namespace digest, group and block hash (the kind
+    and ``num_tokens`` live in the value's header)."""
+
+    digest: bytes
+    group: int
+    block_hash: bytes
+
+
+_FP = re.compile(rb"[0-9a-fA-F]{32}")
+_GROUP = re.compile(rb"0|[1-9][0-9]{0,9}")
+_HASH = re.compile(rb"(?:[0-9a-f]{2})+")  # BlockKey.name writes bytes.hex(): lower case
+
+
+def parse_key_name(name: bytes) -> KeyName | None:
+    """The inverse of :attr:`BlockKey.name`; None when no :class:`BlockKey` has this name."""
+    parts = name.split(b":")
+    if len(parts) != 3:
+        return None
+    fp, group, block_hash = parts
+    if not (_FP.fullmatch(fp) and _GROUP.fullmatch(group) and _HASH.fullmatch(block_hash)):
+        return None
+    g = int(group)
+    if g >= 1 << 32:
+        return None
+    return KeyName(bytes.fromhex(fp.decode()), g, bytes.fromhex(block_hash.decode()))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -16,11 +18,16 @@ from pydantic import (
     model_validator,
 )
 
+from connector.events.wire import MEDIUMS
+
 __all__ = ["ConfigError", "DaemonConfig", "PublisherConfig", "load_config", "offset_endpoint"]
 
+log = logging.getLogger(__name__)
+
 _ENDPOINT_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")
-_MEDIUMS = {"GPU", "CPU", "STORAGE"}
 _TIER_MEDIA = ("CPU", "STORAGE")
+#: Old setting names still read, and the names that replaced them.
+DEPRECATED_NAMES = {"redis_socket_timeout_s": "redis_timeout_s"}
 
 
 class ConfigError(ValueError):
@@ -154,7 +161,10 @@ class DaemonConfig(BaseModel):
     redis_url: str | None = None
     redis_prefix: str = Field(default="kvtier", min_length=1)
     redis_ssl_ca_certs: str | None = None
-    redis_socket_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    # bound on every Redis wait; the old name redis_socket_timeout_s is still read
+    redis_timeout_s: float = Field(
+        default=2.0, gt=0, le=60,
+        validation_alias=AliasChoices("redis_timeout_s", "redis_socket_timeout_s"))
     janitor_interval_s: float = Field(default=300.0, gt=0, le=7 * 86400)
     janitor_scan_count: int = Field(default=100, ge=1, le=10_000)
     janitor_max_keys_per_s: float = Field(default=2000.0, gt=0)
@@ -167,10 +177,9 @@ class DaemonConfig(BaseModel):
     def _redis_url(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        from offload_tiers.redis.url import parse_redis_url
+        from offload_tiers.redis.settings import check_redis_url
 
-        parse_redis_url(v)  # its errors name the URL redacted
-        return v
+        return check_redis_url(v)
 
     @field_validator("janitor_allowed_fingerprints")
     @classmethod
@@ -208,9 +217,10 @@ class DaemonConfig(BaseModel):
     @field_validator("clear_on_restart")
     @classmethod
     def _mediums(cls, v: list[str]) -> list[str]:
-        bad = [m for m in v if m not in _MEDIUMS]
+        bad = [m for m in v if m not in MEDIUMS]
         if bad:
-            raise ValueError(f"clear_on_restart: unknown media {bad}; use GPU, CPU, STORAGE")
+            raise ValueError(f"clear_on_restart: unknown media {bad}; use "
+                             + ", ".join(str(m) for m in MEDIUMS))
         return v
 
     @field_validator("log_level")
@@ -255,6 +265,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> DaemonCon
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = dict(loaded or {})
     data.update({k: v for k, v in overrides.items() if v is not None})
+    for old, new in DEPRECATED_NAMES.items():
+        if old in data:
+            log.warning("daemon configuration: %s is deprecated; call it %s", old, new)
     try:
         return DaemonConfig.model_validate(data)
     except ValidationError as exc:

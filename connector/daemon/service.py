@@ -200,7 +200,7 @@ def _make_janitor(cfg: DaemonConfig) -> Any:
         scan_count=cfg.janitor_scan_count, max_keys_per_s=cfg.janitor_max_keys_per_s,
         max_keys_per_pass=cfg.janitor_max_keys_per_pass,
         allowed_fingerprints=cfg.janitor_allowed_fingerprints, dry_run=cfg.janitor_dry_run,
-        socket_timeout_s=cfg.redis_socket_timeout_s, ssl_ca_certs=cfg.redis_ssl_ca_certs)
+        redis_timeout_s=cfg.redis_timeout_s, ssl_ca_certs=cfg.redis_ssl_ca_certs)
 
 
 def _rss_bytes() -> int:

@@ -9,11 +9,11 @@ This module never imports vLLM.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
 from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
@@ -64,20 +64,12 @@ class NativeTierSettings(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
-            raise ValueError(f"unsupported Redis URL {redact_url(value)}")
-        return value
+        return check_redis_url(value)
 
     @field_validator("redis_ssl_ca_certs")
     @classmethod
     def _check_ca(cls, value: str | None) -> str | None:
-        if value is None or value == "":
-            return None
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"no readable file at {path}")
-        return str(path)
+        return check_ca_file(value)
 
     @field_validator("redis_password_env")
     @classmethod
@@ -95,9 +87,7 @@ class NativeTierSettings(BaseModel):
     @field_validator("redis_prefix")
     @classmethod
     def _check_prefix(cls, value: str) -> str:
-        if not value or any(c.isspace() for c in value):
-            raise ValueError("must be non-empty without whitespace")
-        return value
+        return check_key_prefix(value)
 
     def describe(self) -> dict[str, Any]:
         """Settings safe to log (the Redis password is redacted)."""

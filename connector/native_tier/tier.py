@@ -188,7 +188,7 @@ class KvtierRedisTier(SecondaryTierManager):
         s = self.settings
         self.redis = RedisTier.from_url(
             s.redis_url, prefix=s.redis_prefix, ttl_s=s.redis_ttl_s,
-            socket_timeout_s=s.redis_timeout_s, ssl_ca_certs=s.redis_ssl_ca_certs,
+            redis_timeout_s=s.redis_timeout_s, ssl_ca_certs=s.redis_ssl_ca_certs,
             write_queue_max=s.write_queue_max,
             write_queue_max_bytes=max(s.write_queue_max * self.block_size_bytes, 1 << 20),
             **({"password": s.redis_password()} if s.redis_password_env else {}))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
 from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
@@ -66,27 +67,17 @@ class TieredConfig(BaseModel):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in {"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"}:
-            raise ValueError(f"unsupported Redis URL {redact_url(value)}")
-        return value
+        return check_redis_url(value)
 
     @field_validator("redis_ssl_ca_certs")
     @classmethod
     def _check_ca(cls, value: str | None) -> str | None:
-        if value is None or value == "":
-            return None
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"no readable file at {path}")
-        return str(path)
+        return check_ca_file(value)
 
     @field_validator("redis_prefix")
     @classmethod
     def _check_prefix(cls, value: str) -> str:
-        if not value or any(c.isspace() for c in value):
-            raise ValueError("must be non-empty without whitespace")
-        return value
+        return check_key_prefix(value)
 
     def describe(self) -> dict[str, Any]:
         """Settings safe to log (the Redis password is redacted)."""

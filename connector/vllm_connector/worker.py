@@ -57,7 +57,7 @@ def make_redis_tier(config: TieredConfig) -> Any:
 
     redis = RedisTier.from_url(
         config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-        socket_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
+        redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
     if not redis.available:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)

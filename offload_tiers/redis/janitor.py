@@ -2,24 +2,24 @@
 
 A pass walks ``{prefix}:*`` with ``SCAN`` (bounded ``COUNT``, paced to at most
 ``max_keys_per_s`` keys examined per second), reads only each value's 64-byte header and its
-length (``GETRANGE 0 63`` + ``STRLEN``, pipelined) and deletes what a reader
-(:func:`offload_tiers.codec.check_header`) would reject whatever it asked for: key names that
-do not parse, non-string values, short values, bad magic, unknown format version, a kind
-that is neither FULL nor PARTIAL, header fingerprint / group / hash tag contradicting the key
-name, ``num_tokens`` 0, a length that disagrees with the header — and, only when
-``allowed_fingerprints`` is set, values of namespaces not in that list.
+length (``GETRANGE 0 63`` + ``STRLEN``, pipelined) and deletes what a reader would reject
+whatever it asked for (the readers' own :func:`offload_tiers.codec.check_fields`): key names
+that :func:`offload_tiers.keys.parse_key_name` refuses, non-string values, short values, bad
+magic, unknown format version, a kind that is neither FULL nor PARTIAL, header fingerprint /
+group / hash tag contradicting the key name, ``num_tokens`` 0, a length that disagrees with
+the header — and, only when ``allowed_fingerprints`` is set, values of namespaces not in
+that list.
 
 Deletes are conditional: a fixed Lua script deletes a key only if its type, length and
 header are still the ones judged (the verdict depends on nothing else), so a concurrent
 writer that replaced a bad value with a good one is never deleted. Nothing read from Redis
-is evaluated. Redis being down is counted and backed off; the janitor never raises into the
-daemon and never logs the password.
+is evaluated. Redis being down is counted and backed off (:mod:`offload_tiers.redis.client`);
+the janitor never raises into the daemon and never logs the password.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import re
 import threading
 import time
@@ -27,31 +27,21 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import NoPermissionError, ResponseError, WatchError
-from redis.retry import Retry
 
 from offload_tiers import codec
-from offload_tiers.keys import BlockKind
+from offload_tiers.keys import KeyName, parse_key_name
+from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 
-__all__ = ["REASONS", "JanitorCounters", "KeyName", "Pacer", "RedisJanitor", "judge",
-           "parse_key_name"]
+__all__ = ["REASONS", "JanitorCounters", "Pacer", "RedisJanitor", "judge"]
 
 log = logging.getLogger("kvtier.daemon.janitor")
 
 #: Why a value was deleted (label values of ``kvtier_daemon_janitor_deleted_total``).
-REASONS = ("bad_key_name", "wrong_type", "truncated", "bad_magic", "bad_version", "bad_kind",
-           "fingerprint_mismatch", "group_mismatch", "hash_mismatch", "bad_num_tokens",
-           "bad_length", "retired_namespace")
-
-_FP = re.compile(rb"[0-9a-fA-F]{32}")
-_GROUP = re.compile(rb"0|[1-9][0-9]{0,9}")
-_HASH = re.compile(rb"(?:[0-9a-f]{2})+")  # BlockKey.name writes bytes.hex(): lower case
-_KINDS = frozenset(int(k) for k in (BlockKind.FULL, BlockKind.PARTIAL))
+REASONS = ("bad_key_name", "wrong_type", *codec.HEADER_PROBLEMS, "retired_namespace")
 
 # Delete KEYS[1] only if it is still what was judged. ARGV[1] = "s" (a string value whose
 # length was ARGV[3] and first 64 bytes ARGV[2]) or "n" (a non-string value).
@@ -68,29 +58,6 @@ return redis.call('UNLINK', KEYS[1])
 """
 
 
-@dataclass(frozen=True, slots=True)
-class KeyName:
-    """What a key name under the prefix says: ``{fingerprint}:{group}:{hash hex}``."""
-
-    digest: bytes
-    group: int
-    block_hash: bytes
-
-
-def parse_key_name(rest: bytes) -> KeyName | None:
-    """Parse the part after ``{prefix}:``; None when no RedisTier could have written it."""
-    parts = rest.split(b":")
-    if len(parts) != 3:
-        return None
-    fp, group, block_hash = parts
-    if not (_FP.fullmatch(fp) and _GROUP.fullmatch(group) and _HASH.fullmatch(block_hash)):
-        return None
-    g = int(group)
-    if g >= 1 << 32:
-        return None
-    return KeyName(bytes.fromhex(fp.decode()), g, bytes.fromhex(block_hash.decode()))
-
-
 def is_nested_prefix(rest: bytes) -> bool:
     """``rest`` is ``{more}:{fp}:{group}:{hash}``: a key of a deployment whose prefix extends
     ours (``kvtier:a`` under ``kvtier``) — not ours to judge."""
@@ -102,28 +69,16 @@ def judge(name: KeyName, header: bytes, total_len: int,
           allowed: frozenset[bytes] | None = None) -> str | None:
     """Why no reader can ever serve this value (a :data:`REASONS` entry), or None if one may.
 
-    Depends only on the key name, the first 64 bytes and the length — exactly what the
-    conditional delete re-checks.
+    The reader's own header check (:func:`codec.check_fields`) with what the key name says
+    and any stored kind and ``num_tokens``: it condemns exactly the values that every reader
+    of this name refuses. Depends only on the key name, the first 64 bytes and the length —
+    exactly what the conditional delete re-checks.
     """
-    if total_len < codec.HEADER_SIZE or len(header) < codec.HEADER_SIZE:
-        return "truncated"
-    f = codec.parse_header(header)
-    if f.magic != codec.MAGIC:
-        return "bad_magic"
-    if f.version != codec.VALUE_VERSION:
-        return "bad_version"
-    if f.kind not in _KINDS:
-        return "bad_kind"
-    if f.digest != name.digest:
-        return "fingerprint_mismatch"
-    if f.group != name.group:
-        return "group_mismatch"
-    if f.hash_tag != codec.hash_tag(name.block_hash):
-        return "hash_mismatch"
-    if f.num_tokens == 0:
-        return "bad_num_tokens"
-    if f.length > codec.MAX_PAYLOAD or total_len != codec.HEADER_SIZE + f.length:
-        return "bad_length"
+    try:
+        codec.check_fields(header, digest=name.digest, group=name.group,
+                           block_hash=name.block_hash, total_len=total_len)
+    except codec.CorruptValue as exc:
+        return exc.code
     if allowed is not None and name.digest not in allowed:
         return "retired_namespace"
     return None
@@ -208,7 +163,7 @@ class RedisJanitor:
     def __init__(self, url: str, prefix: str = "kvtier", *, interval_s: float = 300.0,
                  scan_count: int = 100, max_keys_per_s: float = 2000.0,
                  max_keys_per_pass: int = 0, allowed_fingerprints: Iterable[str] | None = None,
-                 dry_run: bool = False, socket_timeout_s: float = 2.0,
+                 dry_run: bool = False, redis_timeout_s: float = 2.0,
                  backoff_initial_s: float = 1.0, ssl_ca_certs: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Any] | None = None,
@@ -218,6 +173,8 @@ class RedisJanitor:
         if scan_count < 1 or max_keys_per_pass < 0 or interval_s <= 0:
             raise ValueError("scan_count >= 1, max_keys_per_pass >= 0, interval_s > 0")
         self.target: RedisTarget = parse_redis_url(url)
+        self._factory = ClientFactory(self.target, timeout_s=redis_timeout_s,
+                                      ssl_ca_certs=ssl_ca_certs, **(redis_kwargs or {}))
         self.prefix = prefix
         self._prefix_colon = prefix.encode() + b":"
         self.pattern = _glob_escape(self._prefix_colon) + b"*"
@@ -228,8 +185,8 @@ class RedisJanitor:
                         else frozenset(bytes.fromhex(f) for f in allowed_fingerprints))
         self.dry_run = dry_run
         self.use_watch = False  # set when the server refuses scripts
-        self._backoff_initial = backoff_initial_s
-        self._backoff = backoff_initial_s
+        # a failed pass is retried after a backoff that doubles up to one interval
+        self._health = Health(self.target.redacted, backoff_initial_s, interval_s)
         self._stop = threading.Event()
         self._clock = clock
         self._sleep = sleep or self._stop.wait
@@ -237,7 +194,6 @@ class RedisJanitor:
         self.counters = JanitorCounters()
         self.deleted = dict.fromkeys(REASONS, 0)
         self.would_delete = dict.fromkeys(REASONS, 0)
-        self.available = True
         self.last_error = ""
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -245,13 +201,6 @@ class RedisJanitor:
         # whether that node's SCAN has started
         self._resume: tuple[str, int, list[bytes], bool] | None = None
         self._pass_keys = 0
-        kwargs = dict(redis_kwargs or {})
-        if ssl_ca_certs is not None:
-            kwargs["ssl_ca_certs"] = ssl_ca_certs
-        kwargs.update(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-                      retry=Retry(NoBackoff(), 0))
-        self._secrets = _url_passwords(url, kwargs.get("password"))
-        self._kwargs = kwargs
         self._client: Any = None
         self._scripts: dict[str, Any] = {}
 
@@ -272,15 +221,16 @@ class RedisJanitor:
             self._thread.join(timeout)
             self._thread = None
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                log.debug("closing the janitor's Redis client failed", exc_info=True)
+        close_quietly(client)
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def available(self) -> bool:
+        """True when the last contact with Redis succeeded."""
+        return self._health.available
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -288,8 +238,7 @@ class RedisJanitor:
             if ok:
                 wait = self.interval_s
             else:
-                wait = min(self._backoff * (0.5 + random.random()), self.interval_s)
-                self._backoff = min(self._backoff * 2, self.interval_s)
+                wait = min(max(self._health.next_try - self._clock(), 0.0), self.interval_s)
             if self._stop.wait(wait):
                 return
             self.pacer.reset()
@@ -313,7 +262,8 @@ class RedisJanitor:
             return False
         except Exception as exc:  # a bug must not kill the daemon: count it, say it
             self._failed(exc)
-            log.error("redis janitor pass failed: %s", self._scrub(traceback.format_exc()))
+            log.error("redis janitor pass failed: %s",
+                      self._factory.scrub(traceback.format_exc()))
             with self._lock:
                 self.counters.passes_failed += 1
             return False
@@ -437,7 +387,7 @@ class RedisJanitor:
             except _ScriptsRefused as exc:
                 self.use_watch = True
                 log.warning("redis janitor: scripts refused (%s); deleting with WATCH/MULTI "
-                            "instead (one round trip per key)", self._scrub(str(exc)))
+                            "instead (one round trip per key)", self._factory.scrub(str(exc)))
         return [self._call(lambda d=d: self._delete_watched(node, d)) for d in doomed]
 
     def _delete_lua(self, label: str, node: Any, doomed: list[_Doomed]) -> list[bool]:
@@ -493,13 +443,7 @@ class RedisJanitor:
     # ------------------------------------------------------------------ Redis plumbing
     def _get_client(self) -> Any:
         if self._client is None:
-            if self.target.cluster:
-                from redis.cluster import RedisCluster
-
-                self._client = RedisCluster.from_url(
-                    self.target.url, cluster_error_retry_attempts=0, **self._kwargs)
-            else:
-                self._client = redis.Redis.from_url(self.target.url, **self._kwargs)
+            self._client = self._factory.make()
         return self._client
 
     def _nodes(self) -> list[tuple[str, Any]]:
@@ -536,18 +480,13 @@ class RedisJanitor:
                     log.debug("pool disconnect failed", exc_info=True)
             if self.target.cluster:  # topology may have changed: start over next pass
                 client, self._client, self._scripts = self._client, None, {}
-                if client is not None:
-                    try:
-                        client.close()
-                    except Exception:
-                        log.debug("closing the janitor's cluster client failed", exc_info=True)
+                close_quietly(client)
             raise _Unavailable from None
 
     def _failed(self, exc: BaseException) -> None:
-        text = self._scrub(f"{type(exc).__name__}: {exc}")
+        text = self._factory.describe(exc)
         with self._lock:
-            was_up = self.available
-            self.available = False
+            was_up = self._health.failed(self._clock())
             self.last_error = text
             self.counters.errors += 1
             if was_up:
@@ -557,18 +496,11 @@ class RedisJanitor:
                         self.target.redacted, text)
 
     def _ok(self) -> None:
-        self._backoff = self._backoff_initial
-        if self.available:
-            return
         with self._lock:
-            self.available = True
-            self.counters.recoveries += 1
-        log.warning("redis janitor: %s answers again", self.target.redacted)
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+            recovered = self._health.recovered()
+            self.counters.recoveries += recovered
+        if recovered:
+            log.warning("redis janitor: %s answers again", self.target.redacted)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
@@ -595,16 +527,3 @@ def _pairs(replies: list[Any]) -> Iterable[tuple[Any, Any]]:
 def _glob_escape(raw: bytes) -> bytes:
     """Escape SCAN MATCH metacharacters so the prefix matches literally."""
     return re.sub(rb"([*?\[\]\\])", rb"\\\1", raw)
-
-
-def _url_passwords(url: str, extra: str | None) -> list[str]:
-    found: set[str] = set()
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    if password:
-        found |= {password, unquote(password)}
-    if extra:
-        found.add(extra)
-    return sorted(found, key=len, reverse=True)

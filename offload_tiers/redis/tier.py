@@ -13,11 +13,12 @@ connection's socket (:mod:`offload_tiers.redis.resp`), pipelined in a sliding wi
 reply straight into the caller's buffer (a CPU-tier slot) and checks header and checksum
 there; a SET's header is built as the window reaches it, so encoding overlaps the server.
 
-Failure model: every network operation is bounded by ``socket_timeout_s``; any failure
+Failure model: every network operation is bounded by ``redis_timeout_s``; any failure
 marks the endpoint unavailable, after which calls touching it return at once (reads miss,
 writes are counted as failed) until a background probe (exponential backoff with jitter)
-finds it answering again. Nothing raises into the caller, except ``from_url(strict=True)``
-at start-up. Error texts and logs never contain the password.
+finds it answering again (:mod:`offload_tiers.redis.client`). Nothing raises into the
+caller, except ``from_url(strict=True)`` at start-up. Error texts and logs never contain
+the password.
 """
 
 from __future__ import annotations
@@ -26,21 +27,18 @@ import logging
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import numpy as np
-import redis
-from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, ResponseError
-from redis.retry import Retry
+from redis.exceptions import ResponseError
 
 from offload_tiers import codec
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
+from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 from offload_tiers.redis.write_behind import DoneCallback, Item, WriteBehind
@@ -85,54 +83,42 @@ class RedisTierError(RuntimeError):
     """Start-up failure reported by ``from_url(strict=True)`` (never contains the password)."""
 
 
-@dataclass(slots=True)
-class _Endpoint:
-    label: str
-    available: bool = True
-    next_try: float = 0.0
-    backoff: float = 0.0
-    failures: int = 0
-    policy_checked: bool = False
+class _Endpoint(Health):
+    """A server (``main``) or Cluster node, and whether its memory policy was read."""
+
+    __slots__ = ("policy_checked",)
+
+    def __init__(self, label: str, initial_s: float, max_s: float) -> None:
+        super().__init__(label, initial_s, max_s)
+        self.policy_checked = False
 
 
 class RedisTier:
     """Blocks in Redis. Build with :meth:`from_url`."""
 
-    def __init__(self, target: RedisTarget, *, prefix: str = "kvtier", ttl_s: float | None = None,
-                 ttl_jitter: float = 0.1, socket_timeout_s: float = 2.0,
-                 connect_timeout_s: float | None = None, max_inflight: int = 64,
+    def __init__(self, client: ClientFactory, *, prefix: str = "kvtier",
+                 ttl_s: float | None = None, ttl_jitter: float = 0.1, max_inflight: int = 64,
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0, client_kwargs: dict[str, Any] | None = None) -> None:
+                 backoff_max_s: float = 5.0) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not 0 <= ttl_jitter <= 1:
             raise ValueError(f"ttl_jitter must be within [0, 1], got {ttl_jitter}")
         if max_inflight < 1:
             raise ValueError("max_inflight must be at least 1")
-        self.target = target
+        self.target: RedisTarget = client.target
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.ttl_jitter = ttl_jitter
         self.max_inflight = max_inflight
         self.max_inflight_bytes = max_inflight_bytes
-        self._backoff_initial = backoff_initial_s
-        self._backoff_max = backoff_max_s
-        kwargs = dict(client_kwargs or {})
-        self._secrets = sorted({s for s in (*_url_passwords(target.url), kwargs.get("password"))
-                                if s}, key=len, reverse=True)
-        kwargs.update(
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s or socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-        if not target.cluster:
-            kwargs.setdefault("health_check_interval", 0)
-        self._client_kwargs = kwargs
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._factory = client
         self._client: Any = None
         self._nodes_pool: ThreadPoolExecutor | None = None  # Cluster: nodes served at once
         self._lock = threading.Lock()
-        self._init_ep = _Endpoint(target.redacted, backoff=backoff_initial_s)
+        self._init_ep = _Endpoint(self.target.redacted, *self._backoff)
         self._eps: dict[str, _Endpoint] = {}
         self._topology_stale = False
         self._closed = False
@@ -150,7 +136,7 @@ class RedisTier:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "kvtier", ttl_s: float | None = None,
-                 ttl_jitter: float = 0.1, socket_timeout_s: float = 2.0,
+                 ttl_jitter: float = 0.1, redis_timeout_s: float = 2.0,
                  connect_timeout_s: float | None = None, max_inflight: int = 64,
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, cluster: bool | None = None,
@@ -159,18 +145,23 @@ class RedisTier:
                  **redis_kwargs: Any) -> RedisTier:
         """Connect to ``url``; with ``strict`` a failing first contact raises RedisTierError.
 
-        Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``, ``ssl_keyfile``).
+        ``redis_timeout_s`` bounds every network wait (and connecting, unless
+        ``connect_timeout_s``). Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``,
+        ``ssl_keyfile``, ``password``).
         """
+        if "socket_timeout_s" in redis_kwargs:  # the name before redis_timeout_s
+            warnings.warn("RedisTier.from_url(socket_timeout_s=) is deprecated; use "
+                          "redis_timeout_s=", DeprecationWarning, stacklevel=2)
+            redis_timeout_s = redis_kwargs.pop("socket_timeout_s")
         target = parse_redis_url(url, cluster)
         redis_kwargs.setdefault("socket_read_size", 1 << 20)  # fewer recv calls for big values
-        if ssl_ca_certs is not None:
-            redis_kwargs["ssl_ca_certs"] = ssl_ca_certs
-        tier = cls(target, prefix=prefix, ttl_s=ttl_s, ttl_jitter=ttl_jitter,
-                   socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s,
+        client = ClientFactory(target, timeout_s=redis_timeout_s,
+                               connect_timeout_s=connect_timeout_s, ssl_ca_certs=ssl_ca_certs,
+                               **redis_kwargs)
+        tier = cls(client, prefix=prefix, ttl_s=ttl_s, ttl_jitter=ttl_jitter,
                    max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes,
                    write_queue_max=write_queue_max, write_queue_max_bytes=write_queue_max_bytes,
-                   backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
-                   client_kwargs=redis_kwargs)
+                   backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
         tier._probe(force=True)
         if strict and not tier.available:
             error = tier.last_error
@@ -178,27 +169,19 @@ class RedisTier:
             raise RedisTierError(f"cannot use Redis at {target.redacted}: {error}")
         return tier
 
-    def _make_client(self) -> Any:
-        if self.target.cluster:
-            from redis.cluster import RedisCluster  # noqa: PLC0415 - only for Cluster URLs
-
-            return RedisCluster.from_url(self.target.url, cluster_error_retry_attempts=0,
-                                         **self._client_kwargs)
-        return redis.Redis.from_url(self.target.url, **self._client_kwargs)
-
     def _get_client(self) -> Any:
         if self._client is None and not self._closed:
-            if not self._init_ep.available and time.monotonic() < self._init_ep.next_try:
+            if self._init_ep.waiting(time.monotonic()):
                 return None
             try:
-                client = self._make_client()
+                client = self._factory.make()
             except Exception as exc:
                 self._mark_failed(self._init_ep, exc)
                 return None
             with self._lock:
                 if self._client is None:
                     self._client = client
-                self._init_ep.available = True
+                self._init_ep.recovered()
         return self._client
 
     # ------------------------------------------------------------------ health
@@ -212,31 +195,17 @@ class RedisTier:
     def last_error(self) -> str:
         return self._last_error
 
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def _describe(self, exc: BaseException) -> str:
-        if isinstance(exc, AuthenticationError):
-            return self._scrub(f"authentication failed ({exc})")
-        return self._scrub(f"{type(exc).__name__}: {exc}")
-
     def _endpoint(self, label: str) -> _Endpoint:
         ep = self._eps.get(label)
         if ep is None:
             with self._lock:
-                ep = self._eps.setdefault(label, _Endpoint(label, backoff=self._backoff_initial))
+                ep = self._eps.setdefault(label, _Endpoint(label, *self._backoff))
         return ep
 
     def _mark_failed(self, ep: _Endpoint, exc: BaseException) -> None:
-        text = self._describe(exc)
+        text = self._factory.describe(exc)
         with self._lock:
-            was_up = ep.available
-            ep.available = False
-            ep.failures += 1
-            ep.next_try = time.monotonic() + ep.backoff * (0.5 + random.random())
-            ep.backoff = min(max(ep.backoff, self._backoff_initial) * 2, self._backoff_max)
+            was_up = ep.failed(time.monotonic())
             self._last_error = text
             self._n["errors"] += 1
             if was_up:
@@ -249,10 +218,10 @@ class RedisTier:
         if ep.available:
             return
         with self._lock:
-            ep.available = True
-            ep.backoff = self._backoff_initial
-            self._n["recoveries"] += 1
-        log.warning("Redis tier %s (%s) answers again", ep.label, self.target.redacted)
+            recovered = ep.recovered()
+            self._n["recoveries"] += recovered
+        if recovered:
+            log.warning("Redis tier %s (%s) answers again", ep.label, self.target.redacted)
 
     def _probe(self, force: bool = False) -> None:
         """Background health check: reconnect endpoints whose backoff expired."""
@@ -267,7 +236,7 @@ class RedisTier:
             return
         for label, pool in pools:
             ep = self._endpoint(label)
-            if force or (not ep.available and now >= ep.next_try):
+            if force or ep.due(now):
                 self._ping(ep, pool)
             if ep.available and not ep.policy_checked:
                 ep.policy_checked = True
@@ -473,7 +442,7 @@ class RedisTier:
                                         for n, ok in zip(sizes, flags, strict=True) if ok)
         for reply in replies:
             if isinstance(reply, ResponseError):
-                log.debug("Redis refused a store: %s", self._scrub(str(reply)))
+                log.debug("Redis refused a store: %s", self._factory.scrub(str(reply)))
         return flags
 
     def _sink(self, batch: Sequence[Item]) -> list[bool]:
@@ -534,12 +503,15 @@ class RedisTier:
                 corrupt += 1
                 log.debug("bad value at %s: %s", key.name, exc.reason)
                 out.append(None)
-        with self._lock:
-            self._n["gets"] += len(keys)
-            self._n["hits"] += hits
-            self._n["misses"] += len(keys) - hits
-            self._n["corrupt"] += corrupt
+        self._count_reads(len(keys), hits, corrupt)
         return out
+
+    def _count_reads(self, n: int, hits: int, corrupt: int) -> None:
+        with self._lock:
+            self._n["gets"] += n
+            self._n["hits"] += hits
+            self._n["misses"] += n - hits
+            self._n["corrupt"] += corrupt
 
     def get(self, key: BlockKey) -> memoryview | None:
         return self.get_many([key])[0]
@@ -573,12 +545,8 @@ class RedisTier:
         for key, reply in zip(keys, replies, strict=True):
             if isinstance(reply, str | ResponseError):
                 corrupt += 1
-                log.debug("bad value at %s: %s", key.name, self._scrub(str(reply)))
-        with self._lock:
-            self._n["gets"] += len(keys)
-            self._n["hits"] += hits
-            self._n["misses"] += len(keys) - hits
-            self._n["corrupt"] += corrupt
+                log.debug("bad value at %s: %s", key.name, self._factory.scrub(str(reply)))
+        self._count_reads(len(keys), hits, corrupt)
         return out
 
     def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -645,11 +613,7 @@ class RedisTier:
         if self._nodes_pool is not None:
             self._nodes_pool.shutdown(wait=True)
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception:
-                log.debug("closing the Redis client failed", exc_info=True)
+        close_quietly(client)
 
     def __enter__(self) -> RedisTier:
         return self
@@ -701,13 +665,3 @@ def _writable_u8(dest: memoryview | np.ndarray) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("destination buffer is not contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _url_passwords(url: str) -> tuple[str, ...]:
-    """The URL's password, as written and percent-decoded (both are scrubbed from texts)."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return ()
-    return (password, unquote(password)) if password else ()
-

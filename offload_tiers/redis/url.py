@@ -1,4 +1,9 @@
-"""Redis URLs: which kind of deployment a URL names, and its form safe to log (no secrets)."""
+"""Redis URLs: which kind of deployment a URL names, and its form safe to log (no secrets).
+
+The one place that knows the accepted schemes: the tier, the janitor and every settings
+validator (connector, native tier, daemon; :mod:`offload_tiers.redis.settings`) go through
+:func:`parse_redis_url`.
+"""
 
 from __future__ import annotations
 
@@ -56,3 +61,4 @@ def parse_redis_url(url: str, cluster: bool | None = None) -> RedisTarget:
     plain = base + url[len(scheme):]
     return RedisTarget(url=plain, cluster=is_cluster, tls=base == "rediss",
                        redacted=redact_url(url))
+

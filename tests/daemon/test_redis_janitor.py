@@ -7,6 +7,7 @@ test's own (``redis_server``) where it is paused, killed or its keyspace counted
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -22,14 +23,8 @@ import yaml
 
 from connector.daemon.config import ConfigError, load_config
 from offload_tiers import codec
-from offload_tiers.keys import BlockKey, BlockKind, Namespace
-from offload_tiers.redis.janitor import (
-    REASONS,
-    Pacer,
-    RedisJanitor,
-    judge,
-    parse_key_name,
-)
+from offload_tiers.keys import BlockKey, BlockKind, Namespace, parse_key_name
+from offload_tiers.redis.janitor import REASONS, Pacer, RedisJanitor, judge
 from offload_tiers.redis.tier import RedisTier
 from tests.support.daemon_proc import REPO, DaemonProcess
 from tests.support.ports import free_port
@@ -124,23 +119,6 @@ def expected_counts(bad: dict[bytes, str]) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- pure logic
-
-
-@pytest.mark.parametrize(("rest", "ok"), [
-    (f"{FP}:0:{'00' * 8}".encode(), True),
-    (f"{FP.upper()}:4294967295:ab".encode(), True),
-    (f"{FP}:4294967296:ab".encode(), False),  # group beyond u32
-    (f"{FP}:-1:ab".encode(), False),
-    (f"{FP}:01:ab".encode(), False),
-    (f"{FP}:0:".encode(), False),
-    (f"{FP}:0:abc".encode(), False),  # odd length
-    (f"{FP}:0:AB".encode(), False),
-    (f"{FP[:-2]}:0:ab".encode(), False),
-    (f"{FP}:0:ab:cd".encode(), False),
-    (b"\xff\xfe:0:ab", False),
-])
-def test_parse_key_name(rest: bytes, ok: bool) -> None:
-    assert (parse_key_name(rest) is not None) is ok
 
 
 def test_judge_agrees_with_the_reader() -> None:
@@ -435,7 +413,7 @@ def test_redis_down_mid_pass_is_counted_and_recovers(redis_server: RedisServer,
     redis_server.client().set(b"kv:junk", b"x")
     clock = FakeClock()
     janitor = RedisJanitor(redis_server.url, "kv", scan_count=10, max_keys_per_s=10.0,
-                           socket_timeout_s=0.5, clock=clock, sleep=clock.sleep)
+                           redis_timeout_s=0.5, clock=clock, sleep=clock.sleep)
     calls = {"n": 0}
 
     def break_on_third(now: float) -> None:
@@ -465,7 +443,7 @@ def test_redis_down_mid_pass_is_counted_and_recovers(redis_server: RedisServer,
 
 
 def test_background_thread_backs_off_while_down_and_stops(redis_server: RedisServer) -> None:
-    janitor = RedisJanitor(redis_server.url, "kv", interval_s=0.05, socket_timeout_s=0.3,
+    janitor = RedisJanitor(redis_server.url, "kv", interval_s=0.05, redis_timeout_s=0.3,
                            backoff_initial_s=0.05)
     redis_server.kill()
     janitor.start()
@@ -502,6 +480,20 @@ def test_config_keys_and_errors() -> None:
     assert example.redis_url is None  # the example config keeps the janitor off
 
 
+def test_redis_timeout_s_and_its_deprecated_name(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    base = {"publishers": [{"endpoint": "tcp://*:5557"}]}
+    assert load_config(None, base).redis_timeout_s == 2.0
+    assert load_config(None, {**base, "redis_timeout_s": 0.5}).redis_timeout_s == 0.5
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({**base, "redis_socket_timeout_s": 0.7}))
+    with caplog.at_level(logging.WARNING, logger="connector.daemon.config"):
+        assert load_config(old, {}).redis_timeout_s == 0.7  # an existing YAML keeps working
+    assert "redis_socket_timeout_s is deprecated" in caplog.text
+    with pytest.raises(ConfigError, match="redis_socket_timeout_s"):
+        load_config(None, {**base, "redis_socket_timeout_s": 0})
+
+
 class KvtierDaemon(DaemonProcess):
     """The daemon started as the user starts it: ``kvtier daemon ...``."""
 
@@ -531,7 +523,7 @@ def test_daemon_process_cleans_reports_and_survives_redis_down(pw_server: RedisS
     valid = write_valid(pw_server.url, "kvtier")
     bad = write_bad(client, "kvtier")
     cfg = tmp_path / "daemon.yaml"
-    cfg.write_text(yaml.safe_dump({"redis_socket_timeout_s": 0.5}))
+    cfg.write_text(yaml.safe_dump({"redis_timeout_s": 0.5}))
     d = KvtierDaemon("--config", str(cfg), "--endpoint", f"tcp://*:{free_port()}",
                      "--no-replay-on-start", "--redis-url", pw_server.url,
                      "--janitor-interval", "0.2", "--janitor-max-keys-per-s", "100000").start()

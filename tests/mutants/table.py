@@ -129,7 +129,7 @@ def _glob_unescaped(mp: pytest.MonkeyPatch) -> None:
 
 
 CODEC = "tests/tiers/test_codec.py"
-STACK = "tests/tiers/test_stack_stateful.py"
+REDIS_SM = "tests/tiers/test_redis_stateful.py"
 MODEL = "tests/daemon/test_index_model.py"
 POLICY = "tests/daemon/test_index_policy.py"
 CLASSIFY = "tests/daemon/test_classify.py"
@@ -138,13 +138,13 @@ BOTH_MODELS = (f"{MODEL}::TestIndexModelConfigured::runTest",
                f"{MODEL}::TestIndexModelLearned::runTest")
 
 MUTANTS: dict[str, Mutant] = {m.name: m for m in [
-    Mutant("codec-kind-num-tokens", "tier stack (hypothesis, stateful) rows",
+    Mutant("codec-kind-num-tokens", "Redis tier (hypothesis, stateful) rows",
            _codec_ignores_kind_and_num_tokens,
            (f"{CODEC}::test_bad_values_are_corrupt[kind]",
             f"{CODEC}::test_bad_values_are_corrupt[num_tokens]",
             f"{CODEC}::test_partial_value_never_answers_full_lookup",
             "tests/tiers/test_redis_tier.py::test_partial_value_does_not_answer_full_lookup",
-            f"{STACK}::test_stack_matches_reference_under_failures")),
+            f"{REDIS_SM}::test_redis_tier_matches_reference_under_failures")),
     Mutant("index-partial-as-full", "daemon row 10", _classifier_partial_as_full,
            (f"{MODEL}::TestIndexModelConfigured::runTest",
             f"{CLASSIFY}::test_partial_kind_and_num_tokens_from_parent_never_from_hash_presence",

@@ -1,4 +1,4 @@
-"""CpuTier: slots, LRU, pinning, reservations, promotion, eviction callbacks, threads."""
+"""CpuTier: slots, LRU, pinning, reservations, eviction callbacks, threads."""
 
 from __future__ import annotations
 
@@ -122,13 +122,13 @@ def test_remove_while_pinned_frees_at_release() -> None:
     assert not t.remove(key(9))
 
 
-def test_partial_never_answers_full_and_promotion_replaces() -> None:
+def test_partial_never_answers_full_and_a_full_entry_replaces_it() -> None:
     t = tier(4)
     partial = key(3, partial=True)
     full = key(3)
     t.put(partial, b"partial")
     assert t.get(full) is None and not t.contains(full)
-    assert t.promote(partial, full, b"full")
+    assert t.put(full, b"full") and t.remove(partial)  # partial -> full: store, then drop
     assert t.get(full) == b"full" and not t.contains(partial) and len(t) == 1
 
 

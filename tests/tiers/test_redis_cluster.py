@@ -53,7 +53,7 @@ def test_cluster_via_flag_on_plain_url(cluster: RedisClusterProcs, key_prefix: s
 
 def test_cluster_node_paused_degrades_to_misses_for_its_slots(cluster: RedisClusterProcs,
                                                               key_prefix: str) -> None:
-    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=0.5,
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, redis_timeout_s=0.5,
                            backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
     victim = cluster.servers[2]
     try:
@@ -81,7 +81,7 @@ def test_cluster_node_paused_degrades_to_misses_for_its_slots(cluster: RedisClus
 
 def test_get_many_into_per_node_and_a_paused_node(cluster: RedisClusterProcs,
                                                   key_prefix: str) -> None:
-    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=0.5,
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, redis_timeout_s=0.5,
                            backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
     try:
         keys = [key(i) for i in range(120)]
@@ -140,7 +140,7 @@ def test_get_many_into_follows_a_moved_slot(cluster: RedisClusterProcs, key_pref
 
 def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -> None:
     """Two paused masters cost one socket timeout, not two: node batches run side by side."""
-    t = RedisTier.from_url(cluster.url, prefix=key_prefix, socket_timeout_s=1.0,
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, redis_timeout_s=1.0,
                            backoff_initial_s=0.05, backoff_max_s=0.5, strict=True)
     try:
         keys = [key(i) for i in range(60)]

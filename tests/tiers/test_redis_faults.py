@@ -15,7 +15,7 @@ from tests.support.tcp_proxy import TcpProxy
 from tests.tiers.faults import Traffic, wait_until
 from tests.tiers.helpers import key, payload
 
-FAST = dict(socket_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
+FAST = dict(redis_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import dataclasses
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -21,19 +21,7 @@ from tests.support.redis_server import RedisServer
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload
 
-FAST = dict(socket_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
-
-
-@pytest.fixture
-def tier(redis_url: str, key_prefix: str) -> Iterator[RedisTier]:
-    t = RedisTier.from_url(redis_url, prefix=key_prefix, strict=True)
-    yield t
-    t.close()
-
-
-@pytest.fixture
-def raw(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url)
+FAST = dict(redis_timeout_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.5)
 
 
 def _rows(n: int, size: int, fill: int = 0xEE) -> np.ndarray:
@@ -255,7 +243,7 @@ def test_redis_paused_mid_batch_times_out_then_recovers(redis_server: RedisServe
         try:
             assert not run.dests[-1].any()
             got = run.join()
-            assert not any(got) and run.seconds < 5  # bounded by socket_timeout_s
+            assert not any(got) and run.seconds < 5  # bounded by redis_timeout_s
             assert "Timeout" in t.last_error and not t.available
         finally:
             redis_server.resume()

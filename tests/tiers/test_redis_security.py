@@ -124,13 +124,13 @@ def test_tls_with_an_untrusted_ca_fails_clearly(tls_server, key_prefix: str) -> 
     with pytest.raises(RedisTierError, match="(?i)certificate"):
         RedisTier.from_url(f"rediss://127.0.0.1:{port}/0", prefix=key_prefix,
                            ssl_ca_certs=str(files.other_ca_cert), strict=True,
-                           socket_timeout_s=2)
+                           redis_timeout_s=2)
 
 
 def test_plain_client_against_tls_port_is_a_miss_not_a_hang(tls_server, key_prefix: str) -> None:  # noqa: ANN001
     _server, port, _files = tls_server
     t = RedisTier.from_url(f"redis://127.0.0.1:{port}/0", prefix=key_prefix,
-                           socket_timeout_s=0.5)
+                           redis_timeout_s=0.5)
     try:
         assert not t.available and t.get(key(0)) is None
     finally:
@@ -154,7 +154,7 @@ def test_get_many_into_over_tls_with_an_acl_user(tmp_path: Path, key_prefix: str
     server, port = start_tls_acl_server(tmp_path / "tls-acl", files, "kvtls", SECRET)
     url = f"rediss://kvtls:{quote(SECRET, safe='')}@127.0.0.1:{port}/0"
     t = RedisTier.from_url(url, prefix=key_prefix, ssl_ca_certs=str(files.ca_cert),
-                           socket_timeout_s=0.5, backoff_initial_s=0.05, strict=True)
+                           redis_timeout_s=0.5, backoff_initial_s=0.05, strict=True)
     try:
         sizes = [100, 70_000, 2 << 20]  # TLS records are 16 KiB: values span many
         keys = [key(i) for i in range(3)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,18 +15,6 @@ from offload_tiers.keys import BlockKind
 from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_server import RedisServer
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload, run_threads
-
-
-@pytest.fixture
-def tier(redis_url: str, key_prefix: str) -> Iterator[RedisTier]:
-    t = RedisTier.from_url(redis_url, prefix=key_prefix, strict=True)
-    yield t
-    t.close()
-
-
-@pytest.fixture
-def raw(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url)
 
 
 def test_put_get_exists_delete_round_trip(tier: RedisTier, raw: redis.Redis,

@@ -7,10 +7,11 @@ import pytest
 from offload_tiers.keys import (
     BlockKey,
     BlockKind,
+    KeyName,
     Namespace,
-    hash_to_bytes,
     is_full_block,
     kind_for,
+    parse_key_name,
 )
 
 
@@ -75,14 +76,26 @@ def test_block_key_rejects_placeholders_and_empty_entries() -> None:
         BlockKey("f", 0, b"h", 0, BlockKind.FULL)
 
 
-def test_hash_to_bytes_is_stable_and_injective_on_samples() -> None:
-    assert hash_to_bytes(b"\x00\x01") == b"\x00\x01"
-    samples = [0, 1, 255, 256, 2**63 - 1, 2**64 - 1, 2**64, 2**80]
-    encoded = [hash_to_bytes(v) for v in samples]
-    assert len(set(encoded)) == len(samples)
-    assert hash_to_bytes(2**64 - 1) == b"\xff" * 8
+FP = _ns().fingerprint
 
 
-def test_hash_to_bytes_rejects_negative_wire_hashes() -> None:
-    with pytest.raises(ValueError, match="non-negative"):
-        hash_to_bytes(-1)
+@pytest.mark.parametrize(("name", "ok"), [
+    (f"{FP}:0:{'00' * 8}".encode(), True),
+    (f"{FP.upper()}:4294967295:ab".encode(), True),
+    (f"{FP}:4294967296:ab".encode(), False),  # group beyond u32
+    (f"{FP}:-1:ab".encode(), False),
+    (f"{FP}:01:ab".encode(), False),
+    (f"{FP}:0:".encode(), False),
+    (f"{FP}:0:abc".encode(), False),  # odd length
+    (f"{FP}:0:AB".encode(), False),  # BlockKey.name writes lower-case hex
+    (f"{FP[:-2]}:0:ab".encode(), False),
+    (f"{FP}:0:ab:cd".encode(), False),
+    (b"\xff\xfe:0:ab", False),
+])
+def test_parse_key_name_accepts_only_names_a_block_key_has(name: bytes, ok: bool) -> None:
+    assert (parse_key_name(name) is not None) is ok
+
+
+def test_parse_key_name_inverts_block_key_name() -> None:
+    key = BlockKey(FP, 7, b"\x00\x01\xfe", 32, BlockKind.PARTIAL)
+    assert parse_key_name(key.name.encode()) == KeyName(_ns().digest, 7, b"\x00\x01\xfe")

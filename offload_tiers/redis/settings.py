@@ -1,0 +1,33 @@
+"""Checks for the settings that configure a Redis tier, shared by every settings model
+(the connector's, the native tier's, the daemon's): each returns the value to keep or raises
+ValueError with a message that names no secret."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offload_tiers.redis.url import parse_redis_url
+
+
+def check_redis_url(url: str) -> str:
+    """``url`` itself when :func:`~offload_tiers.redis.url.parse_redis_url` accepts it;
+    otherwise its ValueError, which names the URL redacted."""
+    parse_redis_url(url)
+    return url
+
+
+def check_ca_file(value: str | None) -> str | None:
+    """The CA bundle's path, ``~`` expanded (None for none given); it must be a file."""
+    if value is None or value == "":
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no readable file at {path}")
+    return str(path)
+
+
+def check_key_prefix(value: str) -> str:
+    """A key prefix: non-empty, without whitespace."""
+    if not value or any(c.isspace() for c in value):
+        raise ValueError("must be non-empty without whitespace")
+    return value
