@@ -353,13 +353,17 @@ class RedisTier:
             got = self._exchange(self._endpoint("main"), client.connection_pool, cmds,
                                  sizes=sizes, read=read)
             return got if got is not None else replies
-        if self._topology_stale:
-            self._topology_stale = False
+        if self._topology_stale or not self._init_ep.available:
+            if self._init_ep.waiting(time.monotonic()):
+                return replies
             try:
                 client.nodes_manager.initialize()
             except Exception as exc:
+                self._topology_stale = True
                 self._mark_failed(self._init_ep, exc)
                 return replies
+            self._topology_stale = False
+            self._mark_ok(self._init_ep)
         groups: dict[str, tuple[Any, list[int]]] = {}
         try:
             for i, name in enumerate(names):
@@ -470,8 +474,10 @@ class RedisTier:
 
     def _accepting(self) -> bool:
         """Worth queueing a store? (A Cluster with one node down still takes the others'.)"""
-        if self._closed or self._client is None or not self._init_ep.available:
+        if self._closed or self._client is None:
             return False
+        if not self._init_ep.available:  # a topology refresh failed: retry once it is due
+            return self._init_ep.due(time.monotonic())
         if self.target.cluster:
             return any(ep.available for ep in self._eps.values())
         return self.available

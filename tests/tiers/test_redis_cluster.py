@@ -162,3 +162,36 @@ def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -
         assert t.get_many_into(keys, list(dests)) == [True] * 60
     finally:
         t.close(timeout=1)
+
+
+def test_tier_recovers_after_a_failed_topology_refresh(cluster: RedisClusterProcs,
+                                                       key_prefix: str) -> None:
+    """A MOVED makes the tier refresh the topology; the whole cluster is paused when it does,
+    so the refresh fails. Once the cluster answers again, reads and writes come back."""
+    t = RedisTier.from_url(cluster.url, prefix=key_prefix, redis_timeout_s=0.3,
+                           backoff_initial_s=0.05, backoff_max_s=0.2, strict=True)
+    try:
+        keys = [key(i) for i in range(10)]
+        assert t.put_many([(k, payload(k, 2000)) for k in keys]) == 10
+        slot = cluster.servers[0].client().execute_command(
+            "CLUSTER", "KEYSLOT", f"{key_prefix}:{keys[3].name}")
+        _move_slot(cluster, slot)
+        dests = np.zeros((10, 2000), np.uint8)
+        assert t.get_many_into(keys, list(dests))[3] is False  # MOVED: refresh on next call
+        for server in cluster.servers:
+            server.pause()
+        try:
+            assert t.get_many_into(keys, list(dests)) == [False] * 10  # the refresh failed
+            assert not t.available
+        finally:
+            for server in cluster.servers:
+                server.resume()
+        assert wait_until(lambda: t.get_many_into(keys, list(dests)) == [True] * 10)
+        assert t.available
+        assert all(dests[i].tobytes() == payload(k, 2000) for i, k in enumerate(keys))
+        fresh = key(99)
+        assert t.submit_put(fresh, payload(fresh, 2000))
+        assert t.flush(timeout=5)
+        assert wait_until(lambda: t.get_many_into([fresh], [dests[0]]) == [True])
+    finally:
+        t.close(timeout=1)
