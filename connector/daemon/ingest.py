@@ -7,9 +7,18 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from connector.events.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes, Run
-from connector.events.index import KVIndex, ResidencyPolicy
-from connector.events.wire import MEDIUM_GPU, BatchDecoder, DecodeError
+from connector.events.classify import Classifier
+from connector.events.index import (
+    CLEAR,
+    REMOVE,
+    STORE,
+    GroupSizes,
+    KVIndex,
+    ResidencyPolicy,
+    Run,
+    publisher_id,
+)
+from connector.events.wire import BatchDecoder, DecodeError, Medium
 
 __all__ = ["Ingestor", "PublisherStats"]
 
@@ -48,17 +57,17 @@ class Ingestor:
         self.decoder = BatchDecoder()
         self.sizes = GroupSizes(block_sizes)
         self.index = KVIndex(self.sizes, max_entries=max_entries, policy=policy)
-        self.classifier = Classifier(self.sizes, self.index, max_pending=max_pending)
+        self.classifier = Classifier(self.index, max_pending=max_pending)
         self.publishers: dict[str, PublisherStats] = {}
         self._names: dict[tuple[str, int], str] = {}
         self.decode_errors = 0
 
     def publisher_id(self, source: str, rank: int) -> str:
-        """Stable publisher id for a source and DP rank: ``"{source}#dp{rank}"``."""
+        """The publisher id of a source at a DP rank (:func:`publisher_id`), with its stats."""
         key = (source, rank)
         name = self._names.get(key)
         if name is None:
-            name = self._names[key] = f"{source}#dp{rank}"
+            name = self._names[key] = publisher_id(source, rank)
             self.publishers[name] = PublisherStats()
         return name
 
@@ -82,6 +91,7 @@ class Ingestor:
         at = min(ts, wall) if valid_ts else wall
         classify = self.classifier.classify
         index = self.index
+        gpu = Medium.GPU
         invalid_before = self.classifier.invalid_events
         n_store = n_remove = n_clear = 0
         for ev in batch.events:
@@ -93,13 +103,13 @@ class Ingestor:
                 again = index.store(run, at)
                 n_store += 1
                 if again and again == len(run.hashes) and run.parent is None \
-                        and run.key[1] == MEDIUM_GPU:
+                        and run.key[1] == gpu:
                     self._reannounced(pub, st, run)
             elif op == REMOVE:
                 index.remove(run.key, run.hashes)
                 n_remove += 1
             elif op == CLEAR:  # vLLM's GPU block pool was reset: its offloaded copies stay
-                index.clear(pub, (MEDIUM_GPU,))
+                index.clear(pub, (gpu,))
                 n_clear += 1
         st.batches += 1
         st.stored_events += n_store

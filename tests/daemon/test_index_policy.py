@@ -10,9 +10,10 @@ import pytest
 
 from connector.daemon.config import load_config
 from connector.daemon.service import residency_policy
-from connector.events.classify import Classifier, GroupSizes
-from connector.events.index import KVIndex, ResidencyPolicy
+from connector.events.classify import Classifier
+from connector.events.index import GroupSizes, KVIndex, ResidencyPolicy
 from connector.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.support.events import apply, scan_entry_counts
 
 P = "engine#dp0"
 
@@ -28,13 +29,13 @@ class Rig:
                  policy: ResidencyPolicy | None = None) -> None:
         self.sizes = GroupSizes(sizes)
         self.idx = KVIndex(self.sizes, policy=policy)
-        self.clf = Classifier(self.sizes, self.idx)
+        self.clf = Classifier(self.idx)
 
     def feed(self, *events: object, pub: str = P, now: float = 0.0) -> None:
         for e in events:
             run = self.clf.classify(pub, e)
             assert run is not None
-            self.idx.apply(run, now)
+            apply(self.idx, run, now)
 
     def refcount(self, medium: str, h: int, pub: str = P) -> int:
         return self.idx.refcount((pub, medium, 0, None), h)
@@ -77,7 +78,7 @@ def test_all_blocks_cleared_drops_gpu_entries_only() -> None:
     res = r.idx.lookup([1, 2], publisher=P)
     assert (res["GPU"].tokens, res["CPU"].tokens, res["STORAGE"].tokens) == (0, 32, 32)
     assert r.idx.lookup([1, 2], publisher="other#dp0")["GPU"].tokens == 32
-    assert r.idx.entry_counts() == r.idx.scan_entry_counts()
+    assert r.idx.entry_counts() == scan_entry_counts(r.idx)
 
 
 def test_storage_ttl_expires_refreshes_and_forgets_removed_entries() -> None:
@@ -97,7 +98,7 @@ def test_storage_ttl_expires_refreshes_and_forgets_removed_entries() -> None:
     r.feed(st([7], None, 16, "STORAGE"), now=205.0)
     assert r.idx.expire(210.0) == 0 and r.refcount("STORAGE", 7) == 1
     assert r.idx.expire(215.0) == 1 and r.idx.n_entries == 2
-    assert r.idx.entry_counts() == r.idx.scan_entry_counts()
+    assert r.idx.entry_counts() == scan_entry_counts(r.idx)
 
 
 def test_ttl_heap_stays_bounded_under_store_remove_churn() -> None:
