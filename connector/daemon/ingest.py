@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from connector.events.classify import Classifier
@@ -123,6 +124,14 @@ class Ingestor:
             if lag > st.max_lag_s:
                 st.max_lag_s = lag
         return pub
+
+    def restarted(self, source: str, rank: int, mediums: Iterable[str]) -> int:
+        """A publisher restarted: drop its entries on ``mediums``; return how many."""
+        return self.index.clear(self.publisher_id(source, rank), mediums)
+
+    def expire(self, now: float) -> int:
+        """Drop the index entries whose TTL ran out by ``now``; return how many."""
+        return self.index.expire(now)
 
     def _reannounced(self, pub: str, st: PublisherStats, run: Run) -> None:
         st.reannounced_events += 1

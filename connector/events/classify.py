@@ -17,8 +17,8 @@ never from the presence of a hash:
 * any other size (contradicts ``B``) -> PENDING for good, counted in ``conflicts``.
 
 ``num_tokens`` of a store is its parent's plus ``block_size`` per hash; the parent's comes
-from the index. A store whose parent is unknown is remembered
-(bounded) and gets its positions when the parent shows up (out-of-order arrival).
+from the index. A store whose parent is unknown is remembered (bounded) and gets its
+positions when the parent shows up (out-of-order arrival).
 
 The classifier's output is one :class:`~connector.events.index.Run` per event (hashes + an
 arithmetic progression of ``num_tokens``), so the hot path makes no per-hash objects; the
@@ -51,7 +51,7 @@ from connector.events.wire import (
 )
 from offload_tiers.keys import BlockKind, kind_for
 
-__all__ = ["CLEAR", "FULL", "PARTIAL", "PLACEHOLDER", "REMOVE", "STORE", "Classifier"]
+__all__ = ["Classifier", "kind_at"]
 
 # BlockKind members bound once: reading an Enum class attribute costs ~10x a global.
 FULL, PARTIAL, PLACEHOLDER = BlockKind.FULL, BlockKind.PARTIAL, BlockKind.PLACEHOLDER
@@ -66,7 +66,8 @@ def kind_at(num_tokens: int, block_size: int) -> BlockKind | None:
 class Classifier:
     """Turns decoded events into :class:`Run` updates for ``index``.
 
-    Accepts the plain structs of :mod:`connector.events.wire` and :class:`RawBlockStored`.
+    Accepts the structs of :mod:`connector.events.wire`, :class:`RawBlockStored` included;
+    anything else is an invalid event.
     Holds the bounded bookkeeping for undecidable entries: single-hash stores waiting for
     their group's block size (``pending``) and stores waiting for their parent (``orphans``).
     Block sizes are the index's (``index.sizes``): configured, or learned here.
