@@ -32,7 +32,6 @@ size (publishers that share one are walked together); the answer is the best of 
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count, repeat
@@ -458,10 +457,6 @@ class KVIndex:
                           for k, e in self.expires.items() for h, t in e.items()]
             heapq.heapify(self._heap)
             self._heap_limit = 2 * len(self._heap) + 1024
-
-    def next_expiry(self) -> float:
-        """When the next entry may expire (``inf``: none can)."""
-        return self._heap[0][0] if self._heap else math.inf
 
     def expire(self, now: float) -> int:
         """Drop the entries whose TTL ran out by ``now``; return how many."""
