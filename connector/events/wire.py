@@ -168,7 +168,7 @@ class _RawBatch(KVEventBatch):
 
 # Array form: the event's tag, then its fields in order. Fields after the first
 # ``required`` ones may be missing: they take the struct's default, or None where vLLM's
-# struct has none (``lora_id``, ``medium``, ``lora_name`` came later).
+# struct has none (older publishers omit ``lora_id``, ``medium``, ``lora_name``).
 _ARRAY_FORM: dict[str, tuple[type[KVCacheEvent], int]] = {
     "BlockStored": (BlockStored, 4),
     "BlockRemoved": (BlockRemoved, 1),
@@ -215,8 +215,10 @@ class BatchDecoder:
         except msgspec.DecodeError as exc:
             raise DecodeError(f"not a KV-event batch: {exc}") from None
         events = batch.events
-        if list in map(type, events):
-            batch.events = [_from_array(e) if type(e) is list else e for e in events]
+        if list in map(type, events):  # array form: every event of the batch is an array
+            if not all(type(e) is list for e in events):
+                raise DecodeError("not a KV-event batch: map and array events mixed")
+            batch.events = [_from_array(e) for e in events]
         return batch
 
 
@@ -230,9 +232,10 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
-    """Decode a payload in either wire form into the plain structs; :class:`DecodeError` if
-    neither."""
-    return _decoder.decode(payload)
+    """Decode a payload in either wire form into a :class:`KVEventBatch` of the plain structs;
+    :class:`DecodeError` if neither."""
+    b = _decoder.decode(payload)
+    return KVEventBatch(b.ts, b.events, b.data_parallel_rank)
 
 
 def raw_array_len(raw: msgspec.Raw | bytes | memoryview) -> int:

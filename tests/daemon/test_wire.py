@@ -104,6 +104,10 @@ def test_older_array_form_decodes() -> None:
     b"", b"\xc1", msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode([1.0, [{"type": "X"}]]),
     msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "nope"}]]),
     msgspec.msgpack.encode([1.0, [["BlockStored", [1]]]]),
+    msgspec.msgpack.encode([1.0, [["X", [1]]]]),
+    msgspec.msgpack.encode([1.0, [[]]]),
+    msgspec.msgpack.encode([1.0, [["BlockRemoved", "nope"]]]),
+    msgspec.msgpack.encode([1.0, [["AllBlocksCleared"], {"type": "AllBlocksCleared"}]]),
 ])
 def test_malformed_payloads_raise_decode_error(payload: bytes) -> None:
     with pytest.raises(ours.DecodeError):
