@@ -179,3 +179,23 @@ def test_lookup_rejects_unit_that_does_not_divide_block_size() -> None:
     feed(c, idx, st([1], None, 64))
     with pytest.raises(ValueError, match="must divide"):
         idx.lookup([1], unit=48)
+
+
+def test_array_form_batch_ingests_as_the_map_form() -> None:
+    import msgspec
+
+    from connector.daemon.ingest import Ingestor
+    from connector.events.wire import KVEventBatch, encode_batch
+
+    events = [st([1, 2], None, 16), st([3], 2, 8, medium="cpu"), BlockRemoved([1], "GPU"),
+              AllBlocksCleared()]
+    as_map = encode_batch(KVEventBatch(1.0, events))
+    as_array = msgspec.msgpack.encode([1.0, [
+        [type(e).__name__, *(getattr(e, f) for f in e.__struct_fields__)] for e in events]])
+    ingested = []
+    for payload in (as_map, as_array):
+        ing = Ingestor({0: 16})
+        ing.ingest("src", 0, payload, now=2.0)
+        ingested.append((ing.index.res, vars(ing.publishers["src#dp0"])))
+    assert ingested[0] == ingested[1]
+    assert ingested[0][0] == {("src#dp0", "CPU", 0, None): {3: 40 * 4 + PARTIAL}}
