@@ -83,7 +83,7 @@ def source_of(publisher: Publisher) -> str:
 # -- packed facts --------------------------------------------------------------------------
 # One int per entry: ``num_tokens * 4 + kind bits``. ``num_tokens`` 0 means unknown; the
 # kind bits are the BlockKind value, 0 while the kind is not decidable yet (PENDING, ``None``
-# in the API). The index's hot paths read them inline: ``f >> 2`` and ``f & 3``.
+# in the API). The index's hot paths pack and read them inline: ``f >> 2`` and ``f & 3``.
 
 assert [k.value for k in BlockKind] == [1, 2, 3], "kind bits are BlockKind values 1..3"
 _KINDS: tuple[BlockKind | None, ...] = (None, *BlockKind)  # indexed by kind bits
@@ -295,7 +295,7 @@ class KVIndex:
         n = len(hashes)
         self.stores += n
         if n == 1:
-            again = self._store_one(key, d, hashes[0], pack(run.first_tokens, run.kind))
+            again = self._store_one(key, d, hashes[0], run.first_tokens * 4 + (run.kind or 0))
         else:
             again = self._store_many(key, d, run, n)
         if key in self.ttl_keys:
@@ -317,7 +317,7 @@ class KVIndex:
 
     def _store_many(self, key: ResidencyKey, d: dict[Any, int], run: Run, n: int) -> int:
         hashes = run.hashes
-        base = pack(run.first_tokens, run.kind)
+        base = run.first_tokens * 4 + (run.kind or 0)  # pack(), inline
         bits = base & 3
         if run.first_tokens:
             step4 = run.step * 4
