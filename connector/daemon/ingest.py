@@ -5,15 +5,26 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from connector.events.classify import CLEAR, REMOVE, STORE, Classifier, GroupSizes, Run
-from connector.events.index import KVIndex, ResidencyPolicy
-from connector.events.wire import MEDIUM_GPU, BatchDecoder, DecodeError
+from connector.events.classify import Classifier
+from connector.events.index import (
+    CLEAR,
+    REMOVE,
+    STORE,
+    GroupSizes,
+    KVIndex,
+    ResidencyPolicy,
+    Run,
+    publisher_id,
+)
+from connector.events.wire import BatchDecoder, DecodeError, Medium
 
 __all__ = ["Ingestor", "PublisherStats"]
 
 log = logging.getLogger("kvtier.daemon")
+_GPU = Medium.GPU  # bound once: an Enum class attribute costs ~10x a global
 
 
 @dataclass
@@ -48,17 +59,17 @@ class Ingestor:
         self.decoder = BatchDecoder()
         self.sizes = GroupSizes(block_sizes)
         self.index = KVIndex(self.sizes, max_entries=max_entries, policy=policy)
-        self.classifier = Classifier(self.sizes, self.index, max_pending=max_pending)
+        self.classifier = Classifier(self.index, max_pending=max_pending)
         self.publishers: dict[str, PublisherStats] = {}
         self._names: dict[tuple[str, int], str] = {}
         self.decode_errors = 0
 
     def publisher_id(self, source: str, rank: int) -> str:
-        """Stable publisher id for a source and DP rank: ``"{source}#dp{rank}"``."""
+        """The publisher id of a source at a DP rank (:func:`publisher_id`), with its stats."""
         key = (source, rank)
         name = self._names.get(key)
         if name is None:
-            name = self._names[key] = f"{source}#dp{rank}"
+            name = self._names[key] = publisher_id(source, rank)
             self.publishers[name] = PublisherStats()
         return name
 
@@ -93,13 +104,13 @@ class Ingestor:
                 again = index.store(run, at)
                 n_store += 1
                 if again and again == len(run.hashes) and run.parent is None \
-                        and run.key[1] == MEDIUM_GPU:
+                        and run.key[1] == _GPU:
                     self._reannounced(pub, st, run)
             elif op == REMOVE:
                 index.remove(run.key, run.hashes)
                 n_remove += 1
             elif op == CLEAR:  # vLLM's GPU block pool was reset: its offloaded copies stay
-                index.clear(pub, (MEDIUM_GPU,))
+                index.clear(pub, (_GPU,))
                 n_clear += 1
         st.batches += 1
         st.stored_events += n_store
@@ -113,6 +124,14 @@ class Ingestor:
             if lag > st.max_lag_s:
                 st.max_lag_s = lag
         return pub
+
+    def restarted(self, source: str, rank: int, mediums: Iterable[str]) -> int:
+        """A publisher restarted: drop its entries on ``mediums``; return how many."""
+        return self.index.clear(self.publisher_id(source, rank), mediums)
+
+    def expire(self, now: float) -> int:
+        """Drop the index entries whose TTL ran out by ``now``; return how many."""
+        return self.index.expire(now)
 
     def _reannounced(self, pub: str, st: PublisherStats, run: Run) -> None:
         st.reannounced_events += 1

@@ -15,9 +15,9 @@ from prometheus_client.registry import Collector
 from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
 from connector.daemon.subscriber import Subscriber
-from connector.events.index import ResidencyPolicy
+from connector.events.index import KIND_NAMES, ResidencyPolicy
 from connector.events.token_hashing import TokenHasher
-from connector.events.wire import MEDIUM_STORAGE, MEDIUMS
+from connector.events.wire import Medium
 
 __all__ = ["Daemon", "LookupRequest"]
 
@@ -184,7 +184,7 @@ class Daemon:
 
 def residency_policy(cfg: DaemonConfig) -> ResidencyPolicy:
     """Sets vs refcounts per publisher, and the STORAGE TTL, from the configuration."""
-    ttl = {MEDIUM_STORAGE: cfg.storage_ttl_s} if cfg.storage_ttl_s is not None else None
+    ttl = {Medium.STORAGE: cfg.storage_ttl_s} if cfg.storage_ttl_s is not None else None
     return ResidencyPolicy(by_source={p.source_name: p.set_media_all() for p in cfg.publishers},
                            ttl_s=ttl)
 
@@ -282,9 +282,8 @@ class _DaemonCollector(Collector):
                     fam.add_metric([s.name, str(s.rank)], c[k])
         entries = GaugeMetricFamily("kvtier_daemon_entries", "Resident entries",
                                     labels=["medium", "kind"])
-        kinds = ("FULL", "PARTIAL", "PLACEHOLDER", "PENDING")
-        for m in sorted({*MEDIUMS, *(m for m, _ in counts)}):
-            for k in kinds:
+        for m in sorted({*Medium, *(m for m, _ in counts)}):
+            for k in KIND_NAMES:
                 entries.add_metric([m, k], counts.get((m, k), 0))
         rss = GaugeMetricFamily("kvtier_daemon_rss_bytes", "Resident set size")
         rss.add_metric([], _rss_bytes())

@@ -292,8 +292,7 @@ class Subscriber:
 
     def _on_restart(self, src: Source) -> None:
         with self.lock:
-            pub = self.ingestor.publisher_id(src.name, src.rank)
-            self.ingestor.index.clear(pub, self.cfg.clear_on_restart)
+            self.ingestor.restarted(src.name, src.rank, self.cfg.clear_on_restart)
 
     def start(self) -> None:
         if self.cfg.replay_on_start:
@@ -344,7 +343,7 @@ class Subscriber:
     def expire(self, now: float) -> int:
         """Drop index entries whose TTL ran out (STORAGE with ``storage_ttl_s``)."""
         with self.lock:  # look-ups expire entries too
-            return self.ingestor.index.expire(now)
+            return self.ingestor.expire(now)
 
     def stop(self) -> None:
         self._stop.set()

@@ -16,9 +16,9 @@ pool's reset: the caller clears the publisher's GPU entries only. Entries of a m
 TTL (STORAGE with ``storage_ttl_s``: Redis expires values and announces nothing) expire that
 long after their last announcement (:meth:`KVIndex.expire`).
 
-Each residency key maps hash -> packed facts (``num_tokens * 4 + kind``, see
-:func:`connector.events.classify.pack`); counts above one live in a small side table, so the common
-case (announced once, removed once) costs one dict entry and the bulk paths stay in C.
+Each residency key maps hash -> packed facts (``num_tokens * 4 + kind``, :func:`pack`);
+counts above one live in a small side table, so the common case (announced once, removed
+once) costs one dict entry and the bulk paths stay in C.
 Facts live exactly as long as the entry: memory is bounded by ``max_entries``; stores
 beyond it are dropped and counted, which can only make look-ups answer *less*.
 
@@ -32,33 +32,160 @@ size (publishers that share one are walked together); the answer is the best of 
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import count, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
-from connector.events.classify import (
-    CLEAR,
-    FULL,
-    PARTIAL,
-    PENDING,
-    PG,
-    REMOVE,
-    STORE,
-    GroupSizes,
-    Publisher,
-    ResidencyKey,
-    Run,
-    kind_name,
-    merge,
-)
-from connector.events.wire import MEDIUM_CPU, MEDIUM_STORAGE, MEDIUMS
+from connector.events.wire import Medium
+from offload_tiers.keys import BlockKind
 
-__all__ = ["ANY", "DEFAULT_SET_MEDIA", "KVIndex", "PrefixMatch", "ResidencyPolicy"]
+__all__ = [
+    "ANY",
+    "CLEAR",
+    "DEFAULT_SET_MEDIA",
+    "KIND_NAMES",
+    "PG",
+    "REMOVE",
+    "STORE",
+    "GroupSizes",
+    "KVIndex",
+    "PrefixMatch",
+    "Publisher",
+    "ResidencyKey",
+    "ResidencyPolicy",
+    "Run",
+    "kind_name",
+    "merge",
+    "pack",
+    "publisher_id",
+    "source_of",
+    "unpack",
+]
 
-DEFAULT_SET_MEDIA: tuple[str, ...] = (MEDIUM_CPU, MEDIUM_STORAGE)
+Publisher = str
+"""One source (configured name or endpoint) at one DP rank: ``"{source}#dp{rank}"``."""
+ResidencyKey = tuple[Publisher, str, int, str | None]  # (publisher, medium, group, ownership)
+PG = tuple[Publisher, int]  # (publisher, group)
+
+
+def publisher_id(source: str, rank: int) -> Publisher:
+    """The publisher id of ``source`` at DP rank ``rank``."""
+    return f"{source}#dp{rank}"
+
+
+def source_of(publisher: Publisher) -> str:
+    """The source of a publisher id (inverse of :func:`publisher_id`)."""
+    return publisher.rsplit("#dp", 1)[0]
+
+
+# -- packed facts --------------------------------------------------------------------------
+# One int per entry: ``num_tokens * 4 + kind bits``. ``num_tokens`` 0 means unknown; the
+# kind bits are the BlockKind value, 0 while the kind is not decidable yet (PENDING, ``None``
+# in the API). The index's hot paths pack and read them inline: ``f >> 2`` and ``f & 3``.
+
+assert [k.value for k in BlockKind] == [1, 2, 3], "kind bits are BlockKind values 1..3"
+_KINDS: tuple[BlockKind | None, ...] = (None, *BlockKind)  # indexed by kind bits
+_BIT_NAMES: tuple[str, ...] = ("PENDING", *(k.name for k in BlockKind))  # indexed by kind bits
+KIND_NAMES: tuple[str, ...] = (*_BIT_NAMES[1:], "PENDING")
+"""Every kind name :meth:`KVIndex.entry_counts` reports: FULL, PARTIAL, PLACEHOLDER, PENDING."""
+_FULL, _PARTIAL = int(BlockKind.FULL), int(BlockKind.PARTIAL)  # kind bits, read as globals
+_RANK = (0, 3, 2, 1)  # kind bits -> specificity: FULL > PARTIAL > PLACEHOLDER > PENDING
+
+
+def pack(num_tokens: int, kind: BlockKind | None) -> int:
+    """Packed facts of an entry covering ``num_tokens`` (0 = unknown) of kind ``kind``."""
+    return num_tokens * 4 + (kind or 0)
+
+
+def unpack(packed: int) -> tuple[int | None, BlockKind | None]:
+    """``(num_tokens or None, kind or None)``."""
+    return (packed >> 2) or None, _KINDS[packed & 3]
+
+
+def kind_name(bits: int) -> str:
+    """``"FULL"``, ``"PARTIAL"``, ``"PLACEHOLDER"`` or ``"PENDING"`` of packed kind bits."""
+    return _BIT_NAMES[bits]
+
+
+def merge(old: int, new: int) -> int:
+    """Facts of a hash announced again: a known position wins (it decides the kind);
+    between unknown positions the most specific shape wins (FULL > PARTIAL > PLACEHOLDER)."""
+    if new >> 2:
+        return new
+    if old >> 2:
+        return old
+    return new if _RANK[new & 3] > _RANK[old & 3] else old
+
+
+# -- what the index is told ----------------------------------------------------------------
+
+STORE, REMOVE, CLEAR = 1, 2, 3  # Run.op
+
+
+class Run(NamedTuple):
+    """One event's effect on the index: ``op`` applied to ``hashes`` under ``key``.
+
+    For STORE, hash ``i`` covers ``first_tokens + i * step`` tokens when ``first_tokens``
+    is non-zero (0 = unknown), and every hash has kind ``kind`` (``None``: PENDING).
+    """
+
+    op: int
+    key: ResidencyKey
+    hashes: list[Any]
+    parent: Any
+    first_tokens: int
+    step: int
+    kind: BlockKind | None
+
+
+class GroupSizes:
+    """Physical block size per (publisher, group): configured per group, or learned."""
+
+    __slots__ = ("configured", "learned")
+
+    def __init__(self, configured: Mapping[int, int] | None = None) -> None:
+        self.configured: dict[int, int] = dict(configured or {})
+        for g, b in self.configured.items():
+            if b <= 0:
+                raise ValueError(f"block size of group {g} must be positive, got {b}")
+        self.learned: dict[PG, int] = {}
+
+    def block_size(self, pg: PG) -> int | None:
+        b = self.configured.get(pg[1])
+        return b if b is not None else self.learned.get(pg)
+
+    @staticmethod
+    def are_siblings(a: PG, b: PG) -> bool:
+        """Two DP ranks of one source, same group, not the same."""
+        return a != b and a[1] == b[1] and source_of(a[0]) == source_of(b[0])
+
+    def sibling(self, pg: PG) -> int | None:
+        """Size learned by another DP rank of the same source."""
+        source = source_of(pg[0])
+        for (pub, g), b in self.learned.items():
+            if g == pg[1] and source_of(pub) == source:
+                return b
+        return None
+
+    def group_block_size(self, group: int, publisher: Publisher | None = None) -> int | None:
+        """Block size of ``group`` for look-ups: configured, else learned by a publisher
+        (preferring ``publisher`` and its DP siblings)."""
+        if group in self.configured:
+            return self.configured[group]
+        if publisher is not None:
+            b = self.learned.get((publisher, group))
+            return b if b is not None else self.sibling((publisher, group))
+        for (_pub, g), b in self.learned.items():
+            if g == group:
+                return b
+        return None
+
+
+# -- the index -----------------------------------------------------------------------------
+
+DEFAULT_SET_MEDIA: tuple[str, ...] = (Medium.CPU, Medium.STORAGE)
 """Media whose residency is a set unless a publisher says otherwise: kvtier's CPU tier and
 Redis hold one value per key however often it is written (a set there can only under-claim
 for a publisher that refcounts, such as vLLM's OffloadingConnector: give it ``set_media: []``)."""
@@ -102,8 +229,7 @@ class ResidencyPolicy:
                 raise ValueError(f"TTL of {medium} must be positive, got {ttl}")
 
     def is_set(self, key: ResidencyKey) -> bool:
-        source = key[0].rsplit("#dp", 1)[0]
-        return key[1] in self.by_source.get(source, self.set_media)
+        return key[1] in self.by_source.get(source_of(key[0]), self.set_media)
 
     def ttl(self, key: ResidencyKey) -> float | None:
         return self.ttl_s.get(key[1])
@@ -144,16 +270,6 @@ class KVIndex:
 
     # -- updates -------------------------------------------------------------------------
 
-    def apply(self, run: Run, now: float = 0.0) -> None:
-        """Apply one classified run (``now``: the announcement's time, for TTLs)."""
-        op = run.op
-        if op == STORE:
-            self.store(run, now)
-        elif op == REMOVE:
-            self.remove(run.key, run.hashes)
-        elif op == CLEAR:
-            self.clear(run.key[0], (run.key[1],))
-
     def _dict(self, key: ResidencyKey) -> dict[Any, int]:
         d = self.res.get(key)
         if d is None:
@@ -179,7 +295,7 @@ class KVIndex:
         n = len(hashes)
         self.stores += n
         if n == 1:
-            again = self._store_one(key, d, hashes[0], run.first_tokens * 4 + run.kind)
+            again = self._store_one(key, d, hashes[0], run.first_tokens * 4 + (run.kind or 0))
         else:
             again = self._store_many(key, d, run, n)
         if key in self.ttl_keys:
@@ -201,19 +317,19 @@ class KVIndex:
 
     def _store_many(self, key: ResidencyKey, d: dict[Any, int], run: Run, n: int) -> int:
         hashes = run.hashes
-        first = run.first_tokens
-        if first:
+        base = run.first_tokens * 4 + (run.kind or 0)  # pack(), inline
+        bits = base & 3
+        if run.first_tokens:
             step4 = run.step * 4
-            base = first * 4 + run.kind
             values: Iterable[int] = range(base, base + n * step4, step4)
         else:
-            values = repeat(run.kind, n)
+            values = repeat(base, n)
         if self.n_entries + n <= self.max_entries and d.keys().isdisjoint(hashes):
             before = len(d)
             d.update(zip(hashes, values, strict=True))
             added = len(d) - before
             self.n_entries += added
-            self.kinds[key][run.kind] += added
+            self.kinds[key][bits] += added
             if added != n and key not in self.set_keys:  # one hash twice: count it twice
                 ex = self.extra.setdefault(key, {})
                 for h, c in Counter(hashes).items():
@@ -342,10 +458,6 @@ class KVIndex:
             heapq.heapify(self._heap)
             self._heap_limit = 2 * len(self._heap) + 1024
 
-    def next_expiry(self) -> float:
-        """When the next entry may expire (``inf``: none can)."""
-        return self._heap[0][0] if self._heap else math.inf
-
     def expire(self, now: float) -> int:
         """Drop the entries whose TTL ran out by ``now``; return how many."""
         heap = self._heap
@@ -374,7 +486,7 @@ class KVIndex:
         self.kinds[key][f & 3] -= 1
         self.n_entries -= 1
 
-    # -- PositionSource (what the classifier asks) ----------------------------------------
+    # -- what the classifier asks: parents' positions, and rewrites of undecided entries ----
 
     def position_of(self, pg: PG, block_hash: Any) -> int:
         """``num_tokens`` of a resident hash of (publisher, group); 0 when unknown."""
@@ -410,11 +522,6 @@ class KVIndex:
             return 0
         return 1 + self.extra.get(key, {}).get(block_hash, 0)
 
-    def facts(self, key: ResidencyKey, block_hash: Any) -> int | None:
-        """Packed facts of a resident entry, or ``None``."""
-        d = self.res.get(key)
-        return d.get(block_hash) if d else None
-
     def _sources(self, medium: str | None, group: int,
                  publishers: set[Publisher] | None) -> list[dict[Any, int]]:
         return [d for key, d in self.res.items()
@@ -443,7 +550,7 @@ class KVIndex:
 
     def lookup(self, block_hashes: Sequence[Any], group: int = 0, unit: int | None = None,
                publisher: Publisher | None = None,
-               mediums: Sequence[str] = MEDIUMS) -> dict[str, PrefixMatch]:
+               mediums: Sequence[str] = tuple(Medium)) -> dict[str, PrefixMatch]:
         """Longest cached prefix of ``block_hashes`` per medium and over all (``"any"``).
 
         ``block_hashes`` is the request's chain, one hash per ``unit`` tokens (default: the
@@ -496,16 +603,6 @@ class KVIndex:
                     counts[k] = counts.get(k, 0) + c
         return counts
 
-    def scan_entry_counts(self) -> dict[tuple[str, str], int]:
-        """The same as :meth:`entry_counts` by a full O(entries) scan (for tests)."""
-        counts: dict[tuple[str, str], int] = {}
-        for (_pub, medium, _group, _own), d in self.res.items():
-            per_kind = Counter(f & 3 for f in d.values())
-            for kind, c in per_kind.items():
-                k = (medium, kind_name(kind))
-                counts[k] = counts.get(k, 0) + c
-        return counts
-
 
 def _walk(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -> PrefixMatch:
     prefix = 0
@@ -517,7 +614,7 @@ def _walk(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -
         limit = prefix + b
         if end > limit:
             break
-        kind = PENDING
+        kind = 0  # kind bits: PENDING until an entry says otherwise
         for d in sources:
             f = d.get(h)
             if f is None:
@@ -526,16 +623,16 @@ def _walk(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -
             if nt and nt != end:  # recorded position disagrees with the chain: ignore
                 continue
             k = f & 3
-            if k == FULL:
-                kind = FULL
+            if k == _FULL:
+                kind = _FULL
                 break
-            if k == PARTIAL:
-                kind = PARTIAL
-        if kind == FULL and end == limit:
+            if k == _PARTIAL:
+                kind = _PARTIAL
+        if kind == _FULL and end == limit:
             prefix = end
             full += 1
             best_partial = 0
-        elif kind == PARTIAL and end < limit:
+        elif kind == _PARTIAL and end < limit:
             best_partial = end
     if best_partial > prefix:
         return PrefixMatch(best_partial, full, True)

@@ -5,31 +5,34 @@ The structs mirror ``vllm.distributed.kv_events`` field for field (names, order,
 and the reverse. Two event forms exist on the wire:
 
 * current: events are tagged maps ``{"type": "BlockStored", "block_hashes": [...], ...}``;
-* older publishers: events are tagged arrays ``["BlockStored", [...], parent, ...]``.
+* older publishers: events are tagged arrays ``["BlockStored", [...], parent, ...]`` whose
+  trailing fields may be missing.
 
-:func:`decode_batch` accepts both. The daemon's hot path uses :class:`BatchDecoder`, which
-decodes ``token_ids`` and ``extra_keys`` as :class:`msgspec.Raw` (it needs only the count of
-token ids, read from the msgpack array header) and so never materialises token lists.
+One decode pass reads both: maps decode straight into the structs, arrays decode as lists
+and are converted field by field (:class:`BatchDecoder`). The daemon's decoder reads
+``BlockStored`` maps as :class:`RawBlockStored`, which keeps ``token_ids`` and ``extra_keys``
+as :class:`msgspec.Raw` (it needs only the count of token ids, read from the msgpack array
+header by :func:`raw_array_len`) and so never materialises token lists.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
 
 __all__ = [
-    "MEDIUM_CPU",
-    "MEDIUM_GPU",
-    "MEDIUM_STORAGE",
-    "MEDIUMS",
     "AllBlocksCleared",
     "BatchDecoder",
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "DecodeError",
+    "KVEvent",
     "KVEventBatch",
+    "Medium",
+    "RawBlockStored",
     "decode_batch",
     "encode_batch",
     "normalize_medium",
@@ -39,15 +42,20 @@ __all__ = [
 BlockHash = int | bytes
 """A block hash on the wire: an int by default, bytes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
-MEDIUMS: tuple[str, ...] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
-_MEDIUM_ALIASES = {
-    "gpu": MEDIUM_GPU, "cuda": MEDIUM_GPU, "hbm": MEDIUM_GPU, "device": MEDIUM_GPU,
-    "cpu": MEDIUM_CPU, "host": MEDIUM_CPU, "dram": MEDIUM_CPU, "local_cpu": MEDIUM_CPU,
-    "storage": MEDIUM_STORAGE, "disk": MEDIUM_STORAGE, "remote": MEDIUM_STORAGE,
-    "redis": MEDIUM_STORAGE, "local_disk": MEDIUM_STORAGE,
+
+class Medium(enum.StrEnum):
+    """Where an announced block lives: vLLM's ``MEDIUM_GPU``/``MEDIUM_CPU``/``MEDIUM_STORAGE``."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+_MEDIUM_ALIASES: dict[str, Medium] = {
+    "gpu": Medium.GPU, "cuda": Medium.GPU, "hbm": Medium.GPU, "device": Medium.GPU,
+    "cpu": Medium.CPU, "host": Medium.CPU, "dram": Medium.CPU, "local_cpu": Medium.CPU,
+    "storage": Medium.STORAGE, "disk": Medium.STORAGE, "remote": Medium.STORAGE,
+    "redis": Medium.STORAGE, "local_disk": Medium.STORAGE,
 }
 
 
@@ -55,25 +63,24 @@ class DecodeError(ValueError):
     """A payload that is not a KV-event batch in either wire form."""
 
 
-def normalize_medium(medium: str | None) -> str:
-    """Map a publisher's medium name onto GPU/CPU/STORAGE. ``None`` means GPU (vLLM's default).
+def normalize_medium(medium: str | None) -> Medium | str:
+    """Map a publisher's medium name onto a :class:`Medium`. ``None`` means GPU (vLLM's default).
 
     Unknown names are kept upper-cased so that nothing is silently merged into a known tier.
     """
     if medium is None:
-        return MEDIUM_GPU
-    if medium in MEDIUMS:
-        return medium
-    return _MEDIUM_ALIASES.get(medium.lower(), medium.upper())
+        return Medium.GPU
+    known = _MEDIUM_ALIASES.get(medium.lower())
+    return known if known is not None else medium.upper()
 
 
 # --------------------------------------------------------------------------------------
-# Public structs: identical in shape to vLLM's (current tagged-map form).
+# The structs: identical in shape to vLLM's (tagged-map form).
 # --------------------------------------------------------------------------------------
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged-map events (tag field ``type`` = class name, as vLLM)."""
+    """Base of the events (tag field ``type`` = class name, as vLLM)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -121,108 +128,102 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 # --------------------------------------------------------------------------------------
-# Older publishers: tagged arrays; trailing fields optional (omit_defaults).
+# The daemon's decode types: the same structs, token ids left raw, tolerant of the
+# fields older publishers omit.
 # --------------------------------------------------------------------------------------
-
-
-class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-# --------------------------------------------------------------------------------------
-# Hot-path structs: token_ids / extra_keys left undecoded.
-# --------------------------------------------------------------------------------------
-
 
 _NIL = msgspec.Raw(b"\xc0")
 
 
-class _FastEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+class RawBlockStored(BlockStored, tag="BlockStored"):
+    """:class:`BlockStored` with ``token_ids`` and ``extra_keys`` kept as raw msgpack
+    (``extra_keys`` is nil when absent); ``lora_id``, ``medium`` and ``lora_name`` may be
+    absent."""
 
-
-class FastBlockStored(_FastEvent, tag="BlockStored"):
-    """``BlockStored`` with ``token_ids`` and ``extra_keys`` kept as raw msgpack."""
-
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: msgspec.Raw
-    block_size: int
+    token_ids: msgspec.Raw  # type: ignore[assignment]
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: msgspec.Raw = _NIL  # raw msgpack (nil when absent)
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
+    extra_keys: msgspec.Raw = _NIL  # type: ignore[assignment]
 
 
-class FastBlockRemoved(_FastEvent, tag="BlockRemoved"):
-    """Same fields as :class:`BlockRemoved`."""
+class _OptionalMediumBlockRemoved(BlockRemoved, tag="BlockRemoved"):
+    """:class:`BlockRemoved` whose ``medium`` may be absent."""
 
-    block_hashes: list[BlockHash]
     medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
 
 
-class FastAllBlocksCleared(_FastEvent, tag="AllBlocksCleared"):
-    """Same as :class:`AllBlocksCleared`."""
+class _Batch(KVEventBatch):
+    """Decode target of :func:`decode_batch`: map events become structs, array events lists."""
+
+    events: list[KVEvent | list[Any]]  # type: ignore[assignment]
 
 
-class _FastBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[FastBlockStored | FastBlockRemoved | FastAllBlocksCleared]
-    data_parallel_rank: int | None = None
+class _RawBatch(KVEventBatch):
+    """Decode target of the daemon's :class:`BatchDecoder`."""
+
+    events: list[  # type: ignore[assignment]
+        RawBlockStored | _OptionalMediumBlockRemoved | AllBlocksCleared | list[Any]]
+
+
+# Array form: the event's tag, then its fields in order. Fields after the first
+# ``required`` ones may be missing: they take the struct's default, or None where vLLM's
+# struct has none (older publishers omit ``lora_id``, ``medium``, ``lora_name``).
+_ARRAY_FORM: dict[str, tuple[type[KVCacheEvent], int]] = {
+    "BlockStored": (BlockStored, 4),
+    "BlockRemoved": (BlockRemoved, 1),
+    "AllBlocksCleared": (AllBlocksCleared, 0),
+}
+
+
+def _from_array(event: list[Any]) -> KVCacheEvent:
+    """One array-form event as its struct (types checked as the map form's are)."""
+    form = _ARRAY_FORM.get(event[0]) if event and type(event[0]) is str else None
+    if form is None:
+        raise DecodeError(f"not a KV event: {event[:1]!r}")
+    cls, required = form
+    fields = cls.__struct_fields__
+    values = event[1:len(fields) + 1]
+    if len(values) < required:
+        raise DecodeError(f"{event[0]} with {len(values)} fields, needs {required}")
+    n_without_default = len(fields) - len(cls.__struct_defaults__)
+    obj = dict.fromkeys(fields[len(values):n_without_default])  # absent: None
+    obj.update(zip(fields, values, strict=False))  # values may be shorter
+    try:
+        return msgspec.convert(obj, cls)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"not a KV event: {exc}") from None
+
+
+class BatchDecoder:
+    """Decodes a payload in either wire form into a :class:`KVEventBatch`.
+
+    With ``raw_tokens`` (the daemon's hot path) ``BlockStored`` maps become
+    :class:`RawBlockStored`: use :func:`raw_array_len` on ``token_ids`` for its length.
+    Array-form events (older publishers) always become the plain structs.
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, raw_tokens: bool = True) -> None:
+        self._decoder = msgspec.msgpack.Decoder(_RawBatch if raw_tokens else _Batch)
+
+    def decode(self, payload: bytes | memoryview) -> KVEventBatch:
+        """Decode one payload; :class:`DecodeError` when it is neither wire form."""
+        try:
+            batch = self._decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"not a KV-event batch: {exc}") from None
+        events = batch.events
+        if list in map(type, events):  # array form: every event of the batch is an array
+            if not all(type(e) is list for e in events):
+                raise DecodeError("not a KV-event batch: map and array events mixed")
+            batch.events = [_from_array(e) for e in events]
+        return batch
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
-_LEGACY_TO_PUBLIC: dict[type, type] = {
-    _LegacyBlockStored: BlockStored,
-    _LegacyBlockRemoved: BlockRemoved,
-    _LegacyAllBlocksCleared: AllBlocksCleared,
-}
+_decoder = BatchDecoder(raw_tokens=False)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -230,23 +231,11 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def _from_legacy(batch: _LegacyBatch) -> KVEventBatch:
-    events: list[KVEvent] = []
-    for ev in batch.events:
-        cls = _LEGACY_TO_PUBLIC[type(ev)]
-        events.append(cls(**{f: getattr(ev, f) for f in ev.__struct_fields__}))
-    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
-
-
 def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
-    """Decode a payload in either wire form into public structs; :class:`DecodeError` if neither."""
-    try:
-        return _decoder.decode(payload)
-    except msgspec.DecodeError as current_err:
-        try:
-            return _from_legacy(_legacy_decoder.decode(payload))
-        except msgspec.DecodeError:
-            raise DecodeError(f"not a KV-event batch: {current_err}") from None
+    """Decode a payload in either wire form into a :class:`KVEventBatch` of the plain structs;
+    :class:`DecodeError` if neither."""
+    b = _decoder.decode(payload)
+    return KVEventBatch(b.ts, b.events, b.data_parallel_rank)
 
 
 def raw_array_len(raw: msgspec.Raw | bytes | memoryview) -> int:
@@ -267,59 +256,3 @@ def raw_array_len(raw: msgspec.Raw | bytes | memoryview) -> int:
     if h == 0xC0:
         return 0
     raise DecodeError(f"token_ids is not an array (msgpack type byte 0x{h:02x})")
-
-
-class _FastLegacyBatchAdapter:
-    """Converts a decoded legacy batch into fast structs (rare path)."""
-
-    @staticmethod
-    def convert(batch: KVEventBatch) -> _FastBatch:
-        events: list[Any] = []
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                events.append(FastBlockStored(
-                    ev.block_hashes, ev.parent_block_hash,
-                    msgspec.Raw(_encoder.encode(ev.token_ids)), ev.block_size, ev.lora_id,
-                    ev.medium, ev.lora_name,
-                    msgspec.Raw(_encoder.encode(ev.extra_keys)),
-                    ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window,
-                    ev.locality, ev.ownership, ev.session_id,
-                ))
-            elif isinstance(ev, BlockRemoved):
-                events.append(FastBlockRemoved(
-                    ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership))
-            else:
-                events.append(FastAllBlocksCleared())
-        return _FastBatch(batch.ts, events, batch.data_parallel_rank)
-
-
-class BatchDecoder:
-    """Decoder for the daemon's hot path: tagged-map events first, array form as fallback.
-
-    Returns a batch whose ``BlockStored`` events are :class:`FastBlockStored`; use
-    :func:`raw_array_len` on ``token_ids`` for its length, or :meth:`token_ids` to decode.
-    """
-
-    __slots__ = ("_fast", "_tokens")
-
-    def __init__(self) -> None:
-        self._fast = msgspec.msgpack.Decoder(_FastBatch)
-        self._tokens = msgspec.msgpack.Decoder(list[int])
-
-    def decode(self, payload: bytes | memoryview) -> _FastBatch:
-        """Decode one payload; :class:`DecodeError` when it is neither wire form."""
-        try:
-            return self._fast.decode(payload)
-        except msgspec.DecodeError as current_err:
-            try:
-                legacy = _from_legacy(_legacy_decoder.decode(payload))
-            except msgspec.DecodeError:
-                raise DecodeError(f"not a KV-event batch: {current_err}") from None
-            return _FastLegacyBatchAdapter.convert(legacy)
-
-    def token_ids(self, event: FastBlockStored) -> list[int]:
-        """Decode a fast event's ``token_ids`` (for token-id hashing)."""
-        try:
-            return self._tokens.decode(event.token_ids)
-        except msgspec.DecodeError as exc:
-            raise DecodeError(f"token_ids: {exc}") from None

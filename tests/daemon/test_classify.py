@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from connector.events.classify import (
-    FULL,
-    PARTIAL,
-    PENDING,
-    PLACEHOLDER,
-    Classifier,
-    Entry,
-    GroupSizes,
-    unpack,
-)
-from connector.events.index import KVIndex
+from connector.events.classify import Classifier
+from connector.events.index import GroupSizes, KVIndex, unpack
 from connector.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from offload_tiers.keys import BlockKind
+from tests.support.events import Entry, apply, entries
+from tests.support.events import facts as read_facts
+
+FULL, PARTIAL, PLACEHOLDER = BlockKind.FULL, BlockKind.PARTIAL, BlockKind.PLACEHOLDER
 
 P = "pub#dp0"
 
@@ -38,16 +33,16 @@ class Facts:
 
     def lookup(self, pg, h):
         for key in self.idx.by_pg.get(pg, ()):
-            f = self.idx.facts(key, h)
+            f = read_facts(self.idx, key, h)
             if f is not None:
                 return unpack(f)
-        return None, PENDING
+        return None, None
 
 
 def rig(sizes=None):
     gs = GroupSizes(sizes)
     idx = KVIndex(gs)
-    return Classifier(gs, idx), idx, Facts(idx, gs)
+    return Classifier(idx), idx, Facts(idx, gs)
 
 
 def feed(c, idx, *events, pub=P):
@@ -55,7 +50,7 @@ def feed(c, idx, *events, pub=P):
     for e in events:
         run = c.classify(pub, e)
         if run is not None:
-            idx.apply(run)
+            apply(idx, run)
         runs.append(run)
     return runs
 
@@ -64,19 +59,19 @@ def test_full_chunk_learns_block_size_and_cumulative_num_tokens() -> None:
     c, idx, facts = rig()
     (run,) = feed(c, idx, st([1, 2, 3], None, 16))
     assert facts.block_size((P, 0)) == 16
-    assert list(run.entries()) == [
+    assert list(entries(run)) == [
         Entry(P, "GPU", 0, 1, None, 16, BlockKind.FULL, None),
         Entry(P, "GPU", 0, 2, 1, 32, BlockKind.FULL, None),
         Entry(P, "GPU", 0, 3, 2, 48, BlockKind.FULL, None),
     ]
     (run,) = feed(c, idx, st([4], 3, 16))
-    assert [e.num_tokens for e in run.entries()] == [64]
+    assert [e.num_tokens for e in entries(run)] == [64]
 
 
 def test_single_hash_is_pending_until_block_size_known_then_resolved() -> None:
     c, idx, facts = rig()
     (run,) = feed(c, idx, st([7], None, 32))
-    assert run.kind == PENDING
+    assert run.kind is None  # PENDING
     assert idx.lookup([7])["GPU"].tokens == 0  # unknown size: never counted
     feed(c, idx, st([8], None, 16))  # a second single size: the larger is the block size
     assert facts.block_size((P, 0)) == 32
@@ -92,7 +87,7 @@ def test_partial_kind_and_num_tokens_from_parent_never_from_hash_presence() -> N
     assert (run.kind, run.first_tokens) == (PARTIAL, 96)
     assert facts.lookup((P, 0), 2) == (96, PARTIAL)
     (run,) = feed(c, idx, st([3], 99, 32))  # parent never seen: shape says partial
-    assert run.kind == PARTIAL and next(run.entries()).num_tokens is None
+    assert run.kind == PARTIAL and next(entries(run)).num_tokens is None
 
 
 def test_partial_shaped_announcement_on_a_block_boundary_is_full() -> None:
@@ -157,7 +152,7 @@ def test_invalid_events_are_counted_and_skipped(event) -> None:
 def test_size_conflicting_with_configuration_is_never_counted() -> None:
     c, idx, _ = rig({0: 16})
     (run,) = feed(c, idx, st([1, 2], None, 32))
-    assert run.kind == PENDING and c.conflicts == 1
+    assert run.kind is None and c.conflicts == 1  # PENDING
     assert idx.lookup([1, 2])["GPU"].tokens == 0
 
 
@@ -184,3 +179,23 @@ def test_lookup_rejects_unit_that_does_not_divide_block_size() -> None:
     feed(c, idx, st([1], None, 64))
     with pytest.raises(ValueError, match="must divide"):
         idx.lookup([1], unit=48)
+
+
+def test_array_form_batch_ingests_as_the_map_form() -> None:
+    import msgspec
+
+    from connector.daemon.ingest import Ingestor
+    from connector.events.wire import KVEventBatch, encode_batch
+
+    events = [st([1, 2], None, 16), st([3], 2, 8, medium="cpu"), BlockRemoved([1], "GPU"),
+              AllBlocksCleared()]
+    as_map = encode_batch(KVEventBatch(1.0, events))
+    as_array = msgspec.msgpack.encode([1.0, [
+        [type(e).__name__, *(getattr(e, f) for f in e.__struct_fields__)] for e in events]])
+    ingested = []
+    for payload in (as_map, as_array):
+        ing = Ingestor({0: 16})
+        ing.ingest("src", 0, payload, now=2.0)
+        ingested.append((ing.index.res, vars(ing.publishers["src#dp0"])))
+    assert ingested[0] == ingested[1]
+    assert ingested[0][0] == {("src#dp0", "CPU", 0, None): {3: 40 * 4 + PARTIAL}}

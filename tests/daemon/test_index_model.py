@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from connector.events.classify import Classifier, GroupSizes
-from connector.events.index import ANY, KVIndex, ResidencyPolicy
+from connector.events.classify import Classifier
+from connector.events.index import ANY, GroupSizes, KVIndex, ResidencyPolicy
 from connector.events.wire import BlockRemoved, BlockStored
+from tests.support.events import apply, scan_entry_counts
 
 U = 8  # hash unit (prefix_match_unit)
 B = 32  # physical block size of group 0
@@ -58,14 +59,14 @@ class IndexModel(RuleBasedStateMachine):
         super().__init__()
         sizes = GroupSizes({0: B} if self.configured else None)
         self.index = KVIndex(sizes, policy=ResidencyPolicy(by_source=SET_MEDIA))
-        self.classifier = Classifier(sizes, self.index)
+        self.classifier = Classifier(self.index)
         self.ref: dict[tuple[str, str], Counter[int]] = {}
         self.truth_kind: dict[int, str] = {}
 
     def _apply(self, pub: str, event: object) -> None:
         run = self.classifier.classify(pub, event)
         assert run is not None
-        self.index.apply(run)
+        apply(self.index, run)
 
     def _ref(self, pub: str, medium: str) -> Counter[int]:
         return self.ref.setdefault((pub, medium), Counter())
@@ -161,7 +162,7 @@ class IndexModel(RuleBasedStateMachine):
     @rule(pub=st.sampled_from(PUBS))
     def clear(self, pub: str) -> None:
         run = self.classifier.classify(pub, _cleared())
-        self.index.apply(run)
+        apply(self.index, run)
         for key in [k for k in self.ref if k[0] == pub and k[1] == "GPU"]:
             del self.ref[key]  # vLLM's GPU reset: the publisher's CPU/STORAGE copies stay
 
@@ -172,7 +173,7 @@ class IndexModel(RuleBasedStateMachine):
                 assert self.index.refcount((pub, medium, 0, None), h) == n
         total = sum(len(c) for c in self.ref.values())
         assert self.index.n_entries == total
-        assert self.index.entry_counts() == self.index.scan_entry_counts()
+        assert self.index.entry_counts() == scan_entry_counts(self.index)
 
     def _truth(self, prompt: int, media: tuple[str, ...]) -> tuple[int, int, bool]:
         resident = set()

@@ -10,9 +10,10 @@ import pytest
 
 from connector.daemon.config import load_config
 from connector.daemon.service import residency_policy
-from connector.events.classify import Classifier, GroupSizes
-from connector.events.index import KVIndex, ResidencyPolicy
+from connector.events.classify import Classifier
+from connector.events.index import GroupSizes, KVIndex, ResidencyPolicy
 from connector.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.support.events import apply, scan_entry_counts
 
 P = "engine#dp0"
 
@@ -28,13 +29,13 @@ class Rig:
                  policy: ResidencyPolicy | None = None) -> None:
         self.sizes = GroupSizes(sizes)
         self.idx = KVIndex(self.sizes, policy=policy)
-        self.clf = Classifier(self.sizes, self.idx)
+        self.clf = Classifier(self.idx)
 
     def feed(self, *events: object, pub: str = P, now: float = 0.0) -> None:
         for e in events:
             run = self.clf.classify(pub, e)
             assert run is not None
-            self.idx.apply(run, now)
+            apply(self.idx, run, now)
 
     def refcount(self, medium: str, h: int, pub: str = P) -> int:
         return self.idx.refcount((pub, medium, 0, None), h)
@@ -77,14 +78,13 @@ def test_all_blocks_cleared_drops_gpu_entries_only() -> None:
     res = r.idx.lookup([1, 2], publisher=P)
     assert (res["GPU"].tokens, res["CPU"].tokens, res["STORAGE"].tokens) == (0, 32, 32)
     assert r.idx.lookup([1, 2], publisher="other#dp0")["GPU"].tokens == 32
-    assert r.idx.entry_counts() == r.idx.scan_entry_counts()
+    assert r.idx.entry_counts() == scan_entry_counts(r.idx)
 
 
 def test_storage_ttl_expires_refreshes_and_forgets_removed_entries() -> None:
     r = Rig({0: 16}, ResidencyPolicy(ttl_s={"STORAGE": 10.0}))
     r.feed(st([1, 2], None, 16, "STORAGE"), st([1, 2], None, 16, "CPU"), now=100.0)
     r.feed(st([2], 1, 16, "STORAGE"), now=105.0)  # block 2 written again: TTL restarts
-    assert r.idx.next_expiry() == 110.0
     assert r.idx.expire(109.999) == 0 and r.idx.n_entries == 4
     assert r.idx.expire(110.0) == 1  # block 1, at its TTL; block 2 re-queued for 115
     assert r.refcount("STORAGE", 1) == 0 and r.refcount("STORAGE", 2) == 1
@@ -97,7 +97,7 @@ def test_storage_ttl_expires_refreshes_and_forgets_removed_entries() -> None:
     r.feed(st([7], None, 16, "STORAGE"), now=205.0)
     assert r.idx.expire(210.0) == 0 and r.refcount("STORAGE", 7) == 1
     assert r.idx.expire(215.0) == 1 and r.idx.n_entries == 2
-    assert r.idx.entry_counts() == r.idx.scan_entry_counts()
+    assert r.idx.entry_counts() == scan_entry_counts(r.idx)
 
 
 def test_ttl_heap_stays_bounded_under_store_remove_churn() -> None:
