@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from connector.events.wire import MEDIUMS
+from connector.events.wire import Medium
 
 __all__ = ["ConfigError", "DaemonConfig", "PublisherConfig", "load_config", "offset_endpoint"]
 
@@ -28,6 +28,8 @@ _ENDPOINT_RE = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")
 _TIER_MEDIA = ("CPU", "STORAGE")
 #: Old setting names still read, and the names that replaced them.
 DEPRECATED_NAMES = {"redis_socket_timeout_s": "redis_timeout_s"}
+
+_MEDIA = frozenset(m.value for m in Medium)
 
 
 class ConfigError(ValueError):
@@ -217,10 +219,10 @@ class DaemonConfig(BaseModel):
     @field_validator("clear_on_restart")
     @classmethod
     def _mediums(cls, v: list[str]) -> list[str]:
-        bad = [m for m in v if m not in MEDIUMS]
+        bad = [m for m in v if m not in _MEDIA]
         if bad:
             raise ValueError(f"clear_on_restart: unknown media {bad}; use "
-                             + ", ".join(str(m) for m in MEDIUMS))
+                             + ", ".join(sorted(_MEDIA)))
         return v
 
     @field_validator("log_level")

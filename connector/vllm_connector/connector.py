@@ -47,9 +47,8 @@ from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
-    TIER_CPU,
-    TIER_REDIS,
     GroupSpec,
+    Tier,
     TieredScheduler,
 )
 from connector.vllm_connector.worker import TieredWorker, make_redis_tier
@@ -315,10 +314,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             return {}
         tiers = self.scheduler.hit_tiers(request.request_id)
         out: dict[CacheHitSource, int] = {}
-        if tiers.get(TIER_CPU):
-            out[CacheHitSource.HOST] = tiers[TIER_CPU]
-        if tiers.get(TIER_REDIS):
-            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tiers[TIER_REDIS]
+        if tiers.get(Tier.CPU):
+            out[CacheHitSource.HOST] = tiers[Tier.CPU]
+        if tiers.get(Tier.REDIS):
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tiers[Tier.REDIS]
         if sum(out.values()) != num_external_tokens:
             return {CacheHitSource.HOST: num_external_tokens}
         return out

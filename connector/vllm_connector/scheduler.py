@@ -21,6 +21,7 @@ until the workers' probe is back) and restored as an asynchronous load.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict, deque
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from connector.events.wire import Medium
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.jobs import JobBook, TierChange
 from connector.vllm_connector.plan import (
@@ -47,10 +49,15 @@ log = logging.getLogger(__name__)
 
 ATTENTION = "attention"
 MAMBA = "mamba"
-TIER_CPU = "cpu"
-TIER_REDIS = "redis"
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
+
+
+class Tier(enum.StrEnum):
+    """Where a hit came from (the ``hit_tokens_<tier>`` counters)."""
+
+    CPU = "cpu"
+    REDIS = "redis"
+
+
 _EVENT_INFO_MAX = 1 << 16
 _BAD_KEYS_MAX = 1 << 14
 
@@ -189,7 +196,7 @@ class TieredScheduler:
         self._gauges_at = float("-inf")
 
     def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
-        self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+        self.outbox.append(TierChange(key, Medium.CPU, stored=False))
         self.counters.add("cpu_evictions")
 
     def refresh_gauges(self, min_interval_s: float = 1.0) -> None:
@@ -244,7 +251,7 @@ class TieredScheduler:
             k.key for end in ends for k in prefix[end] + ending[end]))
         tiers = dict.fromkeys(
             (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
-             if ok), TIER_CPU)
+             if ok), Tier.CPU)
         missing = tuple(k for k in ordered if k not in tiers and not self._is_bad(k))
         if missing and not self._redis_answer(request.request_id, missing, tiers):
             return None, False
@@ -300,7 +307,7 @@ class TieredScheduler:
         del self._probes[req_id]
         for k in missing:
             if probe.present.get(k):
-                tiers[k] = TIER_REDIS
+                tiers[k] = Tier.REDIS
         return True
 
     def _choose(self, request: RequestLike, num_computed: int, ends: list[int],
@@ -322,7 +329,7 @@ class TieredScheduler:
                 continue  # a key found no slot: a miss now; choose a shorter end
             if present > best:
                 self.counters.add("rounded_down_tokens", present - best)
-            load_async = self.hybrid or any(tiers[n.key] == TIER_REDIS for n in needs)
+            load_async = self.hybrid or any(tiers[n.key] == Tier.REDIS for n in needs)
             offered = whole_prompt_offer(best, request.num_tokens) - num_computed
             self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers,
                                                         slots, offered, load_async)
@@ -359,7 +366,7 @@ class TieredScheduler:
         for need in needs:
             if need.key in held:
                 continue
-            if tiers[need.key] == TIER_CPU:
+            if tiers[need.key] == Tier.CPU:
                 slot = self.directory.acquire(need.key)
             else:
                 slot = self.directory.reserve(need.key)
@@ -374,7 +381,7 @@ class TieredScheduler:
 
     def _let_go(self, held: dict[BlockKey, int], tiers: dict[BlockKey, str]) -> None:
         for key in held:
-            if tiers.get(key, TIER_CPU) == TIER_REDIS:
+            if tiers.get(key, Tier.CPU) == Tier.REDIS:
                 self.directory.abort(key)
             else:
                 self._unpin(key)
@@ -408,7 +415,7 @@ class TieredScheduler:
                 self.counters.add("refused_loads")
             self._let_go(pending.slots, pending.tiers)
             return
-        per_tier = {TIER_CPU: 0, TIER_REDIS: 0}
+        per_tier = {Tier.CPU: 0, Tier.REDIS: 0}
         lead = self.attention[0]
         fetched: dict[BlockKey, int] = {}
         for need in pending.needs:
@@ -421,11 +428,11 @@ class TieredScheduler:
                     f"{need.block_index} of {req_id}; refusing a partial restore")
             tier = pending.tiers[need.key]
             slot = pending.slots[need.key]
-            if tier == TIER_REDIS and need.key not in fetched:
+            if tier == Tier.REDIS and need.key not in fetched:
                 fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
                 self._plan.fetches.append(FetchOp(fetched[need.key], req_id, slot, need.key))
             self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, slot, need.key,
-                                           after_fetch=tier == TIER_REDIS))
+                                           after_fetch=tier == Tier.REDIS))
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)
@@ -433,12 +440,12 @@ class TieredScheduler:
         # A CPU slot is read by this step's loads, which every worker runs before any later
         # save can reuse it: the pins go now. Fetch slots stay reserved until their job ends.
         for key in pending.slots:
-            if pending.tiers[key] == TIER_CPU:
+            if pending.tiers[key] == Tier.CPU:
                 self._unpin(key)
         if pending.load_async:
             self._plan.async_reqs.append(req_id)
-        cpu_tokens = min(per_tier[TIER_CPU], num_external)
-        split = {TIER_CPU: cpu_tokens, TIER_REDIS: num_external - cpu_tokens}
+        cpu_tokens = min(per_tier[Tier.CPU], num_external)
+        split = {Tier.CPU: cpu_tokens, Tier.REDIS: num_external - cpu_tokens}
         self._hit_tiers[req_id] = split
         if fetched:
             # Counted once every fetch is back and valid (a bad value is no hit).
@@ -448,8 +455,8 @@ class TieredScheduler:
 
     def _count_hit(self, split: dict[str, int]) -> None:
         self.counters.add("hit_requests")
-        self.counters.add("hit_tokens_cpu", split[TIER_CPU])
-        self.counters.add("hit_tokens_redis", split[TIER_REDIS])
+        self.counters.add("hit_tokens_cpu", split[Tier.CPU])
+        self.counters.add("hit_tokens_redis", split[Tier.REDIS])
 
     def _restore_progress(self, req_id: str, job: int, ok: bool) -> None:
         entry = self._restoring.get(req_id)
@@ -594,7 +601,7 @@ class TieredScheduler:
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
                                  to_redis))
-        self.outbox.append(TierChange(key, MEDIUM_CPU, stored=True))
+        self.outbox.append(TierChange(key, Medium.CPU, stored=True))
         self._remember(request, key, g)
 
     def _remember(self, request: RequestLike, key: BlockKey, g: GroupSpec) -> None:
@@ -642,7 +649,7 @@ class TieredScheduler:
             # A rank could not copy the block (or reach Redis): its slot is not trusted.
             if info.gather_failed and self.directory.remove(key):
                 self.counters.add("store_drops")
-                self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+                self.outbox.append(TierChange(key, Medium.CPU, stored=False))
             tracked = self._tracked.get(info.req_id)
             if tracked is not None and info.mark is not None:
                 tracked.saved.discard(info.mark)
@@ -652,7 +659,7 @@ class TieredScheduler:
             self._bad.pop(key, None)  # rewritten by this engine: valid again
         if info.to_redis and key not in self._in_redis:
             self._in_redis[key] = None
-            self.outbox.append(TierChange(key, MEDIUM_STORAGE, stored=True))
+            self.outbox.append(TierChange(key, Medium.STORAGE, stored=True))
             while len(self._in_redis) > self.directory.num_slots * 4:
                 self._in_redis.popitem(last=False)
 
@@ -661,7 +668,7 @@ class TieredScheduler:
         self._restore_progress(info.req_id, job, all_ok)
         if all_ok:
             self.directory.commit(key)
-            self.outbox.append(TierChange(key, MEDIUM_CPU, stored=True))
+            self.outbox.append(TierChange(key, Medium.CPU, stored=True))
             self._bad.pop(key, None)
             return
         self.directory.abort(key)
@@ -723,7 +730,7 @@ class TieredScheduler:
         for key in self.directory.keys():
             if self.directory.remove(key):
                 removed += 1
-                self.outbox.append(TierChange(key, MEDIUM_CPU, stored=False))
+                self.outbox.append(TierChange(key, Medium.CPU, stored=False))
         self._in_redis.clear()
         return removed
 
