@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -44,6 +45,15 @@ COLLIDERS = [dataclasses.replace(k, num_tokens=k.num_tokens - 5, kind=BlockKind.
              for k in FULL[:3]]  # same hash, same Redis key name as FULL[:3]
 KEYS = FULL + PARTIAL + COLLIDERS
 BATCH = st.lists(st.sampled_from(KEYS), max_size=6)
+
+
+def _wait(ok: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def size_of(k: BlockKey) -> int:
@@ -138,6 +148,21 @@ class RedisTierMachine(RuleBasedStateMachine):
         hit = self._restore([k])[0]
         if stored and self.redis.stats()["errors"] == errors:
             assert hit
+
+    @rule(i=st.integers(0, len(COLLIDERS) - 1), partial_first=st.booleans())
+    @precondition(lambda self: self.proxy.mode == "forward")
+    def twin_is_never_served(self, i: int, partial_first: bool) -> None:
+        """A FULL key and a PARTIAL key share one Redis key name: storing one, then asking
+        for the other, is a miss (the header's kind/num_tokens tell them apart)."""
+        stored, asked = (COLLIDERS[i], FULL[i]) if partial_first else (FULL[i], COLLIDERS[i])
+        self.redis.flush(10)
+        if not _wait(lambda: self.redis.available):
+            return
+        if self.redis.put_many([(stored, data_for(stored))]) != 1:
+            return
+        self.put_ever.add(stored)
+        row = self.slab[0, :size_of(asked)]
+        assert self.redis.get_many_into([asked], [row]) == [False], "the twin was served"
 
     @rule()
     def break_redis(self) -> None:
