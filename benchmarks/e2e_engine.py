@@ -31,7 +31,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from connector.demo.engine import EngineRunError  # noqa: E402
 from connector.demo.presets import CPU_ENGINE_ENV  # noqa: E402
-from connector.demo.workload import PROGRESS_TAG, Workload  # noqa: E402
+from connector.demo.workload import PROGRESS_TAG, Workload, reset_gpu_prefix_cache  # noqa: E402
 
 DONE_TAG = "[kvtier-bench-done]"
 READY_TAG = "[kvtier-bench-ready]"
@@ -79,19 +79,10 @@ def tree_cpu_s() -> float:
 
 
 # ---------------------------------------------------------------------------- child
-def _reset_gpu_prefix_cache(llm: Any) -> bool:
-    """Drop vLLM's GPU prefix cache (not the connector's tiers); retry while saves drain."""
-    for _ in range(50):
-        if llm.reset_prefix_cache(reset_connector=False):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _run_phase(llm: Any, base: dict[str, Any], phase: dict[str, Any]) -> dict[str, Any]:
     from connector.demo.workload import run_workload
 
-    reset_ok = _reset_gpu_prefix_cache(llm) if phase.get("reset_before") else None
+    reset_ok = reset_gpu_prefix_cache(llm) if phase.get("reset_before") else None
     workload = Workload(**{**base, **phase.get("workload", {})})
     c0 = tree_cpu_s()
     result = run_workload(llm, workload, phase["name"])

@@ -160,7 +160,7 @@ def run_workload(llm: Any, workload: Workload, name: str) -> PhaseResult:
     return result
 
 
-def _reset_gpu_prefix_cache(llm: Any) -> bool:
+def reset_gpu_prefix_cache(llm: Any) -> bool:
     """Drop vLLM's GPU prefix cache (not the connector's tiers); retry while saves drain."""
     for _ in range(50):
         if llm.reset_prefix_cache(reset_connector=False):
@@ -188,7 +188,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     for phase in spec["phases"]:
         reset_ok = None
         if phase.get("reset_before"):
-            reset_ok = _reset_gpu_prefix_cache(llm)
+            reset_ok = reset_gpu_prefix_cache(llm)
         progress(f"{spec['label']}: running phase '{phase['name']}'")
         workload = Workload(**{**base, **phase.get("workload", {})})
         result = run_workload(llm, workload, phase["name"])
