@@ -12,16 +12,23 @@ Header (little-endian)::
     hash_tag    u64  xxh3_64 of the block hash (catches a value stored under another key)
     length      u64  payload length in bytes
     checksum    u64  xxh3_64 of the payload
-    reserved    u32  0
+    save_id     u32  the writer's save id (0: none given; see :func:`new_save_id`)
 
 Every header field is checked against what the reader asked for, and the checksum
 against the payload, so a value from another namespace, another block, another kind,
 another format version, a truncated value or a flipped byte is a :class:`CorruptValue`,
 never a payload. Nothing is unpickled or evaluated.
+
+The save id is not a corruption check: a writer picks one per save (every tensor-parallel
+rank writing its shard of one save uses the same), and a reader that asks for a save id
+gets :class:`StaleSave` for a valid value of another save — only after every corruption
+check passed, so a corrupt value is always :class:`CorruptValue` and a stale one never is.
 """
 
 from __future__ import annotations
 
+import operator
+import secrets
 import struct
 from typing import NamedTuple
 
@@ -31,10 +38,11 @@ from offload_tiers._types import BytesLike as Buffer
 from offload_tiers.keys import BlockKey, BlockKind
 
 MAGIC = b"KVTB"
-VALUE_VERSION = 1
+VALUE_VERSION = 2  # 2: the last u32 is the save id (1: reserved, 0)
 HEADER = struct.Struct("<4sHBB16sIQQQQI")
 HEADER_SIZE = HEADER.size  # 64
 MAX_PAYLOAD = 1 << 34  # 16 GiB: anything larger in a header is absurd, not a block
+MAX_SAVE_ID = (1 << 32) - 1
 
 assert HEADER_SIZE == 64
 
@@ -57,6 +65,16 @@ class CorruptValue(ValueError):
         self.code = code
 
 
+class StaleSave(ValueError):
+    """A valid value written by another save than the one asked for (not corrupt: never
+    delete it or count it as such). ``stored`` / ``expected``: the two save ids."""
+
+    def __init__(self, stored: int, expected: int) -> None:
+        super().__init__(f"value is from save {stored:#010x}, not {expected:#010x}")
+        self.stored = stored
+        self.expected = expected
+
+
 class HeaderFields(NamedTuple):
     """A header's fields as stored, not yet judged against any key."""
 
@@ -69,6 +87,15 @@ class HeaderFields(NamedTuple):
     hash_tag: int
     length: int
     checksum: int
+    save_id: int
+
+
+def new_save_id() -> int:
+    """A random nonzero 32-bit save id (0 means "none given")."""
+    while True:
+        save_id = secrets.randbits(32)
+        if save_id:
+            return save_id
 
 
 def parse_header(header: Buffer) -> HeaderFields:
@@ -80,15 +107,18 @@ def parse_header(header: Buffer) -> HeaderFields:
     if hv.nbytes < HEADER_SIZE:
         raise CorruptValue(f"truncated header ({hv.nbytes} < {HEADER_SIZE} bytes)", "truncated")
     (magic, version, kind, _r1, digest, group, num_tokens, tag, length, csum,
-     _r2) = HEADER.unpack_from(hv, 0)
-    return HeaderFields(magic, version, kind, digest, group, num_tokens, tag, length, csum)
+     save_id) = HEADER.unpack_from(hv, 0)
+    return HeaderFields(magic, version, kind, digest, group, num_tokens, tag, length, csum,
+                        save_id)
 
 
 def check_fields(header: Buffer, *, digest: bytes, group: int, block_hash: bytes,
                  kind: int | None = None, num_tokens: int | None = None,
-                 total_len: int | None = None) -> HeaderFields:
+                 total_len: int | None = None, save_id: int | None = None) -> HeaderFields:
     """The header's fields, once every one agrees with what is known of the key; else
-    :class:`CorruptValue` (its ``code`` names the first check that failed).
+    :class:`CorruptValue` (its ``code`` names the first check that failed), or — when every
+    field is valid but ``save_id`` is given and differs from the stored one —
+    :class:`StaleSave`.
 
     ``kind`` / ``num_tokens``: the requested ones; None accepts any stored kind and any
     ``num_tokens`` but 0 (what a writer may have stored under a key name). ``total_len``: the
@@ -125,7 +155,24 @@ def check_fields(header: Buffer, *, digest: bytes, group: int, block_hash: bytes
     if total_len is not None and total_len != HEADER_SIZE + f.length:
         raise CorruptValue(f"value is {total_len} bytes, header says {HEADER_SIZE + f.length} "
                            "(truncated or padded)", "bad_length")
+    check_save_id(f, save_id)
     return f
+
+
+def check_save_id(fields: HeaderFields, save_id: int | None) -> None:
+    """:class:`StaleSave` when ``save_id`` is given and is not the stored one."""
+    if save_id is not None and fields.save_id != save_id:
+        raise StaleSave(fields.save_id, save_id)
+
+
+def validate_save_id(save_id: int) -> None:
+    """Raise ValueError when ``save_id`` does not fit the header's u32."""
+    try:
+        value = operator.index(save_id)
+    except TypeError:
+        raise ValueError(f"save_id must be an integer, got {save_id!r}") from None
+    if not 0 <= value <= MAX_SAVE_ID:
+        raise ValueError(f"save_id {save_id!r} out of range (0 to 2**32 - 1)")
 
 
 def namespace_digest(key: BlockKey) -> bytes:
@@ -148,9 +195,11 @@ def checksum(payload: Buffer) -> int:
 
 
 def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None,
-                  payload_checksum: int | None = None, validated: bool = False) -> bytes:
-    """The 64-byte header for ``payload`` stored under ``key`` (``validated``: the caller
-    already ran :func:`validate_key` on it)."""
+                  payload_checksum: int | None = None, validated: bool = False,
+                  save_id: int = 0) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key`` by save ``save_id``
+    (``validated``: the caller already ran :func:`validate_key` on it)."""
+    validate_save_id(save_id)
     if not validated:
         validate_key(key)
     length = memoryview(payload).nbytes
@@ -158,7 +207,7 @@ def encode_header(key: BlockKey, payload: Buffer, *, digest: bytes | None = None
         MAGIC, VALUE_VERSION, int(key.kind), 0,
         digest if digest is not None else namespace_digest(key),
         key.group, key.num_tokens, hash_tag(key.block_hash), length,
-        payload_checksum if payload_checksum is not None else checksum(payload), 0,
+        payload_checksum if payload_checksum is not None else checksum(payload), save_id,
     )
 
 
@@ -173,35 +222,40 @@ def validate_key(key: BlockKey) -> None:
         raise ValueError(f"num_tokens {key.num_tokens} out of range")
 
 
-def encode(key: BlockKey, payload: Buffer) -> list[Buffer]:
+def encode(key: BlockKey, payload: Buffer, *, save_id: int = 0) -> list[Buffer]:
     """``[header, payload]`` as two buffers (send them back to back; no payload copy)."""
     view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
-    return [encode_header(key, view), view]
+    return [encode_header(key, view, save_id=save_id), view]
 
 
-def encode_bytes(key: BlockKey, payload: Buffer) -> bytes:
+def encode_bytes(key: BlockKey, payload: Buffer, *, save_id: int = 0) -> bytes:
     """Header and payload joined into one ``bytes`` (one copy)."""
-    return b"".join(encode(key, payload))
+    return b"".join(encode(key, payload, save_id=save_id))
 
 
 def check_header(key: BlockKey, header: Buffer, *, total_len: int | None = None,
-                 digest: bytes | None = None) -> tuple[int, int]:
+                 digest: bytes | None = None, save_id: int | None = None) -> tuple[int, int]:
     """Validate a header against ``key``; return ``(payload_length, checksum)``.
 
     ``total_len`` is the stored value's full length when known (then truncation and
-    trailing bytes are caught here, without reading the payload).
+    trailing bytes are caught here, without reading the payload). ``save_id``: the save
+    the reader wants (a valid value of another one is :class:`StaleSave`).
     """
     f = check_fields(header, digest=digest if digest is not None else namespace_digest(key),
                      group=key.group, block_hash=key.block_hash, kind=int(key.kind),
-                     num_tokens=key.num_tokens, total_len=total_len)
+                     num_tokens=key.num_tokens, total_len=total_len, save_id=save_id)
     return f.length, f.checksum
 
 
-def decode(key: BlockKey, value: Buffer, *, digest: bytes | None = None) -> memoryview:
-    """The payload of ``value`` (a zero-copy view), or :class:`CorruptValue`."""
+def decode(key: BlockKey, value: Buffer, *, digest: bytes | None = None,
+           save_id: int | None = None) -> memoryview:
+    """The payload of ``value`` (a zero-copy view), or :class:`CorruptValue`; with
+    ``save_id``, :class:`StaleSave` for a valid value of another save (checked last)."""
     view = memoryview(value).cast("B") if not isinstance(value, bytes) else memoryview(value)
     length, csum = check_header(key, view, total_len=view.nbytes, digest=digest)
     payload = view[HEADER_SIZE:HEADER_SIZE + length]
     if checksum(payload) != csum:
         raise CorruptValue("payload checksum mismatch", "bad_checksum")
+    if save_id is not None:
+        check_save_id(parse_header(view), save_id)
     return payload

@@ -31,6 +31,11 @@ _FIXES: dict[str, str] = {
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
     "model_id": "use a string naming the model's identity (defaults to the model path)",
     "debug_corrupt_loads": "use true only in tests; it corrupts every loaded block",
+    "checkpoint_identity": "use true (default: the checkpoint files' names, sizes, times and "
+                           "header digests are in the namespace) or false (only when "
+                           "model_id/weights_version name the weights exactly)",
+    "max_probe_asks": "give a positive integer (default 10000): how many times one request "
+                      "may be told 'ask again' while its Redis probe is out",
     "hybrid_hits": "use true (default) or false (store hybrid blocks but never restore them)",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
@@ -58,9 +63,13 @@ class TieredConfig(BaseModel):
     model_id: str | None = None
     # Names the weights: KV computed with other weights is never served.
     weights_version: str = ""
+    # The checkpoint files' identity in the namespace (a checkpoint rewritten in place is new).
+    checkpoint_identity: bool = True
     debug_corrupt_loads: bool = False
     # Serve hits on hybrid (Mamba + attention) models; false stores but never restores them.
     hybrid_hits: bool = True
+    # "Ask again" answers one request may get while its Redis probe is out (engine steps).
+    max_probe_asks: int = Field(default=10_000, ge=1)
 
     @field_validator("redis_url")
     @classmethod

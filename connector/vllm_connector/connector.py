@@ -39,10 +39,18 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connector.identity.engine import identity_from_vllm
+from connector.identity.engine_core import WeightVersionSource
+from connector.identity.generation import Generation
 from connector.vllm_connector import stats as connector_stats
 from connector.vllm_connector.config import ConnectorConfigError, load_config
 from connector.vllm_connector.jobs import TierChange
-from connector.vllm_connector.namespace import expected_slot_bytes, identity_from_vllm, slot_count
+from connector.vllm_connector.namespace import (
+    BoundedCache,
+    expected_slot_bytes,
+    kv_groups_descriptor,
+    slot_count,
+)
 from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.scheduler import (
     ATTENTION,
@@ -74,6 +82,15 @@ PIPELINE_UNSUPPORTED = (
     "would hold a different set of layers). Fix: use tensor_parallel_size and/or "
     "data_parallel_size, with pipeline_parallel_size=1."
 )
+
+CONTEXT_PARALLEL_UNSUPPORTED = (
+    "TieredOffloadingConnector does not support {name}={size}: two workers of one TP rank "
+    "would hold different tokens of a block and store different bytes under one key. "
+    "Fix: set {name}=1 (use tensor_parallel_size and/or data_parallel_size instead)."
+)
+
+#: Distinct tenants (cache_salt values) whose fingerprints are kept; more are recomputed.
+TENANT_CACHE_MAX = 4096
 
 
 class TieredConnectorMetadata(KVConnectorMetadata):
@@ -183,13 +200,15 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         if parallel.pipeline_parallel_size > 1:
             raise ConnectorConfigError(PIPELINE_UNSUPPORTED.format(
                 pp=parallel.pipeline_parallel_size))
+        for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+            size = int(getattr(parallel, name, 1) or 1)
+            if size > 1:
+                raise ConnectorConfigError(CONTEXT_PARALLEL_UNSUPPORTED.format(name=name,
+                                                                                size=size))
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ConnectorConfigError(
                 "TieredOffloadingConnector needs prefix caching (block hashes). "
                 "Fix: pass enable_prefix_caching=True")
-        self.identity = identity_from_vllm(vllm_config, kv_cache_config, self.config.model_id,
-                                           self.config.weights_version,
-                                           str(current_platform.device_type))
         slot_bytes = expected_slot_bytes(kv_cache_config)
         num_slots = slot_count(self.config.cpu_bytes, slot_bytes)
         self.tp_size = int(parallel.tensor_parallel_size)
@@ -202,14 +221,27 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         _, hash_unit = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        self._generation = 0
-        self._namespaces: dict[str, str] = {}
+        # Only the scheduler half computes the identity (the checkpoint's files are read
+        # once): every key of the plan carries the fingerprint it yields.
+        self.identity = identity_from_vllm(
+            vllm_config, kv_layout=kv_groups_descriptor(kv_cache_config),
+            model_id=self.config.model_id, weights_version=self.config.weights_version,
+            device=str(current_platform.device_type),
+            checkpoint=self.config.checkpoint_identity)
+        self._weights = WeightVersionSource()
+        self._generation = Generation(self._weights.read())
+        self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
         self.scheduler = TieredScheduler(
             self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
             int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block)
         log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
                  "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
                  hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())
+        log.info("kvtier namespace: checkpoint %s; %s", self.identity.checkpoint,
+                 "after a connector reset the generation follows vLLM's weight version "
+                 "(update_weight_version), else a random nonce" if self._weights.found else
+                 "vLLM's weight version is not visible here: after a connector reset this "
+                 "engine shares nothing with other engines until it restarts")
 
     def _start_worker(self, num_slots: int) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -222,9 +254,16 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def _fingerprint(self, tenant: str) -> str:
         fp = self._namespaces.get(tenant)
         if fp is None:
-            fp = self.identity.fingerprint(tenant, self._generation)
-            self._namespaces[tenant] = fp
+            fp = self.identity.fingerprint(tenant, self._generation.name)
+            self._namespaces.put(tenant, fp)
         return fp
+
+    def _follow_weight_version(self) -> None:
+        """A weight version named since the last step moves the namespace (no reset needed)."""
+        if self._generation.observe(self._weights.read()):
+            self._namespaces.clear()
+            log.info("kvtier: vLLM weight version changed; namespace generation %s",
+                     self._generation.name)
 
     def _blocks_of(self, req_id: str) -> Any:
         assert self._kv_cache_manager is not None
@@ -325,6 +364,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.scheduler is None:
             return TieredConnectorMetadata(StepPlan())
+        self._follow_weight_version()
         scheduled = scheduler_output.num_scheduled_tokens
         computed_after: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -425,13 +465,16 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """Connector-cache reset (e.g. after a weight update): empty the CPU tier and move to
-        a new namespace generation, so no entry stored before — in the CPU tier or in Redis —
-        is ever served again. Redis values of older generations are left to expire (TTL) or
-        to the janitor; other engines sharing Redis are not affected."""
+        a new namespace generation — vLLM's weight version when the user named new weights
+        since the last reset, else a random nonce no other engine can hold — so no entry
+        stored before, in the CPU tier or in Redis, is ever served again. Redis values of
+        older generations are left to expire (TTL) or to the janitor; other engines sharing
+        Redis are not affected."""
         if self.scheduler is None:
             return True
         self.scheduler.reset()
-        self._generation += 1
+        self._generation.reset(self._weights.read())
         self._namespaces.clear()
-        log.info("kvtier: connector cache reset; namespace generation %d", self._generation)
+        log.info("kvtier: connector cache reset; namespace generation %s",
+                 self._generation.name)
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.vllm_connector.plan import merge_save_ids
 from offload_tiers.keys import BlockKey
 
 
@@ -37,7 +38,7 @@ class SlotJob:
 @dataclass(slots=True)
 class ProbeJob:
     keys: tuple[BlockKey, ...]
-    counts: list[int]
+    save_ids: list[int] | None = None  # merged over the ranks that answered so far
     reports: int = 0
 
 
@@ -70,7 +71,7 @@ class JobBook:
 
     def open_probe(self, keys: tuple[BlockKey, ...]) -> int:
         job = self._id()
-        self._probes[job] = ProbeJob(keys, [0] * len(keys))
+        self._probes[job] = ProbeJob(keys)
         return job
 
     def report(self, job: int, ok: int, reports: int,
@@ -87,15 +88,17 @@ class JobBook:
         del self._slots[job]
         return entry, entry.ok >= self.world_size
 
-    def report_probe(self, job: int, counts: list[int], reports: int
+    def report_probe(self, job: int, save_ids: list[int], reports: int
                      ) -> tuple[tuple[BlockKey, ...], list[int]] | None:
-        """Add ranks' presence counts; ``(keys, counts)`` once every rank has answered."""
+        """Add ranks' save ids; ``(keys, save_ids)`` once every rank has answered (a key is
+        present only where every rank read the same save: an id > 0)."""
         entry = self._probes.get(job)
         if entry is None:
             return None
-        entry.counts = [a + b for a, b in zip(entry.counts, counts, strict=True)]
+        entry.save_ids = list(save_ids) if entry.save_ids is None \
+            else merge_save_ids(entry.save_ids, save_ids)
         entry.reports += reports
         if entry.reports < self.world_size:
             return None
         del self._probes[job]
-        return entry.keys, entry.counts
+        return entry.keys, entry.save_ids

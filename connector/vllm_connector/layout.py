@@ -1,15 +1,23 @@
-"""Where one block lives inside each layer's KV tensor, read from the tensors' shapes.
+"""Where one block lives inside each layer's KV tensor: declared by vLLM, else read from strides.
 
-vLLM hands the worker one tensor per layer (sometimes a list, e.g. Mamba conv + SSM state on
-CUDA). The block dimension is the one whose size is the number of KV-cache blocks:
+vLLM hands the worker one tensor per layer (a list in older releases, e.g. Mamba conv + SSM
+state). The block dimension is the one that vLLM's block ids index. Rules, in order:
 
-* CPU attention: ``[num_blocks, kv_heads, block_size, 2*head_dim]`` (dim 0)
-* CUDA attention: ``[2, num_blocks, block_size, heads, head_dim]`` and friends (dim 1)
-* Mamba pages on CPU: an int8 view ``[num_blocks, 1, 1, page_bytes]`` over shared memory
+1. **Declared.** ``declared_block_dims[layer][i]`` (read from vLLM by
+   :mod:`connector.vllm_connector.declared_layout`) names the block dimension of tensor ``i``.
+   It is used as given, after one check: its size must be ``num_blocks``.
+2. **The one dimension of size num_blocks.** Undeclared tensors with exactly one such dimension.
+3. **The outermost one.** Undeclared tensors with several: vLLM's page pool places whole
+   blocks outermost inside a layer in its block-compact layouts (``LBHNC``, ``LBNHC``,
+   ``BL..``, ``BHLNC``; Mamba's int8 page view ``[num_blocks, 1, 1, page_bytes]``), so the
+   candidate with the strictly largest stride is the block dimension. Layouts that put
+   another dimension outside the blocks (``LHBNC``; the legacy ``[2, num_blocks, ...]``)
+   break this rule: that is why declarations come first.
 
-Nothing is assumed: a tensor with no block dimension, or an ambiguous one, is an error at
-start. A stored slot for group ``g`` is the concatenation of one block's bytes of every
-tensor of every layer in ``g``, in layer-name order.
+Anything else (no candidate, a declaration of the wrong size, candidates with equal strides)
+is a :class:`LayoutError` at engine start that names the layer, the shape and the fix. A
+stored slot for group ``g`` is the concatenation of one block's bytes of every tensor of
+every layer in ``g``, in layer-name order. This module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -79,24 +87,80 @@ def _as_list(value: Any) -> list[Any]:
     return [value]
 
 
-def find_block_dim(shape: tuple[int, ...], num_blocks: int, layer: str) -> int:
-    """The dimension of ``shape`` that indexes blocks; LayoutError if none or ambiguous."""
+_FIX = ("Fix: pass vLLM's declaration (declared_layout.declared_block_dims) to the layout, "
+        "or, as a workaround, choose num_gpu_blocks_override so that no other dimension of "
+        "the KV tensors has that size")
+
+
+def find_block_dim(shape: tuple[int, ...], num_blocks: int, layer: str,
+                   strides: tuple[int, ...] | None = None) -> int:
+    """The block dimension of an undeclared tensor (rules 2 and 3 above); LayoutError if none.
+
+    Without ``strides`` several dimensions of size ``num_blocks`` are an error.
+    """
     dims = [d for d, size in enumerate(shape) if size == num_blocks]
     if len(dims) == 1:
         return dims[0]
     if not dims:
         raise LayoutError(
             f"layer {layer}: no dimension of shape {tuple(shape)} equals num_blocks={num_blocks}"
-        )
+            f" and vLLM declared none. {_FIX}")
+    if num_blocks == 1:
+        return dims[0]  # one block: every candidate addresses the same bytes
+    if strides is not None:
+        ranked = sorted(dims, key=lambda d: strides[d], reverse=True)
+        if strides[ranked[0]] > strides[ranked[1]]:
+            return ranked[0]
     raise LayoutError(
-        f"layer {layer}: shape {tuple(shape)} has several dimensions of size "
-        f"num_blocks={num_blocks}; cannot tell which one indexes blocks"
-    )
+        f"layer {layer}: shape {tuple(shape)} (strides {strides}) has several dimensions of "
+        f"size num_blocks={num_blocks} and none is outermost; cannot tell which one indexes "
+        f"blocks. {_FIX}")
+
+
+def check_declared_dim(shape: tuple[int, ...], block_dim: int, num_blocks: int,
+                       layer: str) -> int:
+    """A block dimension declared by vLLM (rule 1), checked against the tensor's shape."""
+    if not -len(shape) <= block_dim < len(shape):
+        raise LayoutError(
+            f"layer {layer}: vLLM declares block dimension {block_dim}, but the KV tensor has "
+            f"shape {tuple(shape)}. Fix: the engine's KV tensors do not match its attention "
+            "backend; report the backend and shape to kvtier")
+    block_dim %= len(shape)
+    if shape[block_dim] != num_blocks:
+        raise LayoutError(
+            f"layer {layer}: vLLM declares block dimension {block_dim}, but dimension "
+            f"{block_dim} of shape {tuple(shape)} has size {shape[block_dim]}, not "
+            f"num_blocks={num_blocks}. Fix: the engine's KV tensors do not match its "
+            "declared layout (kernel-block views? pass declared_layout.manager_block_views)")
+    return block_dim
+
+
+def _block_dims(layer: str, tensors: list[Any], num_blocks: int,
+                declared: dict[str, list[int]] | None) -> list[int]:
+    """The block dimension of each tensor of ``layer``: declared, else from strides."""
+    shapes = [tuple(int(s) for s in t.shape) for t in tensors]
+    dims = None if declared is None else declared.get(layer)
+    if dims is None:
+        return [find_block_dim(shape, num_blocks, layer, tuple(int(s) for s in t.stride()))
+                for shape, t in zip(shapes, tensors, strict=True)]
+    if len(dims) != len(tensors):
+        raise LayoutError(
+            f"layer {layer}: vLLM declares {len(dims)} block dimension(s) {list(dims)}, but "
+            f"the layer has {len(tensors)} KV tensor(s) of shapes {shapes}. Fix: report the "
+            "layer's backend and shapes to kvtier")
+    return [check_declared_dim(shape, int(dim), num_blocks, layer)
+            for shape, dim in zip(shapes, dims, strict=True)]
 
 
 def build_layout(kv_caches: dict[str, Any], groups: list[tuple[int, str, int, list[str]]],
-                 num_blocks: int) -> KVLayout:
-    """Lay out the slots. ``groups``: ``(group_id, kind, block_size, layer_names)``."""
+                 num_blocks: int,
+                 declared_block_dims: dict[str, list[int]] | None = None) -> KVLayout:
+    """Lay out the slots. ``groups``: ``(group_id, kind, block_size, layer_names)``.
+
+    ``declared_block_dims``: layer -> block dimension of each of its tensors, as vLLM
+    declares them (:func:`declared_layout.declared_block_dims`); layers it leaves out, or
+    all of them when it is None, follow the stride rules.
+    """
     device = ""
     out: list[GroupLayout] = []
     for group_id, kind, block_size, layer_names in groups:
@@ -105,9 +169,10 @@ def build_layout(kv_caches: dict[str, Any], groups: list[tuple[int, str, int, li
         for layer in sorted(layer_names):
             if layer not in kv_caches:
                 raise LayoutError(f"layer {layer} of group {group_id} has no KV tensor")
-            for index, tensor in enumerate(_as_list(kv_caches[layer])):
+            tensors = _as_list(kv_caches[layer])
+            dims = _block_dims(layer, tensors, num_blocks, declared_block_dims)
+            for index, (tensor, block_dim) in enumerate(zip(tensors, dims, strict=True)):
                 shape = tuple(int(s) for s in tensor.shape)
-                block_dim = find_block_dim(shape, num_blocks, layer)
                 block_shape = shape[:block_dim] + shape[block_dim + 1:]
                 itemsize = int(tensor.element_size())
                 nbytes = itemsize

@@ -42,6 +42,9 @@ class FetchOp:
     req_id: str
     slot: int
     key: BlockKey
+    # The save every rank must read (the probe's answer): with TP, shards of other saves
+    # (another engine's, or one a failed load left half-written) fail the fetch.
+    save_id: int | None = None
 
 
 #: The slot of a save that found no CPU-tier slot: the worker copies the block into a buffer
@@ -64,11 +67,13 @@ class SaveOp:
     slot: int
     key: BlockKey
     to_redis: bool
+    save_id: int = 0  # written into every rank's value header (one save, one id)
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeOp:
-    """Ask Redis which of ``keys`` every rank holds (answered through the worker report)."""
+    """Ask Redis which save of each of ``keys`` every rank holds (answered through the
+    worker report)."""
 
     job: int
     keys: tuple[BlockKey, ...]
@@ -94,15 +99,26 @@ class StepPlan:
                     or self.tail_reqs)
 
 
+#: A probe answer where ranks read different saves of one key (never a hit).
+MIXED_SAVES = -1
+
+
+def merge_save_ids(mine: list[int], theirs: list[int]) -> list[int]:
+    """Per key: the save id both sides read, else :data:`MIXED_SAVES` (0 = absent merges to
+    mixed too, unless both found nothing)."""
+    return [a if a == b else MIXED_SAVES for a, b in zip(mine, theirs, strict=True)]
+
+
 @dataclass(slots=True)
 class WorkerReport:
     """What workers tell the scheduler; vLLM merges the ranks' reports with :meth:`merge`.
 
     ``saves``: job -> ``[ranks_ok, ranks_reporting, ranks_whose_copy_failed]`` (a save is
     ok when the block reached the slot and, if asked, Redis); ``fetches``: job ->
-    ``[ranks_ok, ranks_reporting]``. ``probes``: job -> ``(present_counts,
-    ranks_reporting)`` with one count per key. ``redis_up``: the lowest over ranks
-    (-1 = no Redis configured).
+    ``[ranks_ok, ranks_reporting]``. ``probes``: job -> ``(save_ids, ranks_reporting)``
+    with one save id per key: the id every reporting rank read, 0 where a rank found none,
+    :data:`MIXED_SAVES` where ranks read different saves (:func:`merge_save_ids`).
+    ``redis_up``: the lowest over ranks (-1 = no Redis configured).
     """
 
     saves: dict[int, list[int]] = field(default_factory=dict)
@@ -116,12 +132,12 @@ class WorkerReport:
                 cur = mine.get(job)
                 mine[job] = list(counts) if cur is None else [a + b for a, b in
                                                               zip(cur, counts, strict=True)]
-        for job, (counts, n) in other.probes.items():
+        for job, (ids, n) in other.probes.items():
             if job in self.probes:
                 old, m = self.probes[job]
-                self.probes[job] = ([a + b for a, b in zip(old, counts, strict=True)], m + n)
+                self.probes[job] = (merge_save_ids(old, ids), m + n)
             else:
-                self.probes[job] = (list(counts), n)
+                self.probes[job] = (list(ids), n)
         if other.redis_up >= 0:
             self.redis_up = other.redis_up if self.redis_up < 0 \
                 else min(self.redis_up, other.redis_up)

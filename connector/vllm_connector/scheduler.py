@@ -42,6 +42,7 @@ from connector.vllm_connector.plan import (
     WorkerReport,
 )
 from connector.vllm_connector.stats import ConnectorCounters
+from offload_tiers.codec import new_save_id
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKey, BlockKind, kind_for
 
@@ -111,14 +112,18 @@ class _Lookup:
     slots: dict[BlockKey, int]  # pinned CPU slots and reserved fetch slots
     offered: int  # tokens offered to vLLM: end - start, or one less for a whole-prompt hit
     load_async: bool
+    save_ids: dict[BlockKey, int]  # the save every rank must read, for each Redis key
 
 
 @dataclass(slots=True)
 class _Probe:
-    job: int
-    keys: tuple[BlockKey, ...]
-    sent_at: float
-    present: dict[BlockKey, bool] | None = None
+    """One request's Redis question: keys asked (over one or more probe jobs), the save id
+    every rank read for each answered key (0 or :data:`MIXED_SAVES`: not a hit), and how
+    many times the lookup answered "ask again" (never reset while the request waits)."""
+
+    asked: set[BlockKey] = field(default_factory=set)
+    answers: dict[BlockKey, int] = field(default_factory=dict)
+    asks: int = 0
 
 
 @dataclass(slots=True)
@@ -176,6 +181,7 @@ class TieredScheduler:
                                  f"of the hash unit {hash_unit}")
         self._pending: dict[str, _Lookup] = {}
         self._probes: dict[str, _Probe] = {}
+        self._probe_reqs: dict[int, str] = {}  # probe job -> request
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._hit_tiers: dict[str, dict[str, int]] = {}
@@ -192,7 +198,10 @@ class TieredScheduler:
         # included, before the request runs, so later turns hit vLLM's own cache. A hit that
         # needs Redis is asynchronous too: the workers fetch it in the background.
         self.hybrid = bool(self.mamba)
-        self.probe_timeout_s = max(1.0, 8 * config.redis_timeout_s)
+        # "Ask again" answers one request may get while its Redis probe is out. Answers come
+        # back in a later step's worker report whatever the step took (no wall clock); the
+        # bound only keeps a request from waiting for ever on an answer that never comes.
+        self.max_probe_asks = config.max_probe_asks
         self._gauges_at = float("-inf")
 
     def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
@@ -253,11 +262,12 @@ class TieredScheduler:
             (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
              if ok), Tier.CPU)
         missing = tuple(k for k in ordered if k not in tiers and not self._is_bad(k))
-        if missing and not self._redis_answer(request.request_id, missing, tiers):
+        save_ids: dict[BlockKey, int] = {}
+        if missing and not self._redis_answer(request.request_id, missing, tiers, save_ids):
             return None, False
         self.counters.add("lookups")
         self.counters.add("lookup_tokens", request.num_tokens - num_computed)
-        return self._choose(request, num_computed, ends, prefix, ending, tiers)
+        return self._choose(request, num_computed, ends, prefix, ending, tiers, save_ids)
 
     def _candidates(self, request: RequestLike, fp: str, ends: list[int]
                     ) -> tuple[dict[int, list[_Need]], dict[int, list[_Need]]]:
@@ -280,39 +290,47 @@ class TieredScheduler:
         return prefix, ending
 
     def _redis_answer(self, req_id: str, missing: tuple[BlockKey, ...],
-                      tiers: dict[BlockKey, str]) -> bool:
-        """Fill ``tiers`` with the Redis-held keys among ``missing``; False = ask again.
+                      tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int]) -> bool:
+        """Fill ``tiers`` (and ``save_ids``) with the Redis-held keys among ``missing``;
+        False = ask again.
 
-        The first call sends a probe to the workers; the answer comes through a later
-        worker report. A probe that outlives ``probe_timeout_s`` (or Redis known down) is
-        answered from the CPU tier alone (counted as ``redis_lookup_skips``).
+        Keys not asked yet go to the workers as a probe job; the answer comes through a later
+        worker report, counted in engine steps, not seconds. A key is held only where every
+        rank read the same save. Redis known down at the first ask skips Redis
+        (``redis_lookup_skips``); a request that got ``max_probe_asks`` "ask again" answers
+        is answered from what is known (``probe_gave_up``).
         """
         if not self.redis_configured:
             return True
         probe = self._probes.get(req_id)
-        if probe is None or not set(missing) <= set(probe.keys):
+        if probe is None:
             if not self.redis_up:
                 self.counters.add("redis_lookup_skips")
                 return True
-            job = self.jobs.open_probe(missing)
-            self._probes[req_id] = _Probe(job, missing, time.monotonic())
-            self._plan.probes.append(ProbeOp(job, missing))
-            return False
-        if probe.present is None:
-            if time.monotonic() - probe.sent_at < self.probe_timeout_s:
+            probe = self._probes[req_id] = _Probe()
+        new = tuple(k for k in missing if k not in probe.asked)
+        if new and self.redis_up:
+            job = self.jobs.open_probe(new)
+            self._probe_reqs[job] = req_id
+            probe.asked.update(new)
+            self._plan.probes.append(ProbeOp(job, new))
+        if not all(k in probe.answers for k in missing if k in probe.asked):
+            if probe.asks < self.max_probe_asks:
+                probe.asks += 1
+                self.counters.add("probe_waits")
                 return False
-            self.counters.add("redis_lookup_skips")
-            del self._probes[req_id]
-            return True
+            self.counters.add("probe_gave_up")
         del self._probes[req_id]
         for k in missing:
-            if probe.present.get(k):
+            save_id = probe.answers.get(k, 0)
+            if save_id > 0:
                 tiers[k] = Tier.REDIS
+                save_ids[k] = save_id
         return True
 
     def _choose(self, request: RequestLike, num_computed: int, ends: list[int],
                 prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
-                tiers: dict[BlockKey, str]) -> tuple[int, bool]:
+                tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int]) -> tuple[int, bool]:
         for _attempt in range(3):
             best, needs, present = self._best(ends, prefix, ending, tiers)
             if best == 0:
@@ -332,7 +350,7 @@ class TieredScheduler:
             load_async = self.hybrid or any(tiers[n.key] == Tier.REDIS for n in needs)
             offered = whole_prompt_offer(best, request.num_tokens) - num_computed
             self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers,
-                                                        slots, offered, load_async)
+                                                        slots, offered, load_async, save_ids)
             return offered, load_async
         return 0, False
 
@@ -430,7 +448,8 @@ class TieredScheduler:
             slot = pending.slots[need.key]
             if tier == Tier.REDIS and need.key not in fetched:
                 fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
-                self._plan.fetches.append(FetchOp(fetched[need.key], req_id, slot, need.key))
+                self._plan.fetches.append(FetchOp(fetched[need.key], req_id, slot, need.key,
+                                                  pending.save_ids.get(need.key)))
             self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, slot, need.key,
                                            after_fetch=tier == Tier.REDIS))
             self._remember(request, need.key, self._group(need.group))
@@ -585,7 +604,7 @@ class TieredScheduler:
             self.counters.add("overflow_saves")
             job = self.jobs.open_save(key, OVERFLOW_SLOT, request.request_id, mark, True)
             plan.saves.append(SaveOp(job, request.request_id, g.group, block_id,
-                                     OVERFLOW_SLOT, key, True))
+                                     OVERFLOW_SLOT, key, True, new_save_id()))
             self._remember(request, key, g)
             return
         if slot is None:
@@ -600,7 +619,7 @@ class TieredScheduler:
             self.counters.add("redis_unavailable_saves")
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
-                                 to_redis))
+                                 to_redis, new_save_id() if to_redis else 0))
         self.outbox.append(TierChange(key, Medium.CPU, stored=True))
         self._remember(request, key, g)
 
@@ -636,8 +655,8 @@ class TieredScheduler:
             done = self.jobs.report(job, ok, n)
             if done is not None:
                 self._fetch_done(job, *done)
-        for job, (counts, n) in report.probes.items():
-            done = self.jobs.report_probe(job, counts, n)
+        for job, (ids, n) in report.probes.items():
+            done = self.jobs.report_probe(job, ids, n)
             if done is not None:
                 self._probe_done(job, *done)
 
@@ -687,12 +706,11 @@ class TieredScheduler:
         del self._bad[key]
         return False
 
-    def _probe_done(self, job: int, keys: tuple[BlockKey, ...], counts: list[int]) -> None:
-        for probe in self._probes.values():
-            if probe.job == job:
-                probe.present = {k: c >= self.world_size
-                                 for k, c in zip(keys, counts, strict=True)}
-                return
+    def _probe_done(self, job: int, keys: tuple[BlockKey, ...], save_ids: list[int]) -> None:
+        req_id = self._probe_reqs.pop(job, None)
+        probe = self._probes.get(req_id) if req_id is not None else None
+        if probe is not None:
+            probe.answers.update(zip(keys, save_ids, strict=True))
 
     def register_tail(self, request: RequestLike, entries: list[tuple[int, int, int]]) -> bool:
         """A finishing request's Mamba partial tails (group, block id, tokens): save them in
@@ -714,7 +732,7 @@ class TieredScheduler:
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._drop_pending(req_id)
-        self._probes.pop(req_id, None)
+        self._probes.pop(req_id, None)  # its jobs' answers, when they come, find no one
         self._hit_tiers.pop(req_id, None)
 
     def preempted(self, req_id: str) -> None:

@@ -47,6 +47,10 @@ COUNTER_NAMES: tuple[str, ...] = (
     "failed_restore_tokens",
     "overflow_saves",  # saves that found every CPU slot pinned: written to Redis only
     "partial_tails_saved",  # Mamba partial tails of finishing requests (kept, not dropped)
+    "probe_waits",  # lookups answered "ask again" while the request's Redis probe was out
+    "probe_gave_up",  # requests answered without Redis after max_probe_asks waits
+    "redis_stale_saves",  # Redis shards of another save than the probe found (TP): not loaded
+    "redis_corrupt_deleted",  # corrupt Redis values deleted (only if unchanged since read)
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).

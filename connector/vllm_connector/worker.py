@@ -28,7 +28,7 @@ import torch
 
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.layout import KVLayout, build_layout
-from connector.vllm_connector.namespace import rank_fingerprint
+from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.plan import (
     OVERFLOW_SLOT,
     FetchOp,
@@ -44,6 +44,9 @@ from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.keys import BlockKey, BlockKind
 
 log = logging.getLogger(__name__)
+
+#: Base fingerprints (tenants x generations) whose rank fingerprints are kept.
+RANK_FP_CACHE_MAX = 4096
 
 
 def make_redis_tier(config: TieredConfig) -> Any:
@@ -82,7 +85,7 @@ class TieredWorker:
         self.slab: Any = None
         self._slab_owner: Any = None
         self.holds: list[BlockKey | None] = [None] * num_slots
-        self._rank_fps: dict[str, str] = {}
+        self._rank_fps: BoundedCache[str, str] = BoundedCache(RANK_FP_CACHE_MAX)
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io")
         self._lock = threading.Lock()
         self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
@@ -115,7 +118,7 @@ class TieredWorker:
             assert self.layout is not None
             fp = rank_fingerprint(key.fingerprint, self.tp_rank, self.tp_size,
                                   self.layout.descriptor())
-            self._rank_fps[key.fingerprint] = fp
+            self._rank_fps.put(key.fingerprint, fp)
         return BlockKey(fp, key.group, key.block_hash, key.num_tokens, key.kind)
 
     def _nbytes(self, group: int) -> int:
@@ -194,13 +197,14 @@ class TieredWorker:
 
     # ------------------------------------------------------------------ I/O threads
     def _probe(self, probe: ProbeOp) -> None:
+        """Which save of each key this rank's Redis holds (0: none valid)."""
+        ids: list[int | None] = [None] * len(probe.keys)
         try:
-            present = self.redis.exists_many([self.storage_key(k) for k in probe.keys]) \
-                if self.redis is not None else [False] * len(probe.keys)
+            if self.redis is not None:
+                ids = self.redis.save_ids_many([self.storage_key(k) for k in probe.keys])
         except Exception:
             log.exception("kvtier: Redis probe failed")
-            present = [False] * len(probe.keys)
-        self._done.append(("probe", (probe.job, [int(p) for p in present])))
+        self._done.append(("probe", (probe.job, [i or 0 for i in ids])))
 
     def _fetch(self, req_id: str, ops: list[FetchOp]) -> None:
         """Read values from Redis straight into their slots, validated (I/O thread)."""
@@ -208,7 +212,8 @@ class TieredWorker:
         try:
             if self.redis is not None:
                 dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in ops]
-                oks = self.redis.get_many_into([self.storage_key(op.key) for op in ops], dests)
+                oks = self.redis.get_many_into([self.storage_key(op.key) for op in ops], dests,
+                                               save_ids=[op.save_id for op in ops])
         except Exception:
             log.exception("kvtier: fetching from Redis failed")
         self._done.append(("fetch", (req_id, ops, oks)))
@@ -223,8 +228,8 @@ class TieredWorker:
         while self._done:
             kind, value = self._done.popleft()
             if kind == "probe":
-                job, present = value
-                self._report.probes[job] = (present, 1)
+                job, save_ids = value
+                self._report.probes[job] = (save_ids, 1)
             elif kind == "fetch":
                 self._fetched(*value)
             else:
@@ -274,7 +279,12 @@ class TieredWorker:
             if op.slot != OVERFLOW_SLOT and last[op.slot] is not op:
                 self._report_save(op.job, ok=True, gathered=True)
             elif op.req_id in self._failed_now:
+                # Computed over a context that failed to load here. Other ranks may not know
+                # (with TP their shards are bad too): this rank writes no shard of this save,
+                # so no reader can ever assemble it (shards are served only as one save).
                 self.counters.add("saves_skipped_after_failed_load")
+                if op.slot != OVERFLOW_SLOT:
+                    self.holds[op.slot] = None
                 self._report_save(op.job, ok=False, gathered=False)
             else:
                 if op.slot != OVERFLOW_SLOT:
@@ -332,13 +342,15 @@ class TieredWorker:
         keyed = [(self.storage_key(op.key), view) for op, view in remote]
         if self.config.write_mode == "through":
             # Which values of a short batch landed is unknown: count none (never over-claim).
-            all_ok = self.redis.put_many(keyed) == len(keyed)
+            all_ok = self.redis.put_many(keyed, save_ids=[op.save_id for op, _ in remote]) \
+                == len(keyed)
             for op, view in remote:
                 self._on_written(op.job, view.nbytes)(all_ok)
             return
         for (op, view), (key, _) in zip(remote, keyed, strict=True):
             # The slot stays pinned by the scheduler until this job is reported: no copy.
-            self.redis.submit_put(key, view, on_done=self._on_written(op.job, view.nbytes))
+            self.redis.submit_put(key, view, on_done=self._on_written(op.job, view.nbytes),
+                                  save_id=op.save_id)
 
     def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
         self._report.saves[job] = [int(ok), 1, int(not gathered)]
@@ -370,11 +382,14 @@ class TieredWorker:
         st = self.redis.stats()
         for name, ours in (("unavailable_events", "redis_unavailable_events"),
                            ("recoveries", "redis_recoveries"),
-                           ("corrupt", "redis_corrupt_values")):
+                           ("corrupt", "redis_corrupt_values"),
+                           ("corrupt_deleted", "redis_corrupt_deleted"),
+                           ("stale_saves", "redis_stale_saves")):
             seen = self._redis_seen.get(name, 0)
-            if st[name] > seen:
-                self.counters.add(ours, st[name] - seen)
-                self._redis_seen[name] = st[name]
+            now = int(st.get(name, 0))
+            if now > seen:
+                self.counters.add(ours, now - seen)
+                self._redis_seen[name] = now
 
     def close(self) -> None:
         """Finish queued writes (bounded), stop the I/O threads, drop the slab. Idempotent."""

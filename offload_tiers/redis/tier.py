@@ -19,10 +19,21 @@ writes are counted as failed) until a background probe (exponential backoff with
 finds it answering again (:mod:`offload_tiers.redis.client`). Nothing raises into the
 caller, except ``from_url(strict=True)`` at start-up. Error texts and logs never contain
 the password.
+
+Save ids: a store may carry the writer's save id in the header (:mod:`offload_tiers.codec`);
+a read that asks for one treats a valid value of another save as a miss (``stale_saves``),
+never as corrupt. ``save_ids_many`` reports the stored save ids without reading payloads.
+
+Corrupt values: a value a read proved corrupt (header or checksum) is deleted right after the
+read, on the calling thread, by a one-key Lua script that unlinks it only while its first 64
+bytes are still the bytes judged (a value rewritten meanwhile is kept). Best effort and
+counted (``corrupt_deleted``); off with ``delete_corrupt=False``. A miss, another save, an
+error reply or a timeout never deletes anything.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -30,7 +41,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from redis.exceptions import ResponseError
@@ -50,6 +61,30 @@ _NODE_THREADS = 8  # Cluster nodes exchanged with at once
 
 #: Reads the reply to command ``i`` of a batch from the reader.
 ReadReply = Callable[[Reader, int], Any]
+
+# Unlink KEYS[1] only while its first 64 bytes are ARGV[1] and its length ARGV[2]: what was
+# judged corrupt (a short value's GETRANGE is the short bytes, so those compare as read).
+# One key: Cluster-safe.
+_LUA_UNLINK_IF_SAME = ("if redis.call('GETRANGE', KEYS[1], 0, 63) == ARGV[1] and "
+                       "redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[2]) then "
+                       "return redis.call('UNLINK', KEYS[1]) else return 0 end")
+_LUA_SHA = hashlib.sha1(_LUA_UNLINK_IF_SAME.encode(), usedforsecurity=False).hexdigest().encode()
+
+
+#: A value proven corrupt: (key name, its first 64 bytes as read, its length).
+Doomed = tuple[bytes, bytes, int]
+
+
+class _Refused(NamedTuple):
+    """A value a read did not serve. ``judged``: the bytes that proved it corrupt (its first
+    64, or fewer for a short value), to delete it while unchanged; None when it is not proof
+    of corruption (``stale``: another save; else another kind, ``num_tokens`` or length than
+    asked — maybe a valid value for another reader of the same name)."""
+
+    reason: str
+    judged: bytes | None = None
+    total_len: int = 0
+    stale: bool = False
 
 
 class _Lazy(Sequence[list]):
@@ -100,7 +135,7 @@ class RedisTier:
                  ttl_s: float | None = None, ttl_jitter: float = 0.1, max_inflight: int = 64,
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0) -> None:
+                 backoff_max_s: float = 5.0, delete_corrupt: bool = True) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not 0 <= ttl_jitter <= 1:
@@ -113,6 +148,8 @@ class RedisTier:
         self.ttl_jitter = ttl_jitter
         self.max_inflight = max_inflight
         self.max_inflight_bytes = max_inflight_bytes
+        self.delete_corrupt = delete_corrupt
+        self._scripts_refused = False  # the server refuses EVAL (ACL): no corrupt deletes
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._factory = client
         self._client: Any = None
@@ -128,7 +165,8 @@ class RedisTier:
         self._n = dict.fromkeys(
             ("puts", "put_bytes", "put_failures", "gets", "hits", "misses", "corrupt",
              "exists_checks", "deletes", "errors", "unavailable_events", "recoveries",
-             "dropped_unavailable", "skipped_unavailable"), 0)
+             "dropped_unavailable", "skipped_unavailable", "stale_saves", "corrupt_deleted",
+             "corrupt_changed", "corrupt_delete_failures"), 0)
         self._writer = WriteBehind(self._sink, max_items=write_queue_max,
                                    max_bytes=write_queue_max_bytes, tick=self._probe,
                                    name="kvtier-redis-writer")
@@ -141,7 +179,7 @@ class RedisTier:
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, cluster: bool | None = None,
                  ssl_ca_certs: str | None = None, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0, strict: bool = False,
+                 backoff_max_s: float = 5.0, strict: bool = False, delete_corrupt: bool = True,
                  **redis_kwargs: Any) -> RedisTier:
         """Connect to ``url``; with ``strict`` a failing first contact raises RedisTierError.
 
@@ -161,7 +199,8 @@ class RedisTier:
         tier = cls(client, prefix=prefix, ttl_s=ttl_s, ttl_jitter=ttl_jitter,
                    max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes,
                    write_queue_max=write_queue_max, write_queue_max_bytes=write_queue_max_bytes,
-                   backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
+                   backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+                   delete_corrupt=delete_corrupt)
         tier._probe(force=True)
         if strict and not tier.available:
             error = tier.last_error
@@ -416,12 +455,20 @@ class RedisTier:
         return max(1, int(self.ttl_s * 1000 * (1 + random.uniform(0, self.ttl_jitter))))
 
     # ------------------------------------------------------------------ API
-    def put_many(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> int:
-        """Store blocks now (pipelined); the number stored. Never raises for Redis trouble;
-        a key that cannot be stored raises ValueError before anything is sent."""
-        return sum(self._put_flags(items))
+    def put_many(self, items: Sequence[tuple[BlockKey, BytesLike]], *,
+                 save_ids: Sequence[int] | None = None) -> int:
+        """Store blocks now (pipelined); the number stored. ``save_ids[i]``: the save id
+        ``items[i]``'s header carries (default 0). Never raises for Redis trouble; a key or
+        save id that cannot be stored raises ValueError before anything is sent."""
+        if save_ids is not None:
+            if len(save_ids) != len(items):
+                raise ValueError(f"{len(items)} items but {len(save_ids)} save ids")
+            for save_id in save_ids:
+                codec.validate_save_id(save_id)
+        return sum(self._put_flags(items, save_ids))
 
-    def _put_flags(self, items: Sequence[tuple[BlockKey, BytesLike]]) -> list[bool]:
+    def _put_flags(self, items: Sequence[tuple[BlockKey, BytesLike]],
+                   save_ids: Sequence[int] | None = None) -> list[bool]:
         if not items:
             return []
         keys = [key for key, _ in items]
@@ -432,7 +479,8 @@ class RedisTier:
         digests = _digests(keys)
 
         def build(i: int) -> list:  # run as the window is topped up: overlaps the server
-            header = codec.encode_header(keys[i], views[i], digest=digests[i], validated=True)
+            header = codec.encode_header(keys[i], views[i], digest=digests[i], validated=True,
+                                         save_id=0 if save_ids is None else save_ids[i])
             return set_parts(names[i], header, views[i], self._px())
 
         sizes = [len(v) + codec.HEADER_SIZE for v in views]
@@ -450,17 +498,20 @@ class RedisTier:
         return flags
 
     def _sink(self, batch: Sequence[Item]) -> list[bool]:
-        return self._put_flags([(item.key, item.payload) for item in batch])
+        return self._put_flags([(item.key, item.payload) for item in batch],
+                               [item.save_id for item in batch])
 
     def submit_put(self, key: BlockKey, payload: BytesLike, *,
-                   on_done: DoneCallback | None = None) -> bool:
+                   on_done: DoneCallback | None = None, save_id: int = 0) -> bool:
         """Queue a store for the background writer; False = dropped (counted), never blocks.
 
         Without ``on_done`` a non-``bytes`` payload is copied (the caller may reuse its
         buffer). With ``on_done`` the caller keeps the buffer unchanged until
-        ``on_done(stored: bool)`` runs (called exactly once, also on a drop).
+        ``on_done(stored: bool)`` runs (called exactly once, also on a drop). ``save_id``:
+        the save id the stored header carries.
         """
         codec.validate_key(key)  # a bad key is the caller's error: say so now, not later
+        codec.validate_save_id(save_id)
         if not self._accepting():
             with self._lock:
                 self._n["dropped_unavailable"] += 1
@@ -470,7 +521,7 @@ class RedisTier:
         if on_done is None and not isinstance(payload, bytes):
             payload = bytes(memoryview(payload).cast("B"))
         nbytes = memoryview(payload).nbytes
-        return self._writer.submit(Item(key, payload, nbytes, on_done))
+        return self._writer.submit(Item(key, payload, nbytes, on_done, save_id))
 
     def _accepting(self) -> bool:
         """Worth queueing a store? (A Cluster with one node down still takes the others'.)"""
@@ -494,7 +545,8 @@ class RedisTier:
         replies = self._run(names, [[command(b"GET", n)] for n in names])
         out: list[memoryview | None] = []
         corrupt = hits = 0
-        for key, reply in zip(keys, replies, strict=True):
+        doomed: list[Doomed] = []
+        for key, name, reply in zip(keys, names, replies, strict=True):
             if reply is None:
                 out.append(None)
                 continue
@@ -508,55 +560,80 @@ class RedisTier:
             except codec.CorruptValue as exc:
                 corrupt += 1
                 log.debug("bad value at %s: %s", key.name, exc.reason)
+                head, total = bytes(reply[:codec.HEADER_SIZE]), memoryview(reply).nbytes
+                if exc.code == "bad_checksum" or _unservable(key, head, total):
+                    doomed.append((name, head, total))
                 out.append(None)
         self._count_reads(len(keys), hits, corrupt)
+        self._delete_corrupt(doomed)
         return out
 
-    def _count_reads(self, n: int, hits: int, corrupt: int) -> None:
+    def _count_reads(self, n: int, hits: int, corrupt: int, stale: int = 0) -> None:
         with self._lock:
             self._n["gets"] += n
             self._n["hits"] += hits
             self._n["misses"] += n - hits
             self._n["corrupt"] += corrupt
+            self._n["stale_saves"] += stale
 
     def get(self, key: BlockKey) -> memoryview | None:
         return self.get_many([key])[0]
 
-    def get_many_into(self, keys: Sequence[BlockKey],
-                      dests: Sequence[memoryview | np.ndarray]) -> list[bool]:
+    def get_many_into(self, keys: Sequence[BlockKey], dests: Sequence[memoryview | np.ndarray],
+                      *, save_ids: Sequence[int | None] | None = None) -> list[bool]:
         """Read each key's validated payload into ``dests[i]``; True = hit, dest filled.
 
         ``dests[i]`` is a writable, contiguous buffer of exactly the expected payload length
         (e.g. a CPU-tier slot row). Each reply is received straight into its dest and its
-        header and checksum are checked there; no payload object is made. False = miss, bad
-        value, other length or Redis trouble: the dest's contents are then undefined.
-        Never raises for Redis trouble; a read-only or non-contiguous dest is a ValueError.
+        header and checksum are checked there; no payload object is made. ``save_ids[i]``
+        not None: a valid value of another save is a miss (``stale_saves``, not corrupt).
+        False = miss, bad value, other save, other length or Redis trouble: the dest's
+        contents are then undefined. Never raises for Redis trouble; a read-only or
+        non-contiguous dest, or a length mismatch, is a ValueError.
         """
         if len(keys) != len(dests):
             raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
+        if save_ids is not None and len(save_ids) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(save_ids)} save ids")
         if not keys:
             return []
         views = [_writable_u8(d) for d in dests]
         digests = _digests(keys)
         names = [self._name(k) for k in keys]
+        wanted = save_ids if save_ids is not None else [None] * len(keys)
 
-        def read(reader: Reader, i: int) -> bool | str | ResponseError:
-            return _read_into(reader, keys[i], views[i], digests[i])
+        def read(reader: Reader, i: int) -> bool | _Refused | ResponseError:
+            return _read_into(reader, keys[i], views[i], digests[i], wanted[i])
 
         replies = self._run(names, [[command(b"GET", n)] for n in names],
                             sizes=[v.nbytes + codec.HEADER_SIZE for v in views], read=read)
         out = [r is True for r in replies]
-        hits = sum(out)
-        corrupt = 0
-        for key, reply in zip(keys, replies, strict=True):
-            if isinstance(reply, str | ResponseError):
+        corrupt = stale = 0
+        doomed: list[Doomed] = []
+        for key, name, reply in zip(keys, names, replies, strict=True):
+            if isinstance(reply, _Refused) and reply.stale:
+                stale += 1
+            elif isinstance(reply, _Refused | ResponseError):
                 corrupt += 1
-                log.debug("bad value at %s: %s", key.name, self._factory.scrub(str(reply)))
-        self._count_reads(len(keys), hits, corrupt)
+                why = reply.reason if isinstance(reply, _Refused) else str(reply)
+                log.debug("bad value at %s: %s", key.name, self._factory.scrub(why))
+                if isinstance(reply, _Refused) and reply.judged is not None:
+                    doomed.append((name, reply.judged, reply.total_len))
+        self._count_reads(len(keys), sum(out), corrupt, stale)
+        self._delete_corrupt(doomed)
         return out
 
     def exists_many(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Cheap presence check: the header (GETRANGE) and the length (STRLEN) validate."""
+        return [s is not None for s in self.save_ids_many(keys)]
+
+    def save_ids_many(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Each key's stored save id (0: stored without one), or None when absent or invalid.
+
+        The cheap probe: the header (``GETRANGE 0 63``) and the length (``STRLEN``) are
+        validated against the key, the payload is not read. An invalid one is counted
+        ``corrupt`` (and deleted while unchanged). Never raises for Redis trouble (None).
+        """
         if not keys:
             return []
         names, cmds = [], []
@@ -566,24 +643,66 @@ class RedisTier:
             names += [name, name]
             cmds += [[command(b"GETRANGE", name, b"0", end)], [command(b"STRLEN", name)]]
         replies = self._run(names, cmds)
-        out = []
+        out: list[int | None] = []
         corrupt = 0
+        doomed: list[Doomed] = []
         for n, key in enumerate(keys):
             header, length = replies[2 * n], replies[2 * n + 1]
-            ok = False
+            save_id = None
             if isinstance(header, bytes | memoryview) and isinstance(length, int) and length > 0:
                 try:
                     codec.check_header(key, header, total_len=length)
-                    ok = True
+                    save_id = codec.parse_header(header).save_id
                 except codec.CorruptValue:
                     corrupt += 1
+                    if _unservable(key, header, length):
+                        doomed.append((names[2 * n], bytes(header), length))
             elif isinstance(header, ResponseError):
                 corrupt += 1
-            out.append(ok)
+            out.append(save_id)
         with self._lock:
             self._n["exists_checks"] += len(keys)
             self._n["corrupt"] += corrupt
+        self._delete_corrupt(doomed)
         return out
+
+    def _delete_corrupt(self, doomed: Sequence[Doomed]) -> None:
+        """Unlink each ``(name, first 64 bytes, length)`` while the value still has them.
+
+        Best effort: a refusal, an error reply or Redis trouble is logged (debug) and counted,
+        never raised; a value that changed (or went) since it was judged is kept.
+        """
+        if not doomed or not self.delete_corrupt or self._scripts_refused:
+            return
+        names = [name for name, _, _ in doomed]
+        args = [(name, judged, b"%d" % total) for name, judged, total in doomed]
+        replies = self._run(names, [[command(b"EVALSHA", _LUA_SHA, b"1", *a)] for a in args])
+        again = [i for i, r in enumerate(replies)
+                 if isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT")]
+        if again:  # not cached on that server yet: send the script itself (it caches it)
+            script = _LUA_UNLINK_IF_SAME.encode()
+            retried = self._run([names[i] for i in again],
+                                [[command(b"EVAL", script, b"1", *args[i])] for i in again])
+            for i, reply in zip(again, retried, strict=True):
+                replies[i] = reply
+        deleted = changed = failed = 0
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, int):
+                deleted += reply == 1
+                changed += reply != 1
+                continue
+            failed += 1
+            log.debug("could not delete corrupt value %r: %s", name,
+                      self._factory.scrub(str(reply)) if reply is not None else "Redis trouble")
+            if isinstance(reply, ResponseError) and _refuses_scripts(reply):
+                self._scripts_refused = True
+        with self._lock:
+            self._n["corrupt_deleted"] += deleted
+            self._n["corrupt_changed"] += changed
+            self._n["corrupt_delete_failures"] += failed
+        if self._scripts_refused and failed:
+            log.warning("Redis %s refuses scripts: corrupt values found by reads are left "
+                        "for the janitor", self.target.redacted)
 
     def delete_many(self, keys: Sequence[BlockKey]) -> int:
         """Remove blocks; the number that existed."""
@@ -635,32 +754,58 @@ def _digests(keys: Sequence[BlockKey]) -> list[bytes]:
             for k in keys]
 
 
-def _read_into(reader: Reader, key: BlockKey, dest: memoryview,
-               digest: bytes) -> bool | str | ResponseError:
+def _read_into(reader: Reader, key: BlockKey, dest: memoryview, digest: bytes,
+               save_id: int | None) -> bool | _Refused | ResponseError:
     """Read one GET reply: True = the payload is in ``dest`` and valid, False = no such key,
-    a str = why the value was refused (its bytes consumed), or the server's error reply."""
+    a :class:`_Refused` = why the value was not served (its bytes consumed), or the server's
+    error reply. Corruption is judged first; another save only of a valid value."""
     n = reader.bulk_len()
     if n is None or isinstance(n, ResponseError):
         return False if n is None else n
     if n < codec.HEADER_SIZE:
-        reader.skip(n)
+        short = bytes(reader.read_bytes(n))
         reader.crlf()
-        return f"truncated header ({n} < {codec.HEADER_SIZE} bytes)"
-    header = reader.read_bytes(codec.HEADER_SIZE)
+        return _Refused(f"truncated header ({n} < {codec.HEADER_SIZE} bytes)", short, n)
+    header = bytes(reader.read_bytes(codec.HEADER_SIZE))
     try:
         length, csum = codec.check_header(key, header, total_len=n, digest=digest)
     except codec.CorruptValue as exc:
-        reason: str | None = exc.reason
+        proof = header if _unservable(key, header, n, digest) else None
+        refused: _Refused | None = _Refused(exc.reason, proof, n)
     else:
-        reason = None if length == dest.nbytes else (
+        refused = None if length == dest.nbytes else _Refused(
             f"payload is {length} bytes, the destination {dest.nbytes}")
-    if reason is not None:
+    if refused is not None:
         reader.skip(n - codec.HEADER_SIZE)
         reader.crlf()
-        return reason
+        return refused
     reader.read_into(dest)
     reader.crlf()
-    return True if codec.checksum(dest) == csum else "payload checksum mismatch"
+    if codec.checksum(dest) != csum:
+        return _Refused("payload checksum mismatch", header, n)
+    try:
+        codec.check_save_id(codec.parse_header(header), save_id)
+    except codec.StaleSave as exc:
+        return _Refused(str(exc), stale=True)
+    return True
+
+
+def _unservable(key: BlockKey, header: bytes, total_len: int, digest: bytes | None = None) -> bool:
+    """No reader of ``key``'s Redis name can serve a value with this header and length (the
+    janitor's verdict: any stored kind, any ``num_tokens`` but 0). A refusal for another kind
+    or ``num_tokens`` alone proves nothing: a FULL and a PARTIAL key share one name."""
+    try:
+        codec.check_fields(header, digest=digest or codec.namespace_digest(key), group=key.group,
+                           block_hash=key.block_hash, total_len=total_len)
+    except codec.CorruptValue:
+        return True
+    return False
+
+
+def _refuses_scripts(reply: ResponseError) -> bool:
+    """The server does not run scripts for us (ACL, a managed service, scripting off)."""
+    text = str(reply).lower()
+    return any(t in text for t in ("noperm", "no permissions", "unknown command"))
 
 
 def _writable_u8(dest: memoryview | np.ndarray) -> memoryview:

@@ -26,6 +26,7 @@ class Item:
     payload: Any
     nbytes: int
     on_done: DoneCallback | None
+    save_id: int = 0  # carried to the sink (the stored header's save id)
 
 
 def _notify(item: Item, ok: bool) -> None:

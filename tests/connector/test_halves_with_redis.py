@@ -75,8 +75,9 @@ def test_lookup_asks_again_while_the_probe_is_out(engines: Make, tp: int) -> Non
     assert second.sched.lookup(req, 0) == (None, False)  # the probe goes with the next plan
     result = second.step()
     assert len(result.plan.probes) == 1
-    (counts, reports), = result.report.probes.values()
-    assert counts == [tp, tp, tp] and reports == tp
+    (save_ids, reports), = result.report.probes.values()
+    # every rank read the same save of each key (the ids in the values' headers)
+    assert len(save_ids) == 3 and all(i > 0 for i in save_ids) and reports == tp
     assert second.sched.lookup(req, 0) == (96, True)
 
 
@@ -325,6 +326,11 @@ def test_a_failed_load_skips_that_steps_saves_which_are_planned_again(engines: M
     # The last rank's slot no longer holds the first block (a copy it never made).
     victim = e.ranks[-1].worker
     victim.holds[plan.loads[0].slot] = None
+    # That rank already holds a valid shard of the 96-token key from an older save: the
+    # other ranks' shards of this step must never be served beside it.
+    older = victim.storage_key(plan.saves[0].key)
+    assert victim.redis.put_many([(older, as_bytes(e.ranks[-1].kv["attn0"][2]))],
+                                 save_ids=[12345]) == 1
     e.run(plan)
     result = e.deliver(plan)
     assert result.load_errors == {5}
@@ -332,6 +338,11 @@ def test_a_failed_load_skips_that_steps_saves_which_are_planned_again(engines: M
     for op in plan.saves:  # computed over a bad context on that rank: not kept anywhere
         assert not e.sched.directory.contains(op.key)
     assert e.cpu()["pinned"] == 0 and e.cpu()["reserved"] == 0
+    for rank in e.ranks:
+        assert rank.worker.redis.flush(10.0)  # the other ranks' shards have landed
+    # A new engine finds no save of the 96/128 keys held by every rank: only the 2 blocks
+    # stored before the failed step are a hit (with one rank, the older save is whole).
+    assert engines(tp).lookup(Req("b", 130)) == ((96, True) if tp == 1 else (64, True))
     again = e.step({"b": 128})
     assert [op.key for op in again.plan.saves] == [op.key for op in plan.saves]
     assert all(e.sched.directory.contains(op.key) for op in plan.saves)

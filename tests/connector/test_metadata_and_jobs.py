@@ -5,7 +5,15 @@ from __future__ import annotations
 import pickle
 
 from connector.vllm_connector.jobs import JobBook
-from connector.vllm_connector.plan import FetchOp, LoadOp, ProbeOp, SaveOp, StepPlan, WorkerReport
+from connector.vllm_connector.plan import (
+    MIXED_SAVES,
+    FetchOp,
+    LoadOp,
+    ProbeOp,
+    SaveOp,
+    StepPlan,
+    WorkerReport,
+)
 from offload_tiers.keys import BlockKey, BlockKind
 
 K1 = BlockKey("ab" * 16, 0, b"h0", 32, BlockKind.FULL)
@@ -14,14 +22,15 @@ K2 = BlockKey("ab" * 16, 1, b"h1", 48, BlockKind.PARTIAL)
 
 def test_merge_sums_every_job_over_ranks() -> None:
     rank0 = WorkerReport(saves={1: [1, 1, 0], 2: [1, 1, 0]}, fetches={5: [1, 1]},
-                         probes={9: ([1, 0, 1], 1)}, redis_up=1)
+                         probes={9: ([7, 0, 5], 1)}, redis_up=1)
     rank1 = WorkerReport(saves={1: [0, 1, 1], 3: [1, 1, 0]}, fetches={5: [0, 1]},
-                         probes={9: ([1, 1, 0], 1)}, redis_up=0)
+                         probes={9: ([7, 3, 6], 1)}, redis_up=0)
     merged = rank0.merge(rank1)
     assert merged is rank0
     assert merged.saves == {1: [1, 2, 1], 2: [1, 1, 0], 3: [1, 1, 0]}
     assert merged.fetches == {5: [1, 2]}
-    assert merged.probes == {9: ([2, 1, 1], 2)}
+    # a save id survives only where both ranks read the same save
+    assert merged.probes == {9: ([7, MIXED_SAVES, MIXED_SAVES], 2)}
     assert merged.redis_up == 0  # the lowest over ranks
     rank2 = WorkerReport(saves={1: [1, 1, 0]})
     assert merged.merge(rank2).saves[1] == [2, 3, 1]
@@ -93,11 +102,11 @@ def test_one_rank_of_one_is_every_rank() -> None:
     assert done is not None and done[1]
 
 
-def test_probe_counts_are_summed_until_every_rank_answered() -> None:
+def test_probe_save_ids_are_merged_until_every_rank_answered() -> None:
     book = JobBook(world_size=2)
     job = book.open_probe((K1, K2))
-    assert book.report_probe(job, [1, 1], 1) is None
-    assert book.report_probe(job, [1, 0], 1) == ((K1, K2), [2, 1])
+    assert book.report_probe(job, [4, 4], 1) is None
+    assert book.report_probe(job, [4, 0], 1) == ((K1, K2), [4, MIXED_SAVES])
     assert book.report_probe(job, [1, 1], 1) is None and len(book) == 0
     assert book.report(job, ok=1, reports=1) is None  # probes and slot jobs are apart
 

@@ -272,15 +272,16 @@ def test_lookup_asks_again_while_a_probe_is_out_then_uses_its_answer() -> None:
     probe = plan.probes[0]
     assert [k.num_tokens for k in probe.keys] == [64, 96, 128]  # the CPU key is not probed
     assert s.plan({}, {}, set()).probes == []
-    # Rank 0 has all three, rank 1 lacks the 96 one: a key counts only on every rank.
-    s.on_report(WorkerReport(probes={probe.job: ([1, 1, 1], 1)}))
+    # Rank 0 has all three; rank 1 lacks the 96 one and holds another save of the 128 one:
+    # a key counts only where every rank read the same save.
+    s.on_report(WorkerReport(probes={probe.job: ([7, 8, 9], 1)}))
     assert s.lookup(req, 0) == (None, False)  # one rank of two answered
-    s.on_report(WorkerReport(probes={probe.job: ([1, 0, 1], 1)}))
+    s.on_report(WorkerReport(probes={probe.job: ([7, 0, 5], 1)}))
     assert s.lookup(req, 0) == (64, True)  # Redis keys: an asynchronous load
     blocks = [[Blk(5), Blk(6), Blk(7), Blk(8), Blk(9)]]
     s.on_alloc(req, blocks, 64)
     plan = s.plan({}, {}, set())
-    assert [op.key.num_tokens for op in plan.fetches] == [64]
+    assert [(op.key.num_tokens, op.save_id) for op in plan.fetches] == [(64, 7)]
     assert [(op.block_id, op.after_fetch) for op in plan.loads] == [(5, False), (6, True)]
     assert plan.loads[1].slot == plan.fetches[0].slot and plan.async_reqs == ["r"]
     assert s.hit_tiers("r") == {Tier.CPU: 32, Tier.REDIS: 32}
@@ -295,7 +296,7 @@ def test_a_fetch_that_fails_on_one_rank_is_not_offered_again() -> None:
     req = Req("r", 100)
     assert s.lookup(req, 0) == (None, False)
     probe = s.plan({}, {}, set()).probes[0]
-    s.on_report(WorkerReport(probes={probe.job: ([2, 2, 2], 2)}))
+    s.on_report(WorkerReport(probes={probe.job: ([3, 4, 5], 2)}))
     assert s.lookup(req, 0) == (96, True)
     s.on_alloc(req, [[Blk(1), Blk(2), Blk(3), Blk(4)]], 96)
     fetches = s.plan({}, {}, set()).fetches
@@ -310,14 +311,44 @@ def test_a_fetch_that_fails_on_one_rank_is_not_offered_again() -> None:
     assert s.plan({}, {}, set()).probes == []
 
 
-def test_a_probe_that_never_comes_back_is_answered_from_the_cpu_tier() -> None:
+def test_a_probe_answer_is_used_however_many_steps_it_took() -> None:
     s = _sched(LLAMA, redis_url=DEAD_REDIS)
     req = Req("r", 100)
-    _store(s, req, 0, 32)
     assert s.lookup(req, 0) == (None, False)
-    s.probe_timeout_s = 0.0  # the probe is now overdue
-    assert s.lookup(req, 0) == (32, False)
-    assert s.counters.snapshot()["redis_lookup_skips"] == 1
+    probe = s.plan({}, {}, set()).probes[0]
+    for _ in range(500):  # slow steps or fast ones: only the answer ends the wait
+        assert s.lookup(req, 0) == (None, False)
+    s.on_report(WorkerReport(probes={probe.job: ([4, 4, 4], 1)}))
+    assert s.lookup(req, 0) == (96, True)
+    assert s.counters.snapshot()["probe_waits"] == 501
+
+
+def test_a_grown_key_set_probes_only_the_new_keys_and_keeps_counting() -> None:
+    s = _sched(LLAMA, redis_url=DEAD_REDIS)
+    req = Req("r", 70)
+    assert s.lookup(req, 0) == (None, False)
+    first = s.plan({}, {}, set()).probes[0]
+    assert [k.num_tokens for k in first.keys] == [32, 64]
+    req.block_hashes.append(b"h2")  # the prompt grew a hash unit (another key to ask about)
+    req.num_tokens = 100
+    assert s.lookup(req, 0) == (None, False)
+    second = s.plan({}, {}, set()).probes[0]
+    assert [k.num_tokens for k in second.keys] == [96]  # nothing asked twice
+    s.on_report(WorkerReport(probes={first.job: ([2, 2], 1)}))
+    assert s.lookup(req, 0) == (None, False)  # still waiting for the 96 one
+    s.on_report(WorkerReport(probes={second.job: ([2], 1)}))
+    assert s.lookup(req, 0) == (96, True)
+    assert s.counters.snapshot()["probe_waits"] == 3
+
+
+def test_the_number_of_ask_again_answers_is_bounded_and_counted() -> None:
+    s = _sched(LLAMA, redis_url=DEAD_REDIS, max_probe_asks=3)
+    req = Req("r", 100)
+    _store(s, req, 0, 32)
+    assert [s.lookup(req, 0) for _ in range(3)] == [(None, False)] * 3
+    assert s.lookup(req, 0) == (32, False)  # the answer never came: the CPU tier's hit
+    snap = s.counters.snapshot()
+    assert snap["probe_waits"] == 3 and snap["probe_gave_up"] == 1
 
 
 def test_redis_reported_down_means_no_probes_and_cpu_only_saves() -> None:

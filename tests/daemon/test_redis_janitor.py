@@ -49,7 +49,7 @@ def name(prefix: str, key: BlockKey) -> bytes:
 def repack(value: bytes, **fields: Any) -> bytes:
     """``value`` with header fields replaced (magic, version, kind, digest, group, ...)."""
     order = ("magic", "version", "kind", "r1", "digest", "group", "num_tokens", "hash_tag",
-             "length", "checksum", "r2")
+             "length", "checksum", "save_id")
     vals = dict(zip(order, codec.HEADER.unpack_from(value, 0), strict=True))
     vals.update(fields)
     return codec.HEADER.pack(*(vals[k] for k in order)) + value[codec.HEADER_SIZE:]
@@ -81,7 +81,7 @@ def write_bad(client: redis.Redis, prefix: str) -> dict[bytes, str]:
         bad[n] = reason
 
     put(bkey(500), b"XXXX" + good0[4:], "bad_magic")
-    put(bkey(501), repack(codec.encode_bytes(bkey(501), b"q" * 8), version=2), "bad_version")
+    put(bkey(501), repack(codec.encode_bytes(bkey(501), b"q" * 8), version=1), "bad_version")
     put(bkey(502), repack(codec.encode_bytes(bkey(502), b"q" * 8), kind=3), "bad_kind")
     put(bkey(503), codec.encode_bytes(bkey(503, ns=NS_B), b"q" * 8), "fingerprint_mismatch")
     put(bkey(504), codec.encode_bytes(bkey(504, group=1), b"q" * 8), "group_mismatch")
@@ -148,8 +148,9 @@ def test_judge_agrees_with_the_reader() -> None:
                 reader_key = BlockKey(key.fingerprint, key.group, key.block_hash, ntok, kind)
                 with pytest.raises(codec.CorruptValue):
                     codec.check_header(reader_key, value[:64], total_len=len(value))
-    # header fields the reader does not check (reserved bytes) are not a reason to delete
-    assert judge(parsed, repack(good, r1=7, r2=9)[:64], len(good)) is None
+    # header fields no reader condemns (the pad byte, the save id) are not a reason to delete
+    assert judge(parsed, repack(good, r1=7, save_id=9)[:64], len(good)) is None
+    assert judge(parsed, repack(good, version=1)[:64], len(good)) == "bad_version"  # format 1
     assert judge(parsed, good[:64], len(good), frozenset({NS_B.digest})) == "retired_namespace"
     assert judge(parsed, good[:64], len(good), frozenset({NS_A.digest})) is None
 

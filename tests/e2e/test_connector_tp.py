@@ -66,6 +66,21 @@ def damaged(second: dict[str, Any], extra: dict[str, Any], redis_url: str,
                               "steps": steps})
 
 
+@pytest.fixture(scope="module")
+def other_save(damaged: dict[str, Any], extra: dict[str, Any], redis_url: str,
+               prefix: str) -> dict[str, Any]:
+    """A new engine after one rank's values were replaced by valid values of another save."""
+    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2, "steps": [
+        ["damage_rank", redis_url, prefix, "other_save"], ["generate", "B1", B]]})
+
+
+@pytest.fixture(scope="module")
+def rehit(other_save: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Yet another engine, after ``other_save`` recomputed and stored B again."""
+    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                              "steps": [["generate", "B1", B]]})
+
+
 def test_tp2_cpu_tier_hits_with_identical_output(baseline: dict[str, Any],
                                                  first: dict[str, Any]) -> None:
     runs = by_name(first)
@@ -100,6 +115,8 @@ def test_tp2_one_rank_corrupt_or_missing_is_a_miss(baseline: dict[str, Any],
     assert a2["delta"].get("hit_tokens_redis", 0) == 0
     assert a2["delta"].get("failed_restores", 0) == 1
     assert a2["delta"].get("redis_corrupt_values", 0) >= 1
+    # The corrupt values were deleted (each still held what was read when deleted).
+    assert a2["delta"].get("redis_corrupt_deleted", 0) == a2["delta"]["redis_corrupt_values"]
     # Missing on one rank: the probe says "not on every rank", no load is tried.
     assert b2["token_ids"] == baseline["B2"]["token_ids"]
     assert b2["delta"].get("hit_tokens_redis", 0) == 0
@@ -121,3 +138,22 @@ def test_tp2_hybrid_restores_attention_and_mamba_state(tiny_hybrid_dir: Any) -> 
     assert runs["P2"]["num_cached_tokens"] == 96
     for name in ("P", "P2"):
         assert runs[name]["token_ids"] == base[name]["token_ids"], name
+
+
+def test_tp2_shards_of_different_saves_are_never_served_together_and_heal(
+        baseline: dict[str, Any], other_save: dict[str, Any], rehit: dict[str, Any]) -> None:
+    runs = by_name(other_save)
+    damage = runs["damage_rank-other_save"]["result"]
+    assert damage["fingerprints"] == 2 and damage["damaged"] > 0 and damage["kept"] > 0
+    b1 = runs["B1"]
+    # Every value is valid, but the ranks hold different saves: the probe sees it, nothing
+    # is fetched or loaded, the prompt is recomputed.
+    assert b1["token_ids"] == baseline["B1"]["token_ids"]
+    assert b1["delta"].get("hit_tokens_redis", 0) == 0
+    assert b1["delta"].get("blocks_loaded_redis", 0) == 0
+    assert b1["delta"].get("failed_restores", 0) == 0
+    # B was stored again by that engine (one save, both ranks): a later engine hits it.
+    again = by_name(rehit)["B1"]
+    assert again["delta"].get("hit_tokens_redis", 0) == 128
+    assert again["delta"].get("blocks_loaded_redis", 0) == 2 * 4
+    assert again["token_ids"] == baseline["B1"]["token_ids"]

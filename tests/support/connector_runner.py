@@ -6,7 +6,8 @@ on the same Redis, and engines with test-only switches, each in its own process:
     python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
         "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"],
                   ["batch", "name", [prompt | [token ids], ...]],
-                  ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how]],
+                  ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
+                  ["reset_connector"], ["perturb_weights", seed], ["weight_version", v]],
         "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
@@ -82,12 +83,38 @@ def damage_one_rank(url: str, prefix: str, how: str) -> dict[str, int]:
         if how == "delete":
             client.delete(name)
             continue
+        if how == "other_save":  # a valid value of another save (header re-packed, checksum ok)
+            from offload_tiers import codec
+
+            value = client.get(name)
+            if value is not None:
+                f = codec.parse_header(value)
+                header = codec.HEADER.pack(f.magic, f.version, f.kind, 0, f.digest, f.group,
+                                           f.num_tokens, f.hash_tag, f.length, f.checksum,
+                                           (f.save_id % 0xFFFFFFFF) + 1)
+                client.set(name, header + value[codec.HEADER_SIZE:])
+            continue
         value = client.get(name)
         if value is not None:
             data = bytearray(value)
             data[-1] ^= 0xFF
             client.set(name, bytes(data))
     return {"fingerprints": len(fps), "damaged": len(victim), "kept": len(names) - len(victim)}
+
+
+def perturb_weights(worker: Any, seed: int) -> int:
+    """An in-place weight update, as an RLHF trainer makes one (run on every worker through
+    ``LLM.collective_rpc``): seeded noise on every parameter; the number of tensors changed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for param in worker.model_runner.model.parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            param.add_(noise.to(param.dtype) * 0.5 * float(param.float().std() or 1.0))
+            changed += 1
+    return changed
 
 
 def kvtier_stats(llm: Any) -> dict[str, float]:
@@ -213,6 +240,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             continue
         if step[0] == "reset":
             llm.reset_prefix_cache()
+            continue
+        if step[0] == "reset_connector":  # what RLHF flows call after a weight update
+            assert llm.reset_prefix_cache(reset_connector=True)
+            continue
+        if step[0] == "perturb_weights":
+            changed = llm.collective_rpc(perturb_weights, args=(int(step[1]),))
+            outputs.append({"name": f"perturb_weights-{step[1]}", "result": changed})
+            continue
+        if step[0] == "weight_version":
+            llm.llm_engine.set_weight_version(str(step[1]))
             continue
         if step[0] == "corrupt_redis":
             outputs.append({"name": "corrupt_redis", "result": corrupt_redis(step[1], step[2])})

@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from connector.identity.engine import EngineIdentity
+from connector.identity.generation import Generation
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.layout import build_layout
-from connector.vllm_connector.namespace import EngineIdentity, slot_count
+from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
 from connector.vllm_connector.worker import TieredWorker, make_redis_tier
@@ -46,10 +48,11 @@ MAMBA_BYTES = 300
 def identity(groups: Sequence[GroupSpec], tp_size: int, **fields: Any) -> EngineIdentity:
     """An engine identity for the tiny stand-in model (fields override the defaults)."""
     base: dict[str, Any] = dict(
-        model="tiny", revision="", weights_version="", dtype="float32", kv_cache_dtype="auto",
-        quantization="", kv_scales="calc=False", architecture="0" * 16,
-        kv_groups=";".join(f"{g.kind}:{g.block_size}" for g in groups),
-        block_size=min(g.block_size for g in groups), tp_size=tp_size, device="cpu")
+        model="tiny", revision="", weights_version="", checkpoint="unresolved", dtype="float32",
+        kv_cache_dtype="auto", quantization="", kv_scales="calc=False", architecture="0" * 16,
+        kv_layout=";".join(f"{g.kind}:{g.block_size}" for g in groups),
+        block_size=min(g.block_size for g in groups), parallel=f"tp={tp_size}",
+        tp_size=tp_size, device="cpu")
     base.update(fields)
     return EngineIdentity(**base)
 
@@ -96,7 +99,7 @@ class Halves:
         self.num_blocks = num_blocks
         self.identity = ident or identity(groups, tp_size,
                                           weights_version=config.weights_version)
-        self.generation = 0
+        self.generation = Generation()
         self.blocks: dict[str, list[list[Blk]]] = {}
         self.pool: dict[int, Blk] = {}  # blocks the scheduler looks up by id (Mamba states)
         self._recv: Counter[str] = Counter()
@@ -131,7 +134,7 @@ class Halves:
         return out
 
     def _fingerprint(self, tenant: str) -> str:
-        return self.identity.fingerprint(tenant, self.generation)
+        return self.identity.fingerprint(tenant, self.generation.name)
 
     def fill(self, block_ids: Sequence[int], seed: int = 0) -> None:
         """Random contents in ``block_ids`` of every layer; every rank differs."""
@@ -154,7 +157,7 @@ class Halves:
         """A connector-cache reset, as the adapter does it: CPU directory emptied, new
         namespace generation."""
         self.sched.reset()
-        self.generation += 1
+        self.generation.reset(None)
 
     # ------------------------------------------------------------------ the scheduler's side
     def admit(self, req: Req, blocks: list[list[Blk]], num_external: int) -> None:

@@ -57,7 +57,7 @@ def test_hand_written_bad_values_are_counted_misses(tier: RedisTier, raw: redis.
     flipped[codec.HEADER_SIZE + 1234] ^= 0x10
     bad = {
         "flipped": bytes(flipped), "truncated": good[:-100], "header only": good[:64],
-        "short": good[:5], "wrong version": header_with(4, "H", 2),
+        "short": good[:5], "version 1": header_with(4, "H", 1),
         "absurd length": header_with(44, "Q", (1 << 63) + 5),
         "foreign": codec.encode_bytes(dataclasses.replace(k, fingerprint=NS_B.fingerprint), data),
         "junk": b"hello world",
@@ -65,12 +65,18 @@ def test_hand_written_bad_values_are_counted_misses(tier: RedisTier, raw: redis.
     for reason, value in bad.items():
         raw.set(name, value)
         assert tier.get(k) is None, reason
-        assert tier.exists_many([k]) == [reason in ("flipped",)], reason
+        assert not raw.exists(name), reason  # proven corrupt by the read: deleted
+        raw.set(name, value)
+        header_ok = reason == "flipped"  # the probe reads no payload
+        assert tier.exists_many([k]) == [header_ok], reason
+        assert raw.exists(name) == header_ok, reason  # a bad header is deleted by the probe
     raw.delete(name)
     raw.rpush(name, b"not a string")  # a foreign key of another type under the prefix
     assert tier.get(k) is None and tier.exists_many([k]) == [False]
+    assert raw.type(name) == b"list"  # an error reply proves nothing: kept
     s = tier.stats()
     assert s["corrupt"] >= 2 * len(bad) + 1 and s["hits"] == 0
+    assert s["corrupt_deleted"] == 2 * len(bad) - 1
     raw.delete(name)
     assert tier.put_many([(k, data)]) == 1 and bytes(tier.get(k)) == data
 

@@ -1,0 +1,1 @@
+"""What stored KV depends on: one namespace builder for the connector and the native tier."""
