@@ -10,13 +10,23 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
   copy: the framework pins the primary chunk until the job is reported); loads run on this
   tier's own I/O threads with ``get_many_into``, straight into the primary tier's rows,
   validated there. Results are picked up by ``get_finished_jobs``.
-* One Redis key per chunk, with kvtier's self-checking header: the namespace fingerprint
-  covers the model (name or ``model_id``, the digest of a local checkpoint's
-  ``config.json``), ``weights_version``, the KV-cache dtype, the offloading layout (groups
-  and their layers, chunk size, row bytes, canonical/direct, replicated) and the parallel
-  shape (TP/PP/CP sizes, world size, rank). A chunk row holds every TP rank's share.
-  A corrupt, foreign or truncated value is a miss; a failed load reports the keys that did
-  load (``successful_keys``) and the rest become misses.
+* One Redis key per chunk, with kvtier's self-checking header. The namespace fingerprint is
+  kvtier's one engine identity (``connector.identity.engine.identity_from_vllm``), read off
+  the engine's real ``VllmConfig`` (found at construction: vLLM's current config, else the
+  ``vllm_config`` of the ``OffloadingConnectorScheduler`` on the call stack, matched by
+  ``engine_id``; not found = a start-up error, never a partial identity): model (name or
+  ``model_id``), revision, the checkpoint's files, ``weights_version``, model dtype, KV-cache
+  dtype, quantization, KV scales, architecture, device and parallel shape, plus this tier's
+  layout (offloading layout, groups and their layers, chunk size, row bytes) and the
+  generation. A chunk row holds every TP rank's share. A corrupt, foreign or truncated value
+  is a miss (and ``RedisTier`` deletes a value proven corrupt, while unchanged); a failed
+  load reports the keys that did load (``successful_keys``) and the rest become misses.
+* The generation (``connector.identity.generation``) starts at ``"0"``. vLLM 0.32 does not
+  reset secondary tiers on a connector-cache reset, but its ``TieringOffloadingManager.
+  reset_cache`` calls every secondary tier's ``drain_jobs()`` (nothing else in vLLM does):
+  there the tier moves to a new generation (the named weight version, else a nonce). A
+  weight version named between steps moves it too (``on_schedule_end``). After a move the
+  tier forgets what it knew and every look-up, load and store uses the new fingerprint.
 * A chunk key carries what its hash covers: ``num_tokens`` is the end position vLLM records
   for the key in the request (``ReqContext.get_offload_key_position``), the kind is FULL
   when that ends a whole chunk, else PARTIAL. A key without a recorded position is a miss.
@@ -24,6 +34,10 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
   bounded LRU) and otherwise from an asynchronous existence check (``exists_many``):
   "retry later", never a wait. While Redis is unavailable every look-up is a miss.
 * Redis faults never raise: reads miss, writes are counted drops (``RedisTier``).
+  ``submit_store`` / ``submit_load`` never raise either: any exception while a job is
+  prepared or submitted makes it a reported failed job (counted ``job_errors``, logged once
+  per kind), so ``drain_jobs`` and ``shutdown`` always return.
+* Every cache is bounded: ``_known`` (``known_keys``, LRU); jobs live until reported.
 * Logs and errors carry the redacted URL only.
 
 This module imports vLLM (it is loaded by vLLM); ``offload_tiers`` stays vLLM-free.
@@ -31,7 +45,6 @@ This module imports vLLM (it is loaded by vLLM); ``offload_tiers`` stays vLLM-fr
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -39,8 +52,6 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -73,14 +84,20 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
+from connector.identity.engine_core import WeightVersionSource
+from connector.identity.generation import Generation
 from connector.native_tier.config import NativeTierSettings, load_native_settings
-from offload_tiers.keys import BlockKey, BlockKind, Namespace
+from connector.native_tier.namespace import identity_for_spec
+from offload_tiers.keys import BlockKey, BlockKind
+from offload_tiers.redis.client import ClientFactory
 from offload_tiers.redis.tier import RedisTier
+from offload_tiers.redis.url import parse_redis_url
 
 log = logging.getLogger(__name__)
 
 OWNERSHIP = "kvtier-redis"
 METRIC_PREFIX = "vllm:kvtier_native_"
+TENANT = ""  # vLLM folds cache_salt into the block hashes the native keys are made of
 
 #: Counters this tier exports (``vllm:kvtier_native_<name>``).
 COUNTERS = {
@@ -97,6 +114,11 @@ COUNTERS = {
     "lookup_unavailable": "Look-ups answered as a miss because Redis is unavailable.",
     "unpositioned_keys": "Keys without a recorded token position (treated as misses).",
     "corrupt_values": "Values refused by the header/checksum check (corrupt or foreign).",
+    "corrupt_deleted": "Values proven corrupt that were deleted from Redis (while unchanged).",
+    "job_errors": "Load or store jobs failed by an unexpected error while being prepared, "
+                  "submitted or run (reported failed; see the log).",
+    "generation_moves": "Namespace generation moves (connector-cache reset or new weight "
+                        "version): what was stored before is no longer served here.",
     "redis_unavailable_events": "Times Redis became unavailable.",
     "redis_recoveries": "Times Redis answered again after being unavailable.",
 }
@@ -104,41 +126,11 @@ GAUGES = {
     "redis_available": "1 while Redis answers, else 0.",
     "inflight_jobs": "Load and store jobs submitted and not yet reported.",
 }
-
-
-def namespace_for(spec: OffloadingSpec, settings: NativeTierSettings, row_bytes: int) -> Namespace:
-    """Everything that must match for a stored chunk row to be valid in another engine."""
-    cfg = spec.config
-    par = cfg.parallel
-    groups = ";".join(f"g{g.group_id}:t{g.tokens_per_block}:l{len(g.layer_names)}:"
-                      f"{','.join(g.layer_names)}" for g in cfg.groups)
-    layout = (f"native-tiering|kv_layout={cfg.kv_cache_layout}|canonical={cfg.canonical_layout}"
-              f"|replicated={cfg.replicated_layout}|agnostic={par.is_parallelism_agnostic}"
-              f"|bpc={cfg.cache.blocks_per_chunk}|tph={cfg.cache.tokens_per_hash}"
-              f"|worker_bytes={cfg.worker_kv_bytes_per_block}|row={row_bytes}|{groups}")
-    parallel = (f"world={par.world_size}|pp={par.pp_size}|pcp={par.pcp_size}"
-                f"|dcp={par.dcp_size}")
-    return Namespace(
-        model=f"{settings.model_id or cfg.model.name}#weights={settings.weights_version}"
-              f"#arch={_architecture(cfg.model.name)}",
-        dtype=f"kv={cfg.model.dtype}",
-        kv_layout=f"{layout}|{parallel}",
-        block_size=cfg.cache.blocks_per_chunk * max(g.tokens_per_block for g in cfg.groups),
-        tp_rank=par.rank, tp_size=par.tp_size,
-    )
-
-
-def _architecture(model: str) -> str:
-    """A digest of the model's ``config.json`` when ``model`` is a local checkpoint, else
-    ``hub`` (the name then identifies it; ``weights_version`` tells revisions apart)."""
-    from connector.vllm_connector.namespace import architecture_digest
-
-    path = Path(model) / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return "hub"
-    return architecture_digest(SimpleNamespace(to_dict=lambda: data))
+#: RedisTier counters mirrored into this tier's (RedisTier name, ours).
+_MIRRORED = (("corrupt", "corrupt_values"), ("corrupt_deleted", "corrupt_deleted"),
+             ("put_failures", "store_failures"), ("dropped_unavailable", "store_drops"),
+             ("dropped", "store_drops"), ("unavailable_events", "redis_unavailable_events"),
+             ("recoveries", "redis_recoveries"))
 
 
 class _ExistenceChecks(AsyncLookupManager):
@@ -162,9 +154,11 @@ class _Job:
     job_id: JobId
     keys: list[OffloadKey]
     is_load: bool
+    epoch: int  # the generation move count at submission: results of older ones are not kept
     started: float = field(default_factory=time.monotonic)
     oks: list[bool] = field(default_factory=list)
-    pending: int = 0
+    pending: int = 0  # holders: the submitting call, each queued write, the I/O thread
+    error: bool = False  # an unexpected exception failed it (counted when reported)
     future: Future | None = None
 
 
@@ -177,28 +171,36 @@ class KvtierRedisTier(SecondaryTierManager):
                  tier_type: str, backpressure_detector: BackpressureDetector | None = None,
                  **settings: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.settings = load_native_settings(settings, tier_type)
-        self.locality = Locality(self.settings.locality) if self.settings.locality else None
+        self.settings = s = load_native_settings(settings, tier_type)
+        self.locality = Locality(s.locality) if s.locality else None
         self._rows = np.asarray(primary_kv_view).view(np.uint8)
-        self.namespace = namespace_for(offloading_spec, self.settings, self.block_size_bytes)
-        self._fp = self.namespace.fingerprint
+        # Raises before any thread or connection exists when the engine's config is unseen.
+        self.identity, config_source = identity_for_spec(offloading_spec, s,
+                                                         self.block_size_bytes)
+        self._tp_rank = int(offloading_spec.config.parallel.rank)
+        self._weights = WeightVersionSource()  # the EngineCore building us, when on the stack
+        self.generation = Generation(self._weights.read())
+        self._epoch = 0
+        self._fp = self._fingerprint()
         bpc = offloading_spec.config.cache.blocks_per_chunk
         self._chunk_tokens = {g.group_id: g.tokens_per_block * bpc
                               for g in offloading_spec.config.groups}
-        s = self.settings
+        password = {"password": s.redis_password()} if s.redis_password_env else {}
+        self._scrubber = ClientFactory(parse_redis_url(s.redis_url),
+                                       timeout_s=s.redis_timeout_s, **password)
         self.redis = RedisTier.from_url(
             s.redis_url, prefix=s.redis_prefix, ttl_s=s.redis_ttl_s,
             redis_timeout_s=s.redis_timeout_s, ssl_ca_certs=s.redis_ssl_ca_certs,
             write_queue_max=s.write_queue_max,
             write_queue_max_bytes=max(s.write_queue_max * self.block_size_bytes, 1 << 20),
-            **({"password": s.redis_password()} if s.redis_password_env else {}))
+            **password)  # delete_corrupt: RedisTier's default (on), never turned off here
         if not self.redis.available:
             log.warning("kvtier native tier: Redis at %s is not answering (%s); look-ups miss "
                         "and stores drop until it does", self.redis.target.redacted,
                         self.redis.last_error)
         self._events_on = s.kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] = []
-        self._known: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._known: OrderedDict[OffloadKey, None] = OrderedDict()  # bounded: known_keys
         self._jobs: dict[JobId, _Job] = {}
         self._done: deque[JobId] = deque()  # appended by I/O threads, drained by the scheduler
         self._cond = threading.Condition()
@@ -207,12 +209,25 @@ class KvtierRedisTier(SecondaryTierManager):
         self._checks = _ExistenceChecks(self)
         self._stats = OffloadingConnectorStats()
         self._redis_seen: dict[str, int] = {}
+        self._errors_logged: set[tuple[str, str]] = set()  # bounded: stages x exception types
         self._closed = False
-        log.info("kvtier native tier %s: Redis %s, prefix %s, namespace %s, row %d bytes",
+        log.info("kvtier native tier %s: Redis %s, prefix %s, fingerprint %s, row %d bytes, "
+                 "checkpoint %s, engine config from %s; connector-cache resets: seen through "
+                 "drain_jobs (vLLM 0.32 reset_cache); weight version: %s",
                  tier_type, self.redis.target.redacted, s.redis_prefix, self._fp,
-                 self.block_size_bytes)
+                 self.block_size_bytes, self.identity.checkpoint, config_source,
+                 "followed (EngineCore found)" if self._weights.found else
+                 "not visible (EngineCore not on the stack): each reset draws a nonce")
 
-    # ------------------------------------------------------------------ keys
+    # ------------------------------------------------------------------ keys, generation
+    def _fingerprint(self) -> str:
+        return self.identity.fingerprint(TENANT, self.generation.name, self._tp_rank)
+
+    @property
+    def fingerprint(self) -> str:
+        """The namespace fingerprint new look-ups, loads and stores use."""
+        return self._fp
+
     def block_key(self, key: OffloadKey, req_context: ReqContext) -> BlockKey | None:
         """kvtier's key for a chunk key of this request; None without a recorded position."""
         end = req_context.get_offload_key_position(key)
@@ -222,6 +237,19 @@ class KvtierRedisTier(SecondaryTierManager):
         per_chunk = self._chunk_tokens.get(group)
         kind = BlockKind.FULL if per_chunk and end % per_chunk == 0 else BlockKind.PARTIAL
         return BlockKey(self._fp, group, get_offload_block_hash(key), end, kind)
+
+    def _moved(self, why: str) -> None:
+        """The generation moved: new fingerprint, nothing known, fresh existence checks."""
+        self._epoch += 1
+        self._fp = self._fingerprint()
+        self._known.clear()
+        old, self._checks = self._checks, _ExistenceChecks(self)
+        # The old checker's thread may be inside one bounded exists_many: stop it off-thread.
+        threading.Thread(target=old.shutdown, name="kvtier-native-checks-stop",
+                         daemon=True).start()
+        self._count("generation_moves")
+        log.info("kvtier native tier %s: %s; namespace generation %s, fingerprint %s",
+                 self.tier_type, why, self.generation.name, self._fp)
 
     def _count(self, name: str, n: int = 1) -> None:
         if n:
@@ -263,6 +291,8 @@ class KvtierRedisTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self.generation.observe(self._weights.read()):  # one attribute read
+            self._moved("vLLM's weight version changed")
         self._checks.flush()
 
     @override
@@ -273,12 +303,40 @@ class KvtierRedisTier(SecondaryTierManager):
     def _row(self, chunk_id: int) -> np.ndarray:
         return self._rows[int(chunk_id)]
 
+    def _new_job(self, job_metadata: TransferJob, *, is_load: bool) -> _Job:
+        """Register a job (reported exactly once, whatever happens next)."""
+        try:
+            keys = list(job_metadata.keys)
+        except Exception:  # keys unreadable: nothing to report per key
+            keys = []
+        job = _Job(job_metadata.job_id, keys, is_load=is_load, epoch=self._epoch,
+                   oks=[False] * len(keys), pending=1)  # 1: held by the submitting thread
+        self._jobs[job.job_id] = job
+        return job
+
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        job = _Job(job_metadata.job_id, keys, is_load=False, oks=[False] * len(keys))
-        todo = []
-        for i, (key, cid) in enumerate(zip(keys, job_metadata.chunk_ids, strict=True)):
+        """Queue each chunk's write; never raises (a failure is a reported failed job)."""
+        job = self._new_job(job_metadata, is_load=False)
+        try:
+            for i, bk, row in self._store_plan(job, job_metadata):
+                with self._cond:
+                    job.pending += 1  # released by on_done (exactly once, also on a drop)
+                try:
+                    # The framework pins the chunk until this job is reported: no copy.
+                    self.redis.submit_put(bk, row, on_done=self._on_stored(job, i))
+                except BaseException:
+                    with self._cond:
+                        job.pending -= 1  # not queued: its on_done will never run
+                    raise
+        except Exception as exc:
+            self._job_error(job, "store", exc)
+        self._release(job)  # reported once the writes already queued have ended
+
+    def _store_plan(self, job: _Job, job_metadata: TransferJob) -> list[Any]:
+        """The chunks to write: (index, key, row view); present ones are marked done."""
+        todo: list[Any] = []
+        for i, (key, cid) in enumerate(zip(job.keys, job_metadata.chunk_ids, strict=True)):
             if key in self._known:
                 job.oks[i] = True
                 self._count("store_skipped_present")
@@ -287,36 +345,38 @@ class KvtierRedisTier(SecondaryTierManager):
             if bk is None:
                 self._count("unpositioned_keys")
                 continue
-            todo.append((i, bk, cid))
-        job.pending = len(todo)
-        self._jobs[job.job_id] = job
-        if not todo:
-            self._finish(job.job_id)
-            return
-        for i, bk, cid in todo:
-            # The framework pins the chunk until this job is reported: the row is not copied.
-            self.redis.submit_put(bk, memoryview(self._row(cid)),
-                                  on_done=self._on_stored(job, i))
+            todo.append((i, bk, memoryview(self._row(cid))))
+        return todo
 
     def _on_stored(self, job: _Job, i: int):
         def done(ok: bool) -> None:  # Redis writer thread (or at once, on a drop)
             with self._cond:
                 job.oks[i] = ok
-                job.pending -= 1
-                last = job.pending == 0
-            if last:
-                self._finish(job.job_id)
+            self._release(job)
         return done
+
+    def _release(self, job: _Job) -> None:
+        """One holder of ``job`` is done with it; the last one queues its result."""
+        with self._cond:
+            job.pending -= 1
+            last = job.pending == 0
+        if last:
+            self._finish(job.job_id)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        job = _Job(job_metadata.job_id, keys, is_load=True, oks=[False] * len(keys))
-        block_keys = [self.block_key(k, job_metadata.req_context) for k in keys]
-        chunk_ids = [int(c) for c in job_metadata.chunk_ids]
-        self._jobs[job.job_id] = job
-        with self._cond:
-            job.future = self._io.submit(self._load, job, block_keys, chunk_ids)
+        """Start one batched read on an I/O thread; never raises (see ``submit_store``)."""
+        job = self._new_job(job_metadata, is_load=True)
+        try:
+            block_keys = [self.block_key(k, job_metadata.req_context) for k in job.keys]
+            chunk_ids = [int(c) for c in job_metadata.chunk_ids]
+            if len(chunk_ids) != len(block_keys):
+                raise ValueError(f"{len(block_keys)} keys but {len(chunk_ids)} chunk ids")
+            with self._cond:  # the submitting call's hold passes to the I/O thread
+                job.future = self._io.submit(self._load, job, block_keys, chunk_ids)
+        except Exception as exc:
+            self._job_error(job, "load", exc)
+            self._release(job)
 
     def _load(self, job: _Job, block_keys: list[BlockKey | None], chunk_ids: list[int]) -> None:
         """I/O thread: each value received straight into its primary row, validated there."""
@@ -326,9 +386,31 @@ class KvtierRedisTier(SecondaryTierManager):
                                            [self._row(chunk_ids[i]) for i in idx])
             for i, ok in zip(idx, oks, strict=True):
                 job.oks[i] = ok
-        except Exception:  # a programming error; Redis trouble never raises
-            log.exception("kvtier native tier: load job %d failed", job.job_id)
-        self._finish(job.job_id)
+        except Exception as exc:  # a programming error; Redis trouble never raises
+            self._job_error(job, "load", exc)
+        self._release(job)
+
+    def _job_error(self, job: _Job, stage: str, exc: Exception) -> None:
+        """An unexpected error in a job (any thread): its keys fail, it is counted when
+        reported, and it is logged once per kind (stage, exception type, place)."""
+        where = exc.__traceback__
+        while where is not None and where.tb_next is not None:
+            where = where.tb_next
+        site = (f"{where.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{where.tb_lineno}"
+                if where is not None else "?")
+        kind = (stage, f"{type(exc).__name__}@{site}")
+        with self._cond:
+            job.error = True
+            job.oks = [False] * len(job.keys)
+            first = kind not in self._errors_logged and len(self._errors_logged) < 64
+            if first:
+                self._errors_logged.add(kind)
+        if not first:
+            return
+        log.error("kvtier native tier %s: %s job %s failed before or while it ran (%s at %s); "
+                  "reported failed, its chunks are misses. Further errors of this kind are "
+                  "only counted (job_errors)", self.tier_type, stage, job.job_id,
+                  self._scrubber.describe(exc), site)
 
     def _finish(self, job_id: JobId) -> None:
         with self._cond:
@@ -351,13 +433,18 @@ class KvtierRedisTier(SecondaryTierManager):
         good = [k for k, ok in zip(job.keys, job.oks, strict=True) if ok]
         bad = [k for k, ok in zip(job.keys, job.oks, strict=True) if not ok]
         nbytes = len(good) * self.block_size_bytes
-        self._remember(good)
+        current = job.epoch == self._epoch  # else: another generation's keys, not ours now
+        if job.error:
+            self._count("job_errors")
+        if current:
+            self._remember(good)
         if job.is_load:
             self._count("loaded_chunks", len(good))
             self._count("load_misses", len(bad))
             for key in bad:
                 self._known.pop(key, None)
-            self._checks.mark_miss(bad)
+            if current:
+                self._checks.mark_miss(bad)
             if bad and self._events_on:
                 self._events.append(self._event(bad, removed=True))
         else:
@@ -377,14 +464,12 @@ class KvtierRedisTier(SecondaryTierManager):
     def _follow_redis(self) -> None:
         """Mirror the Redis tier's counters (drops, faults, bad values) into this tier's."""
         st = self.redis.stats()
-        for name, ours in (("corrupt", "corrupt_values"), ("put_failures", "store_failures"),
-                           ("dropped_unavailable", "store_drops"), ("dropped", "store_drops"),
-                           ("unavailable_events", "redis_unavailable_events"),
-                           ("recoveries", "redis_recoveries")):
+        for name, ours in _MIRRORED:
             seen = self._redis_seen.get(name, 0)
-            if st[name] > seen:
-                self._count(ours, st[name] - seen)
-                self._redis_seen[name] = st[name]
+            now = st.get(name, 0)
+            if now > seen:
+                self._count(ours, now - seen)
+                self._redis_seen[name] = now
 
     @override
     def has_pending_work(self) -> bool:
@@ -422,8 +507,7 @@ class KvtierRedisTier(SecondaryTierManager):
         return {name[len(METRIC_PREFIX):]: sum(v.values()) for name, v in values.items()}
 
     # ------------------------------------------------------------------ drain, shutdown
-    @override
-    def drain_jobs(self) -> None:
+    def wait_for_jobs(self) -> None:
         """Wait until every submitted job has finished and its result is queued for
         ``get_finished_jobs``. Nothing is aborted mid-copy. Bounded: each Redis exchange ends
         within ``redis_timeout_s``, and once Redis has failed later ones return at once."""
@@ -432,15 +516,23 @@ class KvtierRedisTier(SecondaryTierManager):
             self._cond.wait_for(lambda: len(self._done) >= len(self._jobs))
 
     @override
+    def drain_jobs(self) -> None:
+        """vLLM's connector-cache reset (``TieringOffloadingManager.reset_cache``, its only
+        caller in vLLM 0.32): wait for every job, then move to a new generation."""
+        self.wait_for_jobs()
+        self.generation.reset(self._weights.read())
+        self._moved("connector-cache reset")
+
+    @override
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.drain_jobs()
+        self.wait_for_jobs()
         self._checks.shutdown()
         self._io.shutdown(wait=True)
         self.redis.close(timeout=2.0)
         self._rows = None  # release the primary region's buffer (it is unmapped next)
 
 
-__all__ = ["KvtierRedisTier", "NativeTierSettings", "namespace_for"]
+__all__ = ["KvtierRedisTier", "NativeTierSettings"]

@@ -44,6 +44,7 @@ from connector.identity.engine_core import WeightVersionSource
 from connector.identity.generation import Generation
 from connector.vllm_connector import stats as connector_stats
 from connector.vllm_connector.config import ConnectorConfigError, load_config
+from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
 from connector.vllm_connector.jobs import TierChange
 from connector.vllm_connector.namespace import (
     BoundedCache,
@@ -278,7 +279,12 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         groups = [(g.group, g.kind, g.block_size,
                    list(self._kv_cache_config.kv_cache_groups[g.group].layer_names))
                   for g in self.groups]
-        layout = self.worker.register(kv_caches, groups, int(self._kv_cache_config.num_blocks))
+        # Where each tensor's block dimension is, as vLLM's allocator declares it (never a
+        # guess from sizes: a dimension may equal num_blocks by chance).
+        kv_caches = manager_block_views(self._kv_cache_config, kv_caches)
+        dims = declared_block_dims(self._vllm_config, self._kv_cache_config, kv_caches)
+        layout = self.worker.register(kv_caches, groups, int(self._kv_cache_config.num_blocks),
+                                      dims)
         log.info("kvtier worker (TP rank %d/%d): %d slots of %d bytes, layout %s",
                  self.worker.tp_rank, self.tp_size, self.worker.num_slots, layout.slot_bytes,
                  layout.descriptor())

@@ -104,8 +104,9 @@ class TieredWorker:
 
     # ------------------------------------------------------------------ setup
     def register(self, kv_caches: dict[str, Any], groups: list[tuple[int, str, int, list[str]]],
-                 num_blocks: int) -> KVLayout:
-        layout = build_layout(kv_caches, groups, num_blocks)
+                 num_blocks: int, declared_block_dims: dict[str, list[int]] | None = None
+                 ) -> KVLayout:
+        layout = build_layout(kv_caches, groups, num_blocks, declared_block_dims)
         self.layout = layout
         self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
         self.transfer = BlockTransfer(kv_caches, layout, self.slab)

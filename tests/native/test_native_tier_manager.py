@@ -1,28 +1,32 @@
 """kvtier's Redis tier driven through vLLM's own TieringOffloadingManager, on the CPU.
 
 The manager is built the way vLLM builds it: ``TieringOffloadingSpec(config).get_manager()``
-loads the tier by ``type`` + ``module_path`` through ``SecondaryTierFactory``. The test plays
-the GPU side: it writes each chunk's bytes into the primary tier's row (as the worker's
-GPU->CPU copy would) and completes the store; the manager cascades to the Redis tier.
-Synchronisation is the tier's own contract: ``drain_jobs()`` returns once every submitted
-job's result is available; an existence check is awaited with a deadline on its result.
+loads the tier by ``type`` + ``module_path`` through ``SecondaryTierFactory``, with the
+engine's real ``VllmConfig`` (the tiny Llama's, built once) current, as the tier needs it for
+its identity. The test plays the GPU side: it writes each chunk's bytes into the primary
+tier's row (as the worker's GPU->CPU copy would) and completes the store; the manager
+cascades to the Redis tier. Synchronisation is the tier's own contract: ``wait_for_jobs()``
+returns once every submitted job's result is available (``drain_jobs()`` does too, and moves
+the generation: it is vLLM's connector-cache reset); an existence check is awaited with a
+deadline on its result.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
-
-pytest.importorskip("vllm")
-
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.config import set_current_vllm_config
+from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadKey,
@@ -30,18 +34,19 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
+from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from connector.native_tier.config import NativeTierConfigError  # noqa: E402
-from connector.native_tier.tier import KvtierRedisTier  # noqa: E402
-from offload_tiers import codec  # noqa: E402
+from connector.native_tier.config import NativeTierConfigError
+from connector.native_tier.namespace import NativeTierIdentityError
+from connector.native_tier.tier import KvtierRedisTier
+from offload_tiers import codec
 
 BLOCK_BYTES = 8192  # worker KV bytes per block: one page-aligned chunk row
 TOKENS = 32
@@ -49,18 +54,53 @@ STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 _ids = itertools.count()
 
 
-def make_spec(redis_url: str, prefix: str, *, chunks: int = 4, events: bool = True,
-              model: str = "tiny-llama", dtype: str = "float32", tp_size: int = 1,
-              engine: str | None = None, **tier: Any) -> TieringOffloadingSpec:
+@pytest.fixture(scope="module")
+def base_config(tiny_llama_dir: Path) -> Any:
+    """The tiny Llama's real ``VllmConfig`` (what vLLM hands its OffloadingConnector)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    model = ModelConfig(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True,
+                        max_model_len=1024)
+    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=TOKENS),
+                      kv_transfer_config=KVTransferConfig(
+                          kv_connector="OffloadingConnector", kv_role="kv_both",
+                          engine_id="kvtier-test-base"))
+
+
+def engine_config(base: Any, *, model: str | None = None, revision: str | None = None,
+                  dtype: Any = None, kv_cache_dtype: str | None = None,
+                  quantization: str | None = None, tp_size: int | None = None) -> Any:
+    """A copy of ``base`` for another engine (its own ``engine_id``), settings changed as
+    ``vllm serve`` flags would change them."""
+    config = copy.deepcopy(base)
+    config.kv_transfer_config.engine_id = f"kvtier-test-{uuid.uuid4().hex[:10]}"
+    for obj, name, value in ((config.model_config, "model", model),
+                             (config.model_config, "revision", revision),
+                             (config.model_config, "dtype", dtype),
+                             (config.cache_config, "cache_dtype", kv_cache_dtype),
+                             (config.model_config, "quantization", quantization),
+                             (config.parallel_config, "tensor_parallel_size", tp_size)):
+        if value is not None:
+            setattr(obj, name, value)
+    return config
+
+
+def make_spec(redis_url: str, prefix: str, vllm_config: Any, *, chunks: int = 4,
+              events: bool = True, **tier: Any) -> TieringOffloadingSpec:
+    """The spec vLLM's ``build_offloading_config`` would make for ``vllm_config``."""
     entry = {"type": "KvtierRedisTier", "module_path": "connector.native_tier.tier",
              "redis_url": redis_url, "redis_prefix": prefix, **tier}
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    kv_dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=TOKENS, layer_names=("l0", "l1"),
                                       group_id=0),),
         worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": chunks * BLOCK_BYTES, "secondary_tiers": [entry]},
-        engine_id=engine or f"kvtier-test-{uuid.uuid4().hex[:10]}",
-        model=OffloadingModelConfig(name=model, dtype=dtype),
+        engine_id=vllm_config.kv_transfer_config.engine_id,
+        model=OffloadingModelConfig(name=model.model,
+                                    dtype=str(kv_dtype).removeprefix("torch.")),
         cache=OffloadingCacheConfig(tokens_per_hash=TOKENS, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
@@ -72,9 +112,10 @@ def make_spec(redis_url: str, prefix: str, *, chunks: int = 4, events: bool = Tr
 class Engine:
     """One TieringOffloadingManager with kvtier's tier, and the test playing the GPU."""
 
-    def __init__(self, spec: TieringOffloadingSpec) -> None:
+    def __init__(self, spec: TieringOffloadingSpec, vllm_config: Any) -> None:
         self.spec = spec
-        self.manager = spec.get_manager()
+        with set_current_vllm_config(vllm_config):
+            self.manager = spec.get_manager()
         self.tier: KvtierRedisTier = self.manager.secondary_tiers[0]
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())
 
@@ -96,7 +137,7 @@ class Engine:
     def settle(self) -> None:
         """Let every submitted job finish and the manager take the results."""
         self.manager.on_schedule_end(STEP)
-        self.tier.drain_jobs()
+        self.tier.wait_for_jobs()
         self.manager.on_schedule_end(STEP)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext, timeout: float = 10.0) -> LookupResult:
@@ -155,11 +196,12 @@ def chain(n: int, salt: str = "") -> list[OffloadKey]:
 
 
 @pytest.fixture
-def engines(redis_url: str, key_prefix: str) -> Iterator[Any]:
+def engines(redis_url: str, key_prefix: str, base_config: Any) -> Iterator[Any]:
     made: list[Engine] = []
 
-    def make(url: str | None = None, **kw: Any) -> Engine:
-        engine = Engine(make_spec(url or redis_url, key_prefix, **kw))
+    def make(url: str | None = None, config: Any = None, **kw: Any) -> Engine:
+        vllm_config = config if config is not None else engine_config(base_config)
+        engine = Engine(make_spec(url or redis_url, key_prefix, vllm_config, **kw), vllm_config)
         made.append(engine)
         return engine
 
@@ -201,10 +243,10 @@ def test_loaded_by_module_path_and_cascades_every_stored_chunk(engines: Any, red
         value = client.get(name_of(redis_url, key_prefix, key))
         fields = codec.parse_header(value)
         assert fields.magic == b"KVTB" and fields.group == 0
-        assert fields.digest == eng.tier.namespace.digest
+        assert fields.digest == bytes.fromhex(eng.tier.fingerprint)
         assert fields.length == BLOCK_BYTES and value[codec.HEADER_SIZE:] == pattern(key).tobytes()
     # one key per chunk: {prefix}:{fingerprint}:{group}:{hash}
-    assert all(n.decode().split(":")[1] == eng.tier.namespace.fingerprint for n in names)
+    assert all(n.decode().split(":")[1] == eng.tier.fingerprint for n in names)
     counts = eng.tier.counters()
     assert counts["stored_chunks"] == 3
     events = list(eng.manager.take_events())
@@ -343,14 +385,18 @@ def test_partial_load_reports_successful_keys(engines: Any, redis_url: str,
     assert second.manager.lookup(keys[2], ctx2) is LookupResult.MISS
 
 
-def test_foreign_namespace_is_never_served(engines: Any, redis_url: str) -> None:
+def test_foreign_namespace_is_never_served(engines: Any, base_config: Any) -> None:
+    import torch
+
     keys = chain(2)
-    writer = engines(model="tiny-llama")
+    writer = engines()
     ctx = writer.request(keys)
     writer.store(ctx, keys)
-    for other in (dict(model="another-model"), dict(dtype="bfloat16"), dict(tp_size=2)):
+    for other in (dict(model_id="another-model"), dict(config=engine_config(
+            base_config, dtype=torch.bfloat16)), dict(config=engine_config(base_config,
+                                                                            tp_size=2))):
         reader = engines(**other)
-        assert reader.tier.namespace.fingerprint != writer.tier.namespace.fingerprint
+        assert reader.tier.fingerprint != writer.tier.fingerprint
         ctx2 = reader.request(keys)
         assert reader.lookup(keys[0], ctx2) is LookupResult.MISS
 
@@ -410,7 +456,8 @@ def test_paused_redis_bounds_drain_and_lookups(engines: Any, redis_server: Any) 
         redis_server.resume()
 
 
-def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any) -> None:
+def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any,
+                                       base_config: Any) -> None:
     from tests.support.redis_server import RedisServer
 
     right = "r1ght-pw-" + uuid.uuid4().hex[:6]
@@ -431,13 +478,13 @@ def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any)
             assert secret not in repr(bad.tier.settings.describe())
         assert "authentication" in bad.tier.redis.last_error.lower()
         with pytest.raises(NativeTierConfigError) as err:
-            make_spec(f"bogus://:{right}@h/0", "p").get_manager()
+            make_spec(f"bogus://:{right}@h/0", "p", base_config).get_manager()
         assert right not in str(err.value)
     finally:
         server.stop()
 
 
-def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any,
+def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any, base_config: Any,
                                        monkeypatch: Any) -> None:
     from tests.support.redis_server import RedisServer
 
@@ -454,7 +501,8 @@ def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any,
         assert secret not in caplog.text
         monkeypatch.delenv("KVTIER_TEST_REDIS_PW")
         with pytest.raises(NativeTierConfigError, match="redis_password_env.*not set"):
-            make_spec(server.url, "p", redis_password_env="KVTIER_TEST_REDIS_PW").get_manager()
+            make_spec(server.url, "p", base_config,
+                      redis_password_env="KVTIER_TEST_REDIS_PW").get_manager()
     finally:
         server.stop()
 
@@ -508,29 +556,8 @@ def test_janitor_keeps_the_tier_s_values_and_removes_a_damaged_one(engines: Any,
     left = set(stored_names(redis_url, key_prefix))
     assert victim not in left and len(left) == 2
     allowed = RedisJanitor(redis_url, key_prefix,
-                           allowed_fingerprints=[eng.tier.namespace.fingerprint])
+                           allowed_fingerprints=[eng.tier.fingerprint])
     assert allowed.run_pass() is True
     assert set(stored_names(redis_url, key_prefix)) == left
 
 
-def test_namespace_follows_the_checkpoint_and_the_settings(tmp_path: Any, redis_url: str,
-                                                           key_prefix: str) -> None:
-    import json
-
-    from connector.native_tier.config import load_native_settings
-    from connector.native_tier.tier import namespace_for
-
-    fps = []
-    for name, layers in (("a", 2), ("b", 3)):
-        ckpt = tmp_path / name
-        ckpt.mkdir()
-        (ckpt / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
-        spec = make_spec(redis_url, key_prefix, model=str(tmp_path / "m"))
-        spec.config = type(spec.config)(**{**spec.config.__dict__,
-                                           "model": OffloadingModelConfig(str(ckpt), "float32")})
-        settings = load_native_settings({"redis_url": redis_url})
-        fps.append(namespace_for(spec, settings, BLOCK_BYTES).fingerprint)
-        settings_w = load_native_settings({"redis_url": redis_url, "weights_version": "v2"})
-        fps.append(namespace_for(spec, settings_w, BLOCK_BYTES).fingerprint)
-        fps.append(namespace_for(spec, settings, 2 * BLOCK_BYTES).fingerprint)
-    assert len(set(fps)) == len(fps)  # config.json, weights_version, row bytes: all count

@@ -175,6 +175,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
         if spec.get("no_module_path"):  # rely on the vllm.general_plugins entry point
             overrides["kv_transfer_config"].pop("kv_connector_module_path")
+    if any(step[0] == "perturb_weights" for step in spec["steps"]):
+        # collective_rpc with a function, as RLHF examples run it (pickled to the workers).
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if int(overrides.get("tensor_parallel_size", 1)) > 1:
         for key, value in TP2_ENV.items():
             os.environ.setdefault(key, value)

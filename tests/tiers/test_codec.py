@@ -67,6 +67,85 @@ def test_bad_values_are_corrupt(case) -> None:  # noqa: ANN001
     with pytest.raises(CorruptValue) as info:
         decode(key(5), value)
     assert isinstance(info.value, ValueError) and info.value.reason
+    # corruption is judged before the save id: a bad value of another save is still corrupt
+    with pytest.raises(CorruptValue):
+        decode(key(5), value, save_id=0x5A5A5A5A)
+
+
+def test_save_id_round_trips_in_the_last_header_field() -> None:
+    k = key(3)
+    data = payload(k, 100)
+    value = encode_bytes(k, data, save_id=0xDEADBEEF)
+    assert codec.VALUE_VERSION == 2 and codec.HEADER.size == HEADER_SIZE == 64
+    assert struct.unpack_from("<I", value, 60) == (0xDEADBEEF,)
+    assert codec.parse_header(value).save_id == 0xDEADBEEF
+    assert bytes(decode(k, value, save_id=0xDEADBEEF)) == data
+    assert bytes(decode(k, value)) == data  # no save id asked: any save serves
+    assert codec.check_header(k, value[:HEADER_SIZE], total_len=len(value),
+                              save_id=0xDEADBEEF) == (100, codec.checksum(data))
+    assert encode(k, data, save_id=7)[0] == codec.encode_header(k, data, save_id=7)
+    assert codec.parse_header(encode_bytes(k, data)).save_id == 0  # none given
+    top = (1 << 32) - 1
+    assert codec.parse_header(codec.encode_header(k, data, save_id=top)).save_id == top
+
+
+def test_another_save_is_stale_not_corrupt() -> None:
+    k = key(3)
+    value = encode_bytes(k, payload(k, 100), save_id=1)
+    checks = {
+        "decode": lambda: decode(k, value, save_id=2),
+        "check_header": lambda: codec.check_header(k, value[:HEADER_SIZE],
+                                                   total_len=len(value), save_id=2),
+        "check_fields": lambda: codec.check_fields(
+            value[:HEADER_SIZE], digest=codec.namespace_digest(k), group=k.group,
+            block_hash=k.block_hash, save_id=2),
+    }
+    for name, check in checks.items():
+        with pytest.raises(codec.StaleSave) as info:
+            check()
+        exc = info.value
+        assert isinstance(exc, ValueError) and not isinstance(exc, CorruptValue), name
+        assert (exc.stored, exc.expected) == (1, 2), name
+    with pytest.raises(codec.StaleSave):  # asking for save 0 is asking for "stored without"
+        decode(k, value, save_id=0)
+    assert not issubclass(codec.StaleSave, CorruptValue)
+
+
+def test_a_bad_header_of_another_save_is_corrupt_with_its_code() -> None:
+    k = key(3)
+    value = bytearray(encode_bytes(k, payload(k, 100), save_id=1))
+    struct.pack_into("<Q", value, 28, k.num_tokens + 1)
+    with pytest.raises(CorruptValue) as info:
+        codec.check_header(k, value[:HEADER_SIZE], total_len=len(value), save_id=2)
+    assert info.value.code == "bad_num_tokens"
+
+
+def test_a_version_1_value_is_bad_version() -> None:
+    k = key(3)
+    value = bytearray(encode_bytes(k, payload(k, 100)))
+    struct.pack_into("<H", value, 4, 1)  # the format before save ids: reserved u32 = 0
+    with pytest.raises(CorruptValue) as info:
+        decode(k, bytes(value))
+    assert info.value.code == "bad_version"
+
+
+def test_save_id_out_of_range_is_a_value_error() -> None:
+    k = key(0)
+    for bad in (-1, 1 << 32, "7", 1.5):
+        with pytest.raises(ValueError, match="save_id"):
+            encode(k, b"x", save_id=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="save_id"):
+            codec.validate_save_id(bad)  # type: ignore[arg-type]
+    codec.validate_save_id(np.uint32(5))  # an integer of any kind
+
+
+def test_new_save_id_is_a_nonzero_u32(monkeypatch: pytest.MonkeyPatch) -> None:
+    draws = iter([0, 0, 77])
+    monkeypatch.setattr(codec.secrets, "randbits", lambda bits: next(draws))
+    assert codec.new_save_id() == 77  # 0 ("none given") is drawn again
+    monkeypatch.undo()
+    ids = {codec.new_save_id() for _ in range(100)}
+    assert all(0 < i < 1 << 32 for i in ids) and len(ids) > 90
 
 
 def test_partial_value_never_answers_full_lookup() -> None:

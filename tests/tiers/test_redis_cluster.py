@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from redis.cluster import RedisCluster
 
+from offload_tiers import codec
 from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_cluster import RedisClusterProcs
 from tests.tiers.faults import wait_until
@@ -195,3 +197,33 @@ def test_tier_recovers_after_a_failed_topology_refresh(cluster: RedisClusterProc
         assert wait_until(lambda: t.get_many_into([fresh], [dests[0]]) == [True])
     finally:
         t.close(timeout=1)
+
+
+def test_cluster_deletes_corrupt_values_on_their_nodes_conditionally(
+        cluster: RedisClusterProcs, key_prefix: str) -> None:
+    """The compare-and-delete script runs on each key's own node; a rewritten value stays."""
+    with RedisTier.from_url(cluster.url, prefix=key_prefix, strict=True) as t:
+        keys = [key(i) for i in range(30)]
+        assert t.put_many([(k, payload(k, 1000)) for k in keys], save_ids=[5] * 30) == 30
+        raw = RedisCluster.from_url(f"redis://127.0.0.1:{cluster.servers[0].port}/0")
+        names = [f"{key_prefix}:{k.name}" for k in keys]
+        for name in names[::3]:  # spread over the nodes: flip a payload byte
+            value = bytearray(raw.get(name))
+            value[codec.HEADER_SIZE + 7] ^= 0x01
+            raw.set(name, bytes(value))
+        assert len({raw.keyslot(n) for n in names[::3]}) > 1
+        dests = list(np.zeros((30, 1000), np.uint8))
+        assert t.get_many_into(keys, dests, save_ids=[5] * 30) == [i % 3 != 0 for i in range(30)]
+        assert sum(cluster.total_keys(f"{key_prefix}:*").values()) == 20
+        assert t.stats()["corrupt_deleted"] == 10
+        old = raw.get(names[1])
+        assert t.put_many([(keys[1], payload(keys[1], 1000))], save_ids=[6]) == 1
+        t._delete_corrupt([(names[1].encode(), old[:codec.HEADER_SIZE], len(old))])
+        assert t.save_ids_many(keys[1:3]) == [6, 5]  # rewritten meanwhile: kept
+        new = raw.get(names[1])
+        t._delete_corrupt([(names[1].encode(), new[:codec.HEADER_SIZE], len(new))])
+        assert t.save_ids_many(keys[1:3]) == [None, 5]  # unchanged: deleted on its node
+        s = t.stats()
+        assert s["corrupt_deleted"] == 11 and s["corrupt_changed"] == 1
+        assert s["corrupt_delete_failures"] == 0
+        raw.close()

@@ -27,6 +27,9 @@ FORBIDDEN = [
     ("connector.daemon", "connector.vllm_connector", "the daemon runs without the connector"),
     ("connector.daemon", "vllm", "the daemon never imports vLLM"),
     ("connector.vllm_connector", "connector.daemon", "the connector never needs the daemon"),
+    ("connector.identity", "vllm", "the identity reads vLLM's objects by attribute only"),
+    ("connector.identity", "connector.vllm_connector", "both halves use it, it uses neither"),
+    ("connector.identity", "connector.native_tier", "both halves use it, it uses neither"),
     ("connector.vllm_connector", "connector.demo", "the connector never needs the demo"),
 ]
 
