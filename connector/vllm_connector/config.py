@@ -145,3 +145,27 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
         raise ConnectorConfigError(
             "TieredOffloadingConnector: bad kv_connector_extra_config: " + "; ".join(problems)
         ) from None
+
+
+PIPELINE_UNSUPPORTED = (
+    "TieredOffloadingConnector does not support pipeline_parallel_size={size} yet (each stage "
+    "would hold a different set of layers). Fix: use tensor_parallel_size and/or "
+    "data_parallel_size, with pipeline_parallel_size=1."
+)
+CONTEXT_PARALLEL_UNSUPPORTED = (
+    "TieredOffloadingConnector does not support {name}={size}: two workers of one TP rank "
+    "would hold different tokens of a block and store different bytes under one key. "
+    "Fix: set {name}=1 (use tensor_parallel_size and/or data_parallel_size instead)."
+)
+
+
+def check_parallel_shape(parallel: Any) -> None:
+    """Refuse parallel shapes the connector cannot serve correctly (vLLM's parallel config,
+    read by attribute): pipeline parallel, prefill/decode context parallel > 1."""
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        raise ConnectorConfigError(PIPELINE_UNSUPPORTED.format(
+            size=parallel.pipeline_parallel_size))
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            raise ConnectorConfigError(CONTEXT_PARALLEL_UNSUPPORTED.format(name=name, size=size))

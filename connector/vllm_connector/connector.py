@@ -43,7 +43,11 @@ from connector.identity.engine import identity_from_vllm
 from connector.identity.engine_core import WeightVersionSource
 from connector.identity.generation import Generation
 from connector.vllm_connector import stats as connector_stats
-from connector.vllm_connector.config import ConnectorConfigError, load_config
+from connector.vllm_connector.config import (
+    ConnectorConfigError,
+    check_parallel_shape,
+    load_config,
+)
 from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
 from connector.vllm_connector.jobs import TierChange
 from connector.vllm_connector.namespace import (
@@ -77,18 +81,6 @@ log = logging.getLogger("kvtier.connector")
 #: ``ownership`` of kvtier's own KV events ("secondary offloading tier identifier" in
 #: vLLM's schema), so consumers tell its CPU/STORAGE announcements from vLLM's.
 EVENT_OWNERSHIP = "kvtier"
-
-PIPELINE_UNSUPPORTED = (
-    "TieredOffloadingConnector does not support pipeline_parallel_size={pp} yet (each stage "
-    "would hold a different set of layers). Fix: use tensor_parallel_size and/or "
-    "data_parallel_size, with pipeline_parallel_size=1."
-)
-
-CONTEXT_PARALLEL_UNSUPPORTED = (
-    "TieredOffloadingConnector does not support {name}={size}: two workers of one TP rank "
-    "would hold different tokens of a block and store different bytes under one key. "
-    "Fix: set {name}=1 (use tensor_parallel_size and/or data_parallel_size instead)."
-)
 
 #: Distinct tenants (cache_salt values) whose fingerprints are kept; more are recomputed.
 TENANT_CACHE_MAX = 4096
@@ -198,14 +190,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: TieredScheduler | None = None
         self._block_pool: Any = None
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ConnectorConfigError(PIPELINE_UNSUPPORTED.format(
-                pp=parallel.pipeline_parallel_size))
-        for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
-            size = int(getattr(parallel, name, 1) or 1)
-            if size > 1:
-                raise ConnectorConfigError(CONTEXT_PARALLEL_UNSUPPORTED.format(name=name,
-                                                                                size=size))
+        check_parallel_shape(parallel)
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ConnectorConfigError(
                 "TieredOffloadingConnector needs prefix caching (block hashes). "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from connector.vllm_connector.config import ConnectorConfigError, load_config
+from connector.vllm_connector.config import ConnectorConfigError, check_parallel_shape, load_config
 
 
 def test_defaults() -> None:
@@ -66,3 +67,18 @@ def test_ca_file_is_kept_as_a_path(tmp_path: Path) -> None:
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     cfg = load_config({"redis_url": "rediss://127.0.0.1:6380/0", "redis_ssl_ca_certs": str(ca)})
     assert cfg.redis_ssl_ca_certs == str(ca)
+
+
+@pytest.mark.parametrize(("name", "needle"), [
+    ("pipeline_parallel_size", "pipeline_parallel_size=2"),
+    ("prefill_context_parallel_size", "prefill_context_parallel_size=2"),
+    ("decode_context_parallel_size", "decode_context_parallel_size=2"),
+])
+def test_parallel_shapes_that_cannot_work_are_refused_naming_the_fix(name: str,
+                                                                   needle: str) -> None:
+    shape = {"pipeline_parallel_size": 1, "prefill_context_parallel_size": 1,
+             "decode_context_parallel_size": 1, "tensor_parallel_size": 2}
+    check_parallel_shape(SimpleNamespace(**shape))  # TP alone is fine
+    with pytest.raises(ConnectorConfigError, match=needle) as err:
+        check_parallel_shape(SimpleNamespace(**{**shape, name: 2}))
+    assert "Fix: " in str(err.value)

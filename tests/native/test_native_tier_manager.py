@@ -561,3 +561,270 @@ def test_janitor_keeps_the_tier_s_values_and_removes_a_damaged_one(engines: Any,
     assert set(stored_names(redis_url, key_prefix)) == left
 
 
+# ---------------------------------------------------------------------------- identity
+def test_every_setting_read_from_vllm_changes_the_fingerprint(engines: Any, base_config: Any,
+                                                              tiny_llama_dir: Path,
+                                                              tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    same = engines()
+    reference = same.tier.fingerprint
+    assert engines().tier.fingerprint == reference  # another engine, same settings: shared
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama_dir, ckpt)
+    at_copy = engines(config=engine_config(base_config, model=str(ckpt))).tier.fingerprint
+    weights = next(p for p in ckpt.iterdir() if p.name.endswith(".safetensors"))
+    with weights.open("r+b") as f:  # the checkpoint rewritten in place, same path and size
+        f.seek(weights.stat().st_size - 4)
+        f.write(b"\x01\x02\x03\x04")
+    variants = {
+        "quantization": dict(config=engine_config(base_config, quantization="fp8")),
+        "revision": dict(config=engine_config(base_config, revision="refs/pr/7")),
+        "model dtype": dict(config=engine_config(base_config, dtype=torch.bfloat16)),
+        "KV dtype": dict(config=engine_config(base_config, kv_cache_dtype="fp8_e4m3")),
+        "KV dtype e5m2": dict(config=engine_config(base_config, kv_cache_dtype="fp8_e5m2")),
+        "weights_version": dict(weights_version="step-1200"),
+        "model_id": dict(model_id="org/tiny-llama"),
+        "checkpoint": dict(config=engine_config(base_config, model=str(ckpt))),
+    }
+    seen = {"reference": reference, "checkpoint copy": at_copy}
+    for name, kw in variants.items():
+        seen[name] = engines(**kw).tier.fingerprint
+    assert len(set(seen.values())) == len(seen), seen
+
+
+def test_quantized_engine_is_never_served_the_unquantized_values(engines: Any,
+                                                                 base_config: Any) -> None:
+    """The finding of issue #17: same model, same KV dtype and row bytes, fp8 weights."""
+    keys = chain(2)
+    plain = engines()
+    plain.store(plain.request(keys), keys)
+    quantized = engines(config=engine_config(base_config, quantization="fp8"))
+    ctx = quantized.request(keys)
+    assert quantized.lookup_all(keys, ctx) == [LookupResult.MISS] * 2
+    assert quantized.tier.counters().get("loaded_chunks", 0) == 0
+
+
+def test_identity_needs_the_engine_s_vllm_config(redis_url: str, key_prefix: str,
+                                                 base_config: Any) -> None:
+    config = engine_config(base_config)
+    with pytest.raises(NativeTierIdentityError, match="cannot find the engine's VllmConfig"):
+        make_spec(redis_url, key_prefix, config).get_manager()  # no config current or above
+    other = engine_config(base_config)  # another engine's config is not ours
+    with set_current_vllm_config(other), pytest.raises(NativeTierIdentityError,
+                                                       match="engine_id"):
+        make_spec(redis_url, key_prefix, config).get_manager()
+
+
+def test_identity_from_the_caller_s_vllm_config_as_vllm_builds_it(redis_url: str,
+                                                                  key_prefix: str,
+                                                                  base_config: Any) -> None:
+    """vLLM 0.32 sets no current config in the engine core: the tier is built inside
+    ``OffloadingConnectorScheduler.__init__(spec, vllm_config, ...)``."""
+
+    def scheduler_init(spec: TieringOffloadingSpec, vllm_config: Any) -> Any:
+        return spec.get_manager()
+
+    config = engine_config(base_config)
+    manager = scheduler_init(make_spec(redis_url, key_prefix, config), config)
+    reference = Engine(make_spec(redis_url, key_prefix, engine_config(base_config)),
+                       engine_config(base_config))
+    try:
+        assert manager.secondary_tiers[0].fingerprint == reference.tier.fingerprint
+    finally:
+        manager.shutdown()
+        reference.close()
+
+
+# ---------------------------------------------------------------------------- generation
+class EngineCore:
+    """Named like vLLM's: the tier reads ``_weight_version`` of the EngineCore building it."""
+
+    def __init__(self, version: str = "default") -> None:
+        self._weight_version = version
+
+    def start(self, make: Any, **kw: Any) -> Engine:
+        return make(**kw)
+
+
+def test_connector_reset_moves_to_a_generation_no_other_engine_shares(engines: Any) -> None:
+    a, b = engines(), engines()
+    start = a.tier.fingerprint
+    assert b.tier.fingerprint == start and a.tier.generation.name == "0"
+    keys = chain(2)
+    ctx = a.request(keys)
+    a.store(ctx, keys)
+    a.finish(ctx)
+    a.manager.reset_cache()  # vLLM's reset_prefix_cache(reset_connector=True) lands here
+    b.manager.reset_cache()
+    assert len({start, a.tier.fingerprint, b.tier.fingerprint}) == 3  # a nonce each
+    assert a.tier.counters()["generation_moves"] == 1
+    ctx = a.request(keys)  # forgotten, and Redis holds nothing under the new fingerprint
+    assert a.lookup_all(keys, ctx) == [LookupResult.MISS] * 2
+    assert a.tier.counters().get("lookup_known_hits", 0) == 0
+    a.store(ctx, keys)  # stored again, under a's new generation: b never meets it
+    ctx_b = b.request(keys)
+    assert b.lookup_all(keys, ctx_b) == [LookupResult.MISS] * 2
+    fresh = engines()  # a restarted engine is at generation "0": it meets the first values
+    assert fresh.tier.fingerprint == start
+    assert fresh.fetch(keys[0], fresh.request(keys)) is LookupResult.HIT
+
+
+def test_a_named_weight_version_is_shared_after_the_reset(engines: Any) -> None:
+    core_a, core_b = EngineCore(), EngineCore()
+    a, b = core_a.start(engines), core_b.start(engines)
+    start = a.tier.fingerprint
+    core_a._weight_version = core_b._weight_version = "rl-step-7"  # update_weight_version
+    a.manager.reset_cache()
+    b.manager.reset_cache()
+    assert a.tier.generation.name == "named:rl-step-7"
+    assert a.tier.fingerprint == b.tier.fingerprint != start
+    keys = chain(2)
+    a.store(a.request(keys), keys)
+    ctx = b.request(keys)
+    for key in keys:
+        assert b.fetch(key, ctx) is LookupResult.HIT
+        assert b.primary_bytes(key, ctx) == pattern(key).tobytes()
+
+
+def test_a_new_weight_version_moves_the_generation_without_a_reset(engines: Any) -> None:
+    core = EngineCore()
+    eng = core.start(engines)
+    keys = chain(2)
+    ctx = eng.request(keys)
+    eng.store(ctx, keys)
+    start = eng.tier.fingerprint
+    core._weight_version = "v2"
+    eng.manager.on_schedule_end(STEP)  # the version is read once per step
+    assert eng.tier.generation.name == "named:v2" and eng.tier.fingerprint != start
+    eng.finish(ctx)
+    eng.manager.reset_cache()  # empties the primary; the version is unchanged: a nonce
+    assert eng.tier.generation.name.startswith("nonce:")
+    ctx = eng.request(keys)
+    assert eng.lookup_all(keys, ctx) == [LookupResult.MISS] * 2  # v1's chunks: not served
+
+
+# ---------------------------------------------------------------------------- failed jobs
+def drain_within(tier: KvtierRedisTier, seconds: float) -> None:
+    """``tier.wait_for_jobs()`` (``drain_jobs`` without the generation move) in a thread;
+    fails, instead of hanging, when it never returns."""
+    done = threading.Thread(target=tier.wait_for_jobs, daemon=True)
+    done.start()
+    done.join(seconds)
+    assert not done.is_alive(), "drain never returned: a job was never reported"
+
+
+def test_a_job_whose_row_read_raises_is_reported_failed(engines: Any, caplog: Any) -> None:
+    eng = engines(chunks=8)
+    keys = chain(4)
+    ctx = eng.request(keys)
+
+    def broken(chunk_id: int) -> np.ndarray:
+        raise IndexError(f"row {chunk_id} is not there")
+
+    eng.tier._row = broken  # type: ignore[method-assign]
+    reported: list[Any] = []
+    original = eng.tier.get_finished_jobs
+
+    def spy() -> list[Any]:
+        out = list(original())
+        reported.extend(out)
+        return out
+
+    eng.tier.get_finished_jobs = spy  # type: ignore[method-assign]
+    with caplog.at_level("ERROR", logger="connector.native_tier.tier"):
+        for key in keys[:2]:  # two cascades, each failing while it reads its row
+            out = eng.manager.prepare_store([key], ctx)
+            eng.rows[out.store_spec.chunk_ids[0]] = pattern(key)
+            eng.manager.complete_store([key], ctx)
+            eng.manager.on_schedule_end(STEP)
+            drain_within(eng.tier, 10)
+            eng.manager.on_schedule_end(STEP)
+    assert [r.success for r in reported] == [False, False]
+    assert all(r.successful_keys is None for r in reported)
+    counts = eng.tier.counters()
+    assert counts["job_errors"] == 2 and counts.get("stored_chunks", 0) == 0
+    assert not eng.tier.has_pending_work()
+    errors = [r for r in caplog.records if "store job" in r.getMessage()]
+    assert len(errors) == 1 and "IndexError" in errors[0].getMessage()  # logged once
+    eng.tier.drain_jobs()  # returns: nothing is left pending
+
+
+def test_a_load_job_that_raises_is_a_failed_promotion(engines: Any) -> None:
+    first = engines()
+    keys = chain(2)
+    first.store(first.request(keys), keys)
+    second = engines()
+    ctx = second.request(keys)
+    assert second.lookup_all(keys, ctx) == [LookupResult.HIT_PENDING] * 2
+
+    def broken(chunk_id: int) -> np.ndarray:
+        raise RuntimeError("primary region unmapped")
+
+    second.tier._row = broken  # type: ignore[method-assign]
+    second.manager.on_schedule_end(STEP)  # submits the promotion
+    drain_within(second.tier, 10)
+    second.manager.on_schedule_end(STEP)
+    assert [second.manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2
+    counts = second.tier.counters()
+    assert counts["job_errors"] == 1 and counts["load_misses"] == 2
+
+
+def test_submit_never_raises_on_bad_job_metadata(engines: Any) -> None:
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    eng = engines()
+    keys = chain(3)
+    ctx = eng.request(keys)
+    for n, promotion in enumerate((False, True)):
+        job = TransferJob(job_id=10_000 + n, keys=keys, chunk_ids=np.array([0, 1]),
+                          is_promotion=promotion, req_context=ctx)  # one chunk id short
+        (eng.tier.submit_load if promotion else eng.tier.submit_store)(job)
+    drain_within(eng.tier, 10)
+    results = list(eng.tier.get_finished_jobs())
+    assert sorted(r.job_id for r in results) == [10_000, 10_001]
+    assert not any(r.success for r in results)
+    assert eng.tier.counters()["job_errors"] == 2
+
+
+# ---------------------------------------------------------------------------- corrupt values
+def test_a_value_proven_corrupt_is_deleted_and_then_a_plain_miss(engines: Any, redis_url: str,
+                                                                 key_prefix: str) -> None:
+    first = engines()
+    keys = chain(2)
+    first.store(first.request(keys), keys)
+    client = redis.Redis.from_url(redis_url)
+    victim = name_of(redis_url, key_prefix, keys[1])
+    value = bytearray(client.get(victim))
+    value[codec.HEADER_SIZE + 99] ^= 0x08  # header intact: only the load's checksum sees it
+    client.set(victim, bytes(value))
+    second = engines()
+    ctx = second.request(keys)
+    assert second.lookup_all(keys, ctx) == [LookupResult.HIT_PENDING] * 2
+    second.settle()
+    assert second.manager.lookup(keys[1], ctx) is LookupResult.MISS  # the load missed
+    assert not client.exists(victim)  # proven corrupt: deleted (it was unchanged)
+    assert client.exists(name_of(redis_url, key_prefix, keys[0]))
+    second.finish(ctx)
+    counts = second.tier.counters()
+    assert counts["corrupt_values"] == 1 and counts["corrupt_deleted"] == 1
+    assert counts["load_misses"] == 1
+    ctx = second.request(keys)  # a new request asks Redis again: a plain miss, no load
+    assert second.lookup(keys[1], ctx) is LookupResult.MISS
+    second.settle()
+    counts = second.tier.counters()
+    assert counts.get("load_misses", 0) == 0 and counts.get("corrupt_values", 0) == 0
+
+
+def test_the_native_tier_keeps_redis_tier_s_corrupt_deletion_on(engines: Any) -> None:
+    assert engines().tier.redis.delete_corrupt is True
+
+
+def test_known_keys_are_bounded(engines: Any) -> None:
+    eng = engines(chunks=8, known_keys=3)
+    keys = chain(6)
+    eng.store(eng.request(keys), keys)
+    assert len(eng.tier._known) == 3
+    assert list(eng.tier._known) == keys[3:]  # the most recent ones
