@@ -173,10 +173,11 @@ class KvtierRedisTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.settings = s = load_native_settings(settings, tier_type)
         self.locality = Locality(s.locality) if s.locality else None
-        self._rows = np.asarray(primary_kv_view).view(np.uint8)
-        # Raises before any thread or connection exists when the engine's config is unseen.
+        # Raises before any buffer, thread or connection is taken when the engine's config
+        # is unseen (vLLM then unmaps the primary region).
         self.identity, config_source = identity_for_spec(offloading_spec, s,
                                                          self.block_size_bytes)
+        self._rows = np.asarray(primary_kv_view).view(np.uint8)
         self._tp_rank = int(offloading_spec.config.parallel.rank)
         self._weights = WeightVersionSource()  # the EngineCore building us, when on the stack
         self.generation = Generation(self._weights.read())

@@ -9,6 +9,9 @@ copy worker. Engines, one at a time, each in its own process:
   baseline   vLLM alone
   first      native + kvtier tier: computes A and B, cascades them to Redis
   second     a NEW engine on the same Redis: restores A's prefix from Redis
+  bfloat16   a new engine of another model dtype (so another KV dtype) on the same Redis:
+             restores nothing of the float32 values, outputs equal vLLM alone in bfloat16
+             (the CPU backend here runs neither fp8 weights nor an fp8 KV cache: no AVX-512)
   damaged    a new engine after every value was damaged in Redis (flipped bytes, values
              of other keys): misses, recomputes, same outputs
   down       a new engine whose Redis does not answer: misses and counted drops
@@ -35,6 +38,7 @@ PROMPT_B = prompt_words(22, 140)
 A2 = PROMPT_A + " w5 w6"
 POKE = prompt_words(23, 40)
 N = "vllm:kvtier_native_"
+BF16 = {"dtype": "bfloat16"}
 
 
 def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -47,12 +51,13 @@ def prefix(redis_url: str) -> Iterator[str]:
         yield name
 
 
-def kvtier(redis_url: str, prefix: str, prompts: list[list[Any]], **tier: Any) -> dict[str, Any]:
+def kvtier(redis_url: str, prefix: str, prompts: list[list[Any]],
+           engine: dict[str, Any] | None = None, **tier: Any) -> dict[str, Any]:
     # A loaded 2-core machine can stall a Redis reply past the 0.25 s default (the tier then
     # counts drops, by design); only the fault test below sets a short timeout.
     tier.setdefault("redis_timeout_s", 2.0)
     return run_in_subprocess({"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix,
-                              "prompts": prompts, "tier": tier})
+                              "prompts": prompts, "tier": tier, "engine": engine or {}})
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,15 @@ def first(baseline: Any, redis_url: str, prefix: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def second(first: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
     return kvtier(redis_url, prefix, [["A2", A2]])
+
+
+@pytest.fixture(scope="module")
+def bfloat16(second: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
+    alone = by_name(run_in_subprocess({"mode": "none", "engine": BF16,
+                                       "prompts": [["A2", A2]]}))
+    result = kvtier(redis_url, prefix, [["A2", A2], ["poke", POKE]], engine=BF16)
+    result["alone"] = alone
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +117,20 @@ def test_new_engine_restores_the_prefix_from_redis(second: dict[str, Any],
     assert m[N + "lookup_checked_hits"] >= 4  # a new engine knows nothing: it asked Redis
     assert m["vllm:kv_offload_tiering_chunk_hits"] >= 4
     assert m.get(N + "load_misses", 0) == 0 and m.get(N + "unpositioned_keys", 0) == 0
+
+
+def test_engine_of_another_dtype_restores_nothing_of_the_first_engine_s(
+        bfloat16: dict[str, Any], redis_url: str, prefix: str) -> None:
+    out = by_name(bfloat16)["A2"]
+    assert out["token_ids"] == bfloat16["alone"]["A2"]["token_ids"]  # = vLLM alone, bfloat16
+    assert out["num_cached_tokens"] == 0  # A's float32 chunks are in Redis: none served
+    m = bfloat16["metrics"]
+    assert m.get(N + "loaded_chunks", 0) == 0 and m.get(N + "lookup_checked_hits", 0) == 0
+    assert m.get(N + "lookup_known_hits", 0) == 0
+    assert m.get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
+    assert m[N + "stored_chunks"] >= 4  # its own chunks, under its own fingerprint
+    keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
+    assert len({k.split(b":")[1] for k in keys}) == 2
 
 
 def test_damaged_values_are_misses_and_outputs_stay_identical(damaged: dict[str, Any],

@@ -585,6 +585,9 @@ def test_every_setting_read_from_vllm_changes_the_fingerprint(engines: Any, base
         "model dtype": dict(config=engine_config(base_config, dtype=torch.bfloat16)),
         "KV dtype": dict(config=engine_config(base_config, kv_cache_dtype="fp8_e4m3")),
         "KV dtype e5m2": dict(config=engine_config(base_config, kv_cache_dtype="fp8_e5m2")),
+        # the same KV dtype and row bytes, another model dtype: only the VllmConfig says it
+        "model dtype, KV dtype set": dict(config=engine_config(
+            base_config, kv_cache_dtype="fp8_e4m3", dtype=torch.bfloat16)),
         "weights_version": dict(weights_version="step-1200"),
         "model_id": dict(model_id="org/tiny-llama"),
         "checkpoint": dict(config=engine_config(base_config, model=str(ckpt))),
@@ -629,8 +632,8 @@ def test_identity_from_the_caller_s_vllm_config_as_vllm_builds_it(redis_url: str
 
     config = engine_config(base_config)
     manager = scheduler_init(make_spec(redis_url, key_prefix, config), config)
-    reference = Engine(make_spec(redis_url, key_prefix, engine_config(base_config)),
-                       engine_config(base_config))
+    other = engine_config(base_config)
+    reference = Engine(make_spec(redis_url, key_prefix, other), other)
     try:
         assert manager.secondary_tiers[0].fingerprint == reference.tier.fingerprint
     finally:
@@ -700,10 +703,13 @@ def test_a_new_weight_version_moves_the_generation_without_a_reset(engines: Any)
     eng.manager.on_schedule_end(STEP)  # the version is read once per step
     assert eng.tier.generation.name == "named:v2" and eng.tier.fingerprint != start
     eng.finish(ctx)
-    eng.manager.reset_cache()  # empties the primary; the version is unchanged: a nonce
-    assert eng.tier.generation.name.startswith("nonce:")
+    eng.manager.reset_cache()  # the reset that follows the update: still the named weights
+    assert eng.tier.generation.name == "named:v2"
     ctx = eng.request(keys)
     assert eng.lookup_all(keys, ctx) == [LookupResult.MISS] * 2  # v1's chunks: not served
+    eng.finish(ctx)
+    eng.manager.reset_cache()  # a reset with no new version since: a nonce
+    assert eng.tier.generation.name.startswith("nonce:")
 
 
 # ---------------------------------------------------------------------------- failed jobs
@@ -811,6 +817,7 @@ def test_a_value_proven_corrupt_is_deleted_and_then_a_plain_miss(engines: Any, r
     counts = second.tier.counters()
     assert counts["corrupt_values"] == 1 and counts["corrupt_deleted"] == 1
     assert counts["load_misses"] == 1
+    second.tier.get_stats()  # counters start again from zero
     ctx = second.request(keys)  # a new request asks Redis again: a plain miss, no load
     assert second.lookup(keys[1], ctx) is LookupResult.MISS
     second.settle()
