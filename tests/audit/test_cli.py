@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -276,10 +279,25 @@ def test_runs_in_a_bare_python_without_site_packages(tmp_path: Path) -> None:
     assert "KVT001" in proc.stdout and "HEAVY []" in proc.stdout
 
 
+#: A comment that would suppress an audit finding: ``kvtier: ignore``, a bare ``noqa``, or a
+#: ``noqa`` naming a KVT code.
+_HIDES = re.compile(r"kvtier:\s*ignore|noqa(?!\s*:)|noqa\s*:[^#]*\bKVT", re.I)
+
+
 def test_kvtier_passes_its_own_audit(capsys) -> None:
-    rc, out, _ = audit(capsys, "--config", str(REPO / "pyproject.toml"),
-                       str(REPO / "connector"), str(REPO / "offload_tiers"), str(REPO / "audit"))
-    assert rc == 0, out
+    """No finding at any severity or confidence, with no configuration and no suppression
+    comment that could hide one."""
+    roots = [REPO / "connector", REPO / "offload_tiers", REPO / "audit"]
+    rc, out, _ = audit(capsys, "--isolated", "--format", "json", "--min-severity", "info",
+                       "--min-confidence", "low", "--fail-on", "info", *map(str, roots))
+    data = json.loads(out)
+    assert data["findings"] == [] and data["counts"] == {}, out
+    assert rc == 0
+    assert data["parsed"] >= 10 and data["files"] > data["parsed"]  # it really looked
+    hiding = [f"{path}:{tok.start[0]}" for root in roots for path in sorted(root.rglob("*.py"))
+              for tok in tokenize.generate_tokens(io.StringIO(path.read_text("utf-8")).readline)
+              if tok.type == tokenize.COMMENT and _HIDES.search(tok.string)]
+    assert hiding == [], hiding
 
 
 def test_pre_commit_hook_definition() -> None:

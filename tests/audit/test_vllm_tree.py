@@ -88,6 +88,16 @@ def test_errors_are_exactly_the_verified_and_reviewed_ones(tree) -> None:
     assert matched == pinned
 
 
+def test_no_warnings_and_every_info_is_hash_membership(tree) -> None:
+    """Below the pinned errors: no warning at all, and only KVT006 (hash presence as "is
+    cached", bookkeeping) at INFO; how many is printed by ``kvtier audit --isolated
+    --min-severity info --statistics <vllm dir>``."""
+    _, result = tree
+    rest = [f for f in result.findings if f.severity is not Severity.ERROR]
+    assert rest, "the bookkeeping tests were not seen at all"
+    assert {(f.severity, f.code) for f in rest} == {(Severity.INFO, "KVT006")}
+
+
 def test_verified_errors_resolve_their_receiver_with_high_confidence(tree) -> None:
     root, result = tree
     for f in result.findings:

@@ -62,6 +62,25 @@ def test_lost_last_batch_is_repaired_by_idle_probe() -> None:
         r.close()
 
 
+def test_lost_last_batch_stays_lost_without_idle_probe() -> None:
+    """The control of the test above: probes off, the same loss goes unnoticed for longer
+    than the default probe interval (2 s) — nothing else would reveal it."""
+    r = Rig(daemon_args=("--replay-idle-probe", "0")).start()
+    try:
+        r.publish(stored([1, 2], None))
+        r.settle()
+        r.pub._pub = dropping = DroppingSocket(r.pub._pub, drop={r.seq, r.seq + 1})
+        r.publish(stored([3], 2))
+        dropping.wait_sent(r.publish(stored([4], 3)) - 1)  # both lost, no later batch
+        time.sleep(3.0)
+        src = r.daemon.source()
+        assert src["idle_probes"] == 0 and src["gaps"] == 0 and src["missing_batches"] == 0
+        assert src["next_seq"] == r.seq - 2  # still waiting for the first lost batch
+        assert r.daemon.lookup([1, 2, 3, 4])["GPU"]["tokens"] == 2 * B
+    finally:
+        r.close()
+
+
 class FakeEngine:
     """The test's own PUB (bound, as vLLM binds) and a ROUTER replay socket that it controls."""
 
@@ -120,6 +139,24 @@ def test_replay_that_never_answers_times_out_and_the_stream_goes_on(engine: Fake
     assert src["missing_batches"] == 1 and src["gaps"] == 1
     # Blocks 3 and 4 were applied after the timeout; the chain 1..4 is all there.
     assert d.lookup([1, 2, 3, 4])["GPU"]["tokens"] == 4 * B
+    # The timed-out DEALER was replaced: the next replay comes from a new socket, and an
+    # answer sent late to the old one is never applied, even while that replay is open.
+    engine.send(6, [full([6], 4)])  # seq 5 lost
+    assert engine.router.poll(5000), "daemon did not ask for the second replay"
+    ident2, _, start = engine.router.recv_multipart()
+    assert ident2 != ident and int.from_bytes(start, "big") == 5
+    stale = ev.encode_batch(ev.KVEventBatch(time.time(), [full([99], 4)]))
+    engine.router.send_multipart((ident, b"", b"", (5).to_bytes(8, "big"), stale))
+    time.sleep(0.2)  # the old socket, were it open, would have delivered it by now
+    assert d.source()["repaired_batches"] == src["repaired_batches"]
+    engine.router.send_multipart((ident2, b"", b"", (5).to_bytes(8, "big"),
+                                  ev.encode_batch(ev.KVEventBatch(time.time(), [full([5], 4)]))))
+    engine.router.send_multipart((ident2, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+    s = d.wait_for(lambda s: s["sources"][0]["replays_completed"] == 1
+                   and s["sources"][0]["next_seq"] == 7, what="second replay")
+    assert s["sources"][0]["duplicates"] == src["duplicates"]
+    assert d.lookup([99])["GPU"]["tokens"] == 0
+    assert d.lookup([1, 2, 3, 4, 5])["GPU"]["tokens"] == 5 * B
 
 
 def test_replay_with_garbage_frames_is_counted(engine: FakeEngine) -> None:
