@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,16 +35,32 @@ def removed(hashes: list[int], medium: str = "GPU", group: int = 0) -> Any:
 
 class DroppingSocket:
     """Wraps vLLM's PUB socket and drops the sends of chosen sequence numbers (a real gap:
-    the batch is still in the publisher's replay buffer)."""
+    the batch is still in the publisher's replay buffer); ``wait_sent(seq)`` waits until
+    vLLM's publisher thread is done with the send of ``seq`` (sent or dropped)."""
 
     def __init__(self, sock: Any, drop: set[int]) -> None:
         self._sock = sock
         self.drop = drop
+        self._done: set[int] = set()
+        self._cond = threading.Condition()
 
     def send_multipart(self, frames: Any, *a: Any, **kw: Any) -> Any:
-        if int.from_bytes(frames[1], "big") in self.drop:
-            return None
-        return self._sock.send_multipart(frames, *a, **kw)
+        if len(frames) < 3:  # not a batch (a test's handshake probe)
+            return self._sock.send_multipart(frames, *a, **kw)
+        seq = int.from_bytes(frames[1], "big")
+        try:
+            if seq in self.drop:
+                return None
+            return self._sock.send_multipart(frames, *a, **kw)
+        finally:
+            with self._cond:
+                self._done.add(seq)
+                self._cond.notify_all()
+
+    def wait_sent(self, seq: int, timeout: float = 60.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: seq in self._done, timeout), \
+                f"vLLM's publisher never sent batch {seq}"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
@@ -54,9 +71,10 @@ def wait_subscribed(pub: Any, daemon: DaemonProcess, source: int = 0,
     """Readiness handshake for a stream without replay: a PUB drops what it sends before the
     SUB's subscription reaches it, so send one-frame probes on vLLM's own PUB socket until
     the daemon has received one (it counts them as malformed frames; sequence state, and so
-    every gap/replay counter, is untouched). Call before the first ``publish``: vLLM's
+    every gap/replay counter, is untouched). Call before the first ``publish`` (vLLM's
     publisher thread has not used the socket yet, and ``publish``'s queue hand-off orders
-    our sends before its own."""
+    our sends before its own), or once that thread is done with its last send
+    (``DroppingSocket.wait_sent``): a ZMQ socket is never used by two threads at once."""
     deadline = time.monotonic() + timeout
     base = daemon.source(source)["received"]
     while time.monotonic() < deadline:
@@ -232,9 +250,11 @@ def test_gap_without_replay_is_counted_unrepaired() -> None:
 def test_vllm_connects_daemon_binds_and_first_message_loss_is_replayed() -> None:
     r = Rig(bind_side="daemon").start()
     try:
+        sent = r.pub._pub = DroppingSocket(r.pub._pub, drop=set())
         r.publish(stored([21, 22], None))  # may be lost by the connecting PUB: replay fixes it
-        time.sleep(0.3)
-        r.publish(stored([23], 22))
+        sent.wait_sent(0)  # vLLM's thread is done with its socket: the probes may use it
+        wait_subscribed(r.pub, r.daemon)  # the next batch reaches the daemon ...
+        r.publish(stored([23], 22))  # ... which sees seq 1 first (or after 0) and replays 0
         s = r.settle()
         assert s["sources"][0]["binds"] is True
         assert r.daemon.lookup([21, 22, 23])["GPU"]["tokens"] == 3 * B
