@@ -72,6 +72,8 @@ def test_lost_last_batch_stays_lost_without_idle_probe() -> None:
         r.pub._pub = dropping = DroppingSocket(r.pub._pub, drop={r.seq, r.seq + 1})
         r.publish(stored([3], 2))
         dropping.wait_sent(r.publish(stored([4], 3)) - 1)  # both lost, no later batch
+        # A lower bound, not an ordering: the control needs the default probe interval (2 s)
+        # to have passed; a busy machine only lets more time pass.
         time.sleep(3.0)
         src = r.daemon.source()
         assert src["idle_probes"] == 0 and src["gaps"] == 0 and src["missing_batches"] == 0
@@ -147,8 +149,6 @@ def test_replay_that_never_answers_times_out_and_the_stream_goes_on(engine: Fake
     assert ident2 != ident and int.from_bytes(start, "big") == 5
     stale = ev.encode_batch(ev.KVEventBatch(time.time(), [full([99], 4)]))
     engine.router.send_multipart((ident, b"", b"", (5).to_bytes(8, "big"), stale))
-    time.sleep(0.2)  # the old socket, were it open, would have delivered it by now
-    assert d.source()["repaired_batches"] == src["repaired_batches"]
     engine.router.send_multipart((ident2, b"", b"", (5).to_bytes(8, "big"),
                                   ev.encode_batch(ev.KVEventBatch(time.time(), [full([5], 4)]))))
     engine.router.send_multipart((ident2, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
