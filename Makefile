@@ -20,7 +20,7 @@ lint: bootstrap
 JOBS ?= 2
 
 test: lint
-	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --durations=20 tests; rc=$$?; \
+	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --durations=60 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 unit: bootstrap

@@ -6,13 +6,19 @@ Used by ``benchmarks/bench_native_tier.py`` and ``tests/native/test_native_tier_
         "prompts": [[name, prompt], ...], "max_tokens": 8, "cpu_bytes": 67108864,
         "redis_url": "redis://...", "redis_prefix": "...", "fs_root": "/tmp/...",
         "tier": {extra kvtier tier settings}, "reset_between": false,
-        "engine": {LLM keyword overrides, e.g. "tensor_parallel_size": 2}}'
+        "engine": {LLM keyword overrides, e.g. "tensor_parallel_size": 2},
+        "wait_for": [[metric | [metrics], at_least], ...]}'
 
 Modes: ``none`` = vLLM alone; ``fs`` = OffloadingConnector + TieringOffloadingSpec with
 vLLM's file-system tier; ``kvtier`` = the same with kvtier's Redis tier
 (``connector.native_tier.tier.KvtierRedisTier``). The spec is ``CpuTieringOffloadingSpec``
 (``benchmarks/peers/native_tiering_cpu.py``): ``TieringOffloadingSpec`` with a CPU worker.
 vLLM's default executors (engine core and worker in their own processes).
+
+``wait_for``: after the prompts, step the engine (one-token requests) until each metric
+(or the sum of a list of metrics) is at least its value: cascades to Redis finish in the
+background and are counted when a later step collects them. A generous deadline only ends a
+hung engine (the metrics then come back as they are, for the caller's assertions).
 
 Output: per prompt its text, token ids, ``num_cached_tokens`` and seconds; the engine's
 start seconds; every ``vllm:kv_offload*`` / ``vllm:kvtier_native_*`` metric (summed).
@@ -97,7 +103,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                         "num_cached_tokens": out.num_cached_tokens,
                         "prompt_tokens": len(out.prompt_token_ids or ()),
                         "seconds": time.perf_counter() - t, "metrics": metrics(llm)})
+    wait_for_metrics(llm, spec.get("wait_for") or [])
     return {"start_s": start_s, "outputs": outputs, "metrics": metrics(llm)}
+
+
+def wait_for_metrics(llm: Any, wanted: list[list[Any]], deadline_s: float = 300.0) -> None:
+    """Step the engine until every ``[metric | [metrics], at_least]`` holds (see above)."""
+    from vllm import SamplingParams
+
+    def short(m: dict[str, float]) -> list[tuple[Any, float, float]]:
+        out = []
+        for names, at_least in wanted:
+            names = [names] if isinstance(names, str) else names
+            have = sum(m.get(n, 0) for n in names)
+            if have < at_least:
+                out.append((names, have, at_least))
+        return out
+
+    deadline = time.monotonic() + deadline_s
+    while short(metrics(llm)) and time.monotonic() < deadline:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)  # a step: finished jobs are collected and counted
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, Any]:

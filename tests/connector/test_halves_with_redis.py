@@ -405,7 +405,7 @@ def test_write_pins_are_released_by_reports_and_redis_down_leaks_no_slot(
         e.close()
 
 
-def _until_redis_up(e: Halves, deadline_s: float = 20.0) -> None:
+def _until_redis_up(e: Halves, deadline_s: float = 120.0) -> None:
     """Run empty steps (the workers report Redis health with each) until it answers."""
     deadline = time.monotonic() + deadline_s
     while not e.sched.redis_up:

@@ -71,13 +71,13 @@ def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
         ["reset"],
         ["generate", "P1B", P1B],            # served from the CPU tier meanwhile
         ["proxy", "latency", 0.0],
-        ["wait_redis", 1, 20.0],             # Redis up and in use again before the flapping
+        ["wait_redis", 1, 120.0],            # Redis up and in use again before the flapping
         ["snapshot", "before-flap"],
         ["proxy", "flap", 0.005],            # RST every connection every 5 ms ...
-        ["generate", "P3", P3],              # ... while this request runs
-        ["proxy", "steady"],
+        ["generate", "P3", P3],              # ... while this request runs, and until
+        ["proxy", "steady"],                 # kvtier opened a connection meanwhile
         ["snapshot", "after-flap"],
-        ["wait_redis", 1, 20.0],
+        ["wait_redis", 1, 120.0],
         ["generate", "P4", P4],
         ["snapshot", "recovered"],
     ]

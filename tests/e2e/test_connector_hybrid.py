@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from connector.events.wire import BlockStored
+from tests.support import worker_probe
 from tests.support.connector_runner import (
     counters,
     kvtier_stats,
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.e2e
 
 FIRST_PROMPT = prompt_words(21, 100)
 TURNS = 6
+MARKER = list(range(300, 370))  # token ids no other prompt starts with (a full 64-block)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,9 @@ def baseline(tiny_hybrid_dir: Path) -> list[list[int]]:
 
 class EventSink:
     """A real ZMQ SUB socket, bound: vLLM's KV-event publisher connects to it (an endpoint
-    without ``*``), and every batch is decoded with kvtier's own decoder."""
+    without ``*``), and every batch is decoded with kvtier's own decoder. An exception in
+    its thread (an undecodable batch) fails the test: ``received()`` and ``close()`` raise
+    it."""
 
     def __init__(self) -> None:
         import threading
@@ -59,6 +64,7 @@ class EventSink:
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.events: list[Any] = []
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -68,18 +74,38 @@ class EventSink:
 
         from connector.events.wire import decode_batch
 
-        while not self._stop.is_set():
-            try:
-                frames = self._sock.recv_multipart()
-            except zmq.Again:
-                continue
-            self.events.extend(decode_batch(frames[-1]).events)
+        try:
+            while not self._stop.is_set():
+                try:
+                    frames = self._sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                self.events.extend(decode_batch(frames[-1]).events)
+        except BaseException as exc:  # re-raised in the test's thread
+            self.error = exc
+
+    def received(self) -> list[Any]:
+        """The events received so far (raises what the receiving thread raised)."""
+        if self.error is not None:
+            raise self.error
+        return list(self.events)
+
+    def wait_for(self, predicate: Any, what: str, deadline_s: float = 300.0) -> list[Any]:
+        """Poll until ``predicate(events)``; the deadline only ends a hang."""
+        deadline = time.monotonic() + deadline_s
+        while not predicate(events := self.received()):
+            assert time.monotonic() < deadline, f"never received: {what}"
+            time.sleep(0.02)  # polling interval
+        return events
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(60)  # one receive timeout (0.2 s) at most: only a hang takes long
+        assert not self._thread.is_alive(), "the event sink's thread did not stop"
         self._sock.close(0)
         self._ctx.term()
+        if self.error is not None:
+            raise self.error
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +122,8 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
     events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                    endpoint=sink.endpoint, topic="kv")
     llm = LLM(**hybrid_engine_kwargs(tiny_hybrid_dir, kv_events_config=events_config,
-                                     kv_transfer_config=kvtier_transfer_config(extra)))
+                                     kv_transfer_config=kvtier_transfer_config(extra),
+                                     worker_extension_cls=worker_probe.PROBE_CLS))
     params = SamplingParams(max_tokens=8, temperature=0.0)
     per_turn: list[dict[str, Any]] = []
     outputs: list[list[int]] = []
@@ -104,9 +131,16 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
     def stats() -> dict[str, Any]:
         return counters(kvtier_stats(llm))
 
+    def poke() -> None:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)  # the workers report with each step
+
     def generate(name: str, prompt: str) -> str:
         before = stats()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
+        # The turn's Redis writes have their outcome before the next turn's fault: counted
+        # in this turn, never in the next one.
+        worker_probe.drain(llm, lambda: kvtier_stats(llm), poke)
         after = stats()
         per_turn.append({k: after[k] - before.get(k, 0) for k in after} | {
             "redis_available": after.get("redis_available"),
@@ -114,12 +148,11 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
         outputs.append(list(out.outputs[0].token_ids))
         return out.outputs[0].text
 
-    def wait_available(want: int, timeout_s: float = 30) -> int:
-        deadline = time.monotonic() + timeout_s
+    def wait_available(want: int, timeout_s: float = 120) -> int:
+        deadline = time.monotonic() + timeout_s  # only a Redis that never comes back
         while time.monotonic() < deadline and stats().get("redis_available") != want:
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
-                         use_tqdm=False)  # the workers report with each step
-            time.sleep(0.2)
+            poke()
+            time.sleep(0.2)  # polling interval (the tier's probe backs off on its own)
         return int(stats().get("redis_available", -1))
 
     seen: dict[str, int] = {}
@@ -133,9 +166,16 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
         multi_turn(generate, llm.reset_prefix_cache, FIRST_PROMPT, TURNS, hooks)
         # Redis is back: kvtier notices (background probe with backoff) and writes again.
         recovered = wait_available(1)
-        time.sleep(0.5)  # let the last event batches arrive
-        yield {"outputs": outputs, "per_turn": per_turn, "events": list(sink.events),
-               "stats": stats(), "recovered": recovered, **seen}
+        final = stats()
+        # A marker request, last: once its GPU block is announced, every batch vLLM published
+        # before it has arrived too (one PUB socket, in order).
+        llm.generate([{"prompt_token_ids": MARKER}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        events = sink.wait_for(lambda evs: any(
+            isinstance(e, BlockStored) and tuple(e.token_ids[:32]) == tuple(MARKER[:32])
+            for e in evs), "the marker request's BlockStored")
+        yield {"outputs": outputs, "per_turn": per_turn, "events": events,
+               "stats": final, "recovered": recovered, **seen}
     finally:
         sink.close()
         if redis_srv.proc is not None and redis_srv.proc.poll() is None:

@@ -1,11 +1,16 @@
-"""Nothing in the engine's step waits on Redis: a slow Redis (a loopback proxy adding
-latency to every chunk) delays only the request whose prefix it restores.
+"""Nothing in the engine's step waits on Redis: a Redis that does not answer delays only the
+request whose prefix it restores.
 
 vLLM's OpenAI server (subprocess, default executors) with kvtier, driven by concurrent
-streaming HTTP requests: a decoding stream ``D`` runs while request ``A`` restores a long
-prefix from Redis through the slow proxy. The assertions are about order, not speed: ``D``
-keeps receiving tokens while ``A`` waits for Redis, and a request ``B`` without a hit, sent
-after ``A``, finishes before ``A``'s first token. Outputs equal the server without kvtier.
+streaming HTTP requests. Redis is reached through a loopback proxy that the test holds (it
+forwards nothing) while request ``A`` waits for its prefix from Redis. Everything is ordered
+by events, not by seconds: ``A`` is sent once the decoding stream ``D`` streams; the proxy
+is released only after kvtier has answered ``A``'s look-up "ask again" (its Redis probe is
+out), a request ``B``, sent after that, has finished, and ``D`` has received 5 tokens since.
+``B``'s prompt is shorter than a block: kvtier has nothing to ask Redis for it (a longer
+prompt would wait for its own probe, by design). An engine step that waited on Redis would
+stall ``B`` and ``D`` until the test's deadline (far below the Redis timeout) and fail.
+Outputs equal the server without kvtier.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,53 +28,108 @@ import pytest
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
 from tests.support.openai_server import OpenAIServer
-from tests.support.redis_keys import scratch_prefix
+from tests.support.redis_keys import scratch_prefix, wait_for_keys
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.e2e
 
 LONG = prompt_words(71, 600)   # restored from Redis: 18 full blocks
 DECODE = prompt_words(72, 20)  # the decoding stream's prompt
-SHORT = prompt_words(73, 40)   # no hit anywhere
-LATENCY_S = 0.15  # per forwarded chunk (up to 64 KiB), each way
+DECODE_TOKENS = 1000  # as many as the model's length allows: D outlasts the race
+SHORT = prompt_words(73, 20)   # under one block (32): no hit, nothing to ask Redis
+LONG_BLOCKS = 18
+D_TOKENS_WHILE_HELD = 5
+DEADLINE_S = 300.0  # only a hung engine reaches it (then the test fails)
+REDIS_TIMEOUT_S = 900.0  # longer than any wait of the test: Redis held never times out
 
 
-async def stream(client: httpx.AsyncClient, server: OpenAIServer, prompt: str,
-                 max_tokens: int) -> dict[str, Any]:
-    """One streamed completion; the arrival time of every chunk with text."""
-    body = {"model": str(server.model_dir), "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True}
-    sent = time.monotonic()
-    arrivals: list[float] = []
-    text = ""
-    async with client.stream("POST", f"{server.base}/v1/completions", json=body,
-                             timeout=300) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                arrivals.append(time.monotonic())
-                text += chunk["choices"][0]["text"]
-    return {"sent": sent, "arrivals": arrivals, "done": time.monotonic(), "text": text}
+class Stream:
+    """One streamed completion as a task, and when each of its events happened."""
+
+    def __init__(self, client: httpx.AsyncClient, server: OpenAIServer, prompt: str,
+                 max_tokens: int) -> None:
+        self.arrivals: list[float] = []
+        self.text = ""
+        self.sent = time.monotonic()
+        self.done_at: float | None = None
+        self.task = asyncio.create_task(self._run(client, server, prompt, max_tokens))
+
+    async def _run(self, client: httpx.AsyncClient, server: OpenAIServer, prompt: str,
+                   max_tokens: int) -> None:
+        body = {"model": str(server.model_dir), "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", f"{server.base}/v1/completions", json=body,
+                                 timeout=DEADLINE_S) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    self.arrivals.append(time.monotonic())
+                    self.text += chunk["choices"][0]["text"]
+        self.done_at = time.monotonic()
+
+    async def finished(self) -> dict[str, Any]:
+        await asyncio.wait_for(self.task, DEADLINE_S)
+        return {"sent": self.sent, "arrivals": self.arrivals, "done": self.done_at,
+                "text": self.text}
+
+
+async def until(condition: Callable[[], Any], what: str) -> None:
+    """Poll in-process state (the streams' records) until ``condition()``; the deadline only
+    ends a hang."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def probe_waits(server: OpenAIServer) -> float:
+    metrics = await asyncio.to_thread(server.metrics)
+    return metrics.get("vllm:kvtier_probe_waits", 0.0)
 
 
 async def warm_up(server: OpenAIServer) -> None:
     """Only LONG is stored (D and B must stay misses in the race)."""
     async with httpx.AsyncClient() as client:
-        await stream(client, server, LONG, 4)
+        await Stream(client, server, LONG, 4).finished()
 
 
-async def race(server: OpenAIServer) -> dict[str, Any]:
+async def race(server: OpenAIServer, proxy: TcpProxy | None = None) -> dict[str, Any]:
+    """D streams; A is sent; then B. With ``proxy`` (kvtier's way to Redis), Redis is held
+    from before A until B has finished and D got more tokens, then released."""
     async with httpx.AsyncClient() as client:
-        decode = asyncio.create_task(stream(client, server, DECODE, 900))
-        await asyncio.sleep(0.5)  # A starts once D is streaming
-        assert not decode.done(), "the decoding stream ended before the race began"
-        restore = asyncio.create_task(stream(client, server, LONG, 4))
-        await asyncio.sleep(0.05)
-        short = asyncio.create_task(stream(client, server, SHORT, 4))
-        return {"D": await decode, "A": await restore, "B": await short}
+        decode = Stream(client, server, DECODE, DECODE_TOKENS)  # A starts once D streams
+        await until(lambda: decode.arrivals or decode.task.done(), "D's first token")
+        if not decode.arrivals:  # D ended without a token: its error, or say so
+            await decode.finished()
+            raise AssertionError("D streamed no token")
+        marks: dict[str, float] = {}
+        if proxy is not None:
+            asked = await probe_waits(server)
+            proxy.hold()
+        restore = Stream(client, server, LONG, 4)
+        if proxy is not None:
+            deadline = time.monotonic() + DEADLINE_S
+            while await probe_waits(server) <= asked:  # A's look-up: "ask again" (probe out)
+                assert time.monotonic() < deadline, "A's Redis probe never went out"
+                await asyncio.sleep(0.05)
+            marks["a_waits"] = time.monotonic()
+        short = Stream(client, server, SHORT, 4)
+        b = await short.finished()
+        if proxy is not None:
+            def d_tokens_since_a_waits() -> int:
+                return sum(t > marks["a_waits"] for t in decode.arrivals)
+
+            await until(lambda: d_tokens_since_a_waits() >= D_TOKENS_WHILE_HELD
+                        or decode.task.done(), "D's tokens while Redis is held")
+            assert not restore.arrivals, "A got a token while Redis was held"
+            assert d_tokens_since_a_waits() >= D_TOKENS_WHILE_HELD, \
+                f"D ended ({len(decode.arrivals)} tokens) before the race was over"
+            marks["released"] = time.monotonic()
+            proxy.release()
+        return {"A": await restore.finished(), "B": b, "D": await decode.finished(), **marks}
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +148,13 @@ def runs(tiny_llama_dir: Path, redis_srv: Any, prefix: str,
         out["baseline"] = asyncio.run(race(base))
     finally:
         base.stop()
-    extra = {"cpu_bytes": 64 << 20, "redis_prefix": prefix, "redis_timeout_s": 10.0}
+    extra = {"cpu_bytes": 64 << 20, "redis_prefix": prefix,
+             "redis_timeout_s": REDIS_TIMEOUT_S}
     warm = OpenAIServer(tiny_llama_dir, logs / "warm.log", kv_transfer_config=(
         kvtier_transfer_config(dict(extra, redis_url=redis_srv.url)))).start()
     try:
-        asyncio.run(warm_up(warm))  # LONG's blocks go to Redis (flushed at shutdown)
+        asyncio.run(warm_up(warm))
+        wait_for_keys(redis_srv.url, prefix, LONG_BLOCKS)  # written in the background
     finally:
         warm.stop()
     proxy = TcpProxy("127.0.0.1", redis_srv.port).start()
@@ -100,8 +162,7 @@ def runs(tiny_llama_dir: Path, redis_srv: Any, prefix: str,
         kvtier_transfer_config(dict(extra, redis_url=f"redis://127.0.0.1:{proxy.port}/0"))))
     slow.start()
     try:
-        proxy.latency_s = LATENCY_S
-        out["slow"] = asyncio.run(race(slow))
+        out["slow"] = asyncio.run(race(slow, proxy))
         out["metrics"] = slow.metrics()
     finally:
         slow.stop()
@@ -115,20 +176,23 @@ def test_outputs_identical_with_slow_redis(runs: dict[str, Any]) -> None:
 
 
 def test_restore_came_from_redis(runs: dict[str, Any]) -> None:
-    assert runs["metrics"]["vllm:kvtier_hit_tokens_redis"] >= 18 * 32
-    assert runs["metrics"]["vllm:kvtier_load_errors"] == 0
+    m = runs["metrics"]
+    assert m["vllm:kvtier_hit_tokens_redis"] >= LONG_BLOCKS * 32
+    assert m["vllm:kvtier_load_errors"] == 0
+    assert m.get("vllm:kvtier_probe_gave_up", 0) == 0  # A waited for its probe's answer
+    assert m.get("vllm:kvtier_redis_unavailable_events", 0) == 0  # nothing timed out
 
 
 def test_engine_keeps_stepping_while_a_restore_waits_on_redis(runs: dict[str, Any]) -> None:
     slow = runs["slow"]
-    a_sent, a_first = slow["A"]["sent"], slow["A"]["arrivals"][0]
-    during = [t for t in slow["D"]["arrivals"] if a_sent < t < a_first]
-    print("KVTIER-STALL", {"restore_wait_s": round(a_first - a_sent, 2),
-                           "decode_tokens_meanwhile": len(during),
-                           "short_done_before_restore": slow["B"]["done"] < a_first})
-    # The restore waited for several slow round trips (probe, then fetch) ...
-    assert a_first - a_sent > 2 * LATENCY_S
-    # ... while the decoding stream kept getting tokens, step after step.
-    assert len(during) >= 5
-    # A request without a hit, sent after A, is not held up by A's Redis traffic.
-    assert slow["B"]["done"] < a_first
+    a_first = slow["A"]["arrivals"][0]
+    held = [t for t in slow["D"]["arrivals"] if slow["a_waits"] < t < slow["released"]]
+    print("KVTIER-STALL", {"held_s": round(slow["released"] - slow["a_waits"], 2),
+                           "decode_tokens_while_held": len(held),
+                           "restore_wait_s": round(a_first - slow["A"]["sent"], 2)})
+    # A's first token came only after Redis was let through: it waited on Redis ...
+    assert slow["released"] < a_first
+    # ... while the decoding stream kept getting tokens, step after step ...
+    assert len(held) >= D_TOKENS_WHILE_HELD
+    # ... and a request without a hit, sent after A waited, finished before Redis answered.
+    assert slow["a_waits"] < slow["B"]["sent"] < slow["B"]["done"] < slow["released"]

@@ -14,12 +14,13 @@ import pytest
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
 from tests.support.openai_server import OpenAIServer
-from tests.support.redis_keys import scratch_prefix
+from tests.support.redis_keys import scratch_prefix, wait_for_keys
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = prompt_words(31, 200)  # 200 tokens: 6 full blocks of 32 and a partial tail
 STREAMED = prompt_words(32, 170)
+PROMPT_BLOCKS, STREAMED_BLOCKS = 6, 5  # what the restarted server restores from Redis
 
 
 def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
@@ -78,6 +79,8 @@ def runs(tiny_llama_dir: Path, redis_url: str, prefix: str,
                               kv_transfer_config=config).start()
         try:
             out[name] = session(server, reset_first=False)
+            if name == "kvtier":  # its Redis writes land in the background: wait for them
+                wait_for_keys(redis_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS)
         except Exception:
             print(server.log_tail())
             raise

@@ -36,7 +36,6 @@ pytestmark = pytest.mark.e2e
 PROMPT_A = prompt_words(21, 150)  # 4 full chunks of 32 tokens + a tail
 PROMPT_B = prompt_words(22, 140)
 A2 = PROMPT_A + " w5 w6"
-POKE = prompt_words(23, 40)
 N = "vllm:kvtier_native_"
 BF16 = {"dtype": "bfloat16"}
 
@@ -52,12 +51,16 @@ def prefix(redis_url: str) -> Iterator[str]:
 
 
 def kvtier(redis_url: str, prefix: str, prompts: list[list[Any]],
-           engine: dict[str, Any] | None = None, **tier: Any) -> dict[str, Any]:
+           engine: dict[str, Any] | None = None, wait_for: list[list[Any]] | None = None,
+           **tier: Any) -> dict[str, Any]:
+    """``wait_for``: metrics the engine is stepped for until they reach a value (cascades
+    to Redis are counted when a later step collects them; see native_tier_engine)."""
     # A loaded 2-core machine can stall a Redis reply past the 0.25 s default (the tier then
     # counts drops, by design); only the fault test below sets a short timeout.
     tier.setdefault("redis_timeout_s", 2.0)
     return run_in_subprocess({"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix,
-                              "prompts": prompts, "tier": tier, "engine": engine or {}})
+                              "prompts": prompts, "tier": tier, "engine": engine or {},
+                              "wait_for": wait_for or []})
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,8 @@ def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def first(baseline: Any, redis_url: str, prefix: str) -> dict[str, Any]:
-    return kvtier(redis_url, prefix, [["A1", PROMPT_A], ["B1", PROMPT_B], ["poke", POKE]])
+    return kvtier(redis_url, prefix, [["A1", PROMPT_A], ["B1", PROMPT_B]],
+                  wait_for=[[N + "stored_chunks", 8]])  # A and B: 4 full chunks each
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,8 @@ def second(first: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]
 def bfloat16(second: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
     alone = by_name(run_in_subprocess({"mode": "none", "engine": BF16,
                                        "prompts": [["A2", A2]]}))
-    result = kvtier(redis_url, prefix, [["A2", A2], ["poke", POKE]], engine=BF16)
+    result = kvtier(redis_url, prefix, [["A2", A2]], engine=BF16,
+                    wait_for=[[N + "stored_chunks", 4]])
     result["alone"] = alone
     return result
 
@@ -147,7 +152,8 @@ def test_damaged_values_are_misses_and_outputs_stay_identical(damaged: dict[str,
 def test_redis_down_gives_misses_and_counted_drops(damaged: dict[str, Any], baseline: Any,
                                                    prefix: str) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    result = kvtier(dead, prefix, [["A1", PROMPT_A], ["poke", POKE]], redis_timeout_s=0.2)
+    result = kvtier(dead, prefix, [["A1", PROMPT_A]], redis_timeout_s=0.2,
+                    wait_for=[[[N + "store_drops", N + "store_failures"], 4]])
     out = by_name(result)["A1"]
     assert out["token_ids"] == baseline["A1"]["token_ids"]
     m = result["metrics"]

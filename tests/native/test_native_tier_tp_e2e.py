@@ -40,8 +40,9 @@ def test_tp2_engine_restores_from_redis(tiny_llama_dir: Any, redis_url: str,
                                    "prompts": [["P1", PROMPT], ["P2", PROMPT2]]}))
     spec = {"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix, "engine": TP2,
             "tier": SLOW_MACHINE}
-    first = run_in_subprocess({**spec, "prompts": [["P1", PROMPT],
-                                                   ["poke", prompt_words(32, 40)]]})
+    # The cascade to Redis is counted when a later step collects it: wait for the count.
+    first = run_in_subprocess({**spec, "prompts": [["P1", PROMPT]],
+                               "wait_for": [[N + "stored_chunks", 4]]})
     assert outs(first)["P1"]["token_ids"] == base["P1"]["token_ids"]
     assert first["metrics"][N + "stored_chunks"] >= 4
     second = run_in_subprocess({**spec, "prompts": [["P2", PROMPT2]]})

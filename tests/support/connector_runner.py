@@ -17,7 +17,11 @@ delta of the whole call is on ``name/0`` and on an extra ``name`` entry.
 
 The engine runs with vLLM's default executors (engine core and worker in their own
 processes), so kvtier's counters are read the way an operator reads them: vLLM's Prometheus
-metrics (``vllm:kvtier_*``, through ``LLM.get_metrics()``), summed over engines.
+metrics (``vllm:kvtier_*``, through ``LLM.get_metrics()``), summed over engines. After each
+``generate``/``batch`` and at each ``snapshot`` the runner waits until every save planned so
+far has its outcome (Redis writes included) in those metrics, so a delta belongs to the
+request that caused it; at the end the CPU-tier gauges describe the tier at rest
+(``tests.support.worker_probe``: events, not sleeps).
 
 The last stdout line is ``RESULT {"outputs": [...], "stats": {...}}``.
 """
@@ -28,10 +32,12 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 from connector.demo.presets import TP2_ENV
+from tests.support import worker_probe
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -173,6 +179,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     overrides: dict[str, Any] = dict(spec.get("engine") or {})
     if extra is not None:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
+        # kvtier_drain: wait for the workers' Redis writes (an event, not a sleep)
+        overrides.setdefault("worker_extension_cls", worker_probe.PROBE_CLS)
         if spec.get("no_module_path"):  # rely on the vllm.general_plugins entry point
             overrides["kv_transfer_config"].pop("kv_connector_module_path")
     if any(step[0] == "perturb_weights" for step in spec["steps"]):
@@ -202,6 +210,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         """One tiny request: the engine steps, so workers report and stats flow."""
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
                      use_tqdm=False)
+
+    def settle() -> None:
+        """Every save planned so far has its outcome (Redis writes included) in the metrics,
+        so a delta belongs to the request that caused it."""
+        if extra is not None:
+            worker_probe.drain(llm, lambda: kvtier_stats(llm), poke)
     outputs: list[dict[str, Any]] = []
 
     def gen(name: str, prompt: str | list[int], salt: str | None = None) -> str:
@@ -211,6 +225,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if salt:
             request["cache_salt"] = salt
         out = llm.generate([request], params, use_tqdm=False)[0]
+        settle()
         after = counters(stats()) if extra is not None else {}
         delta = {k: after[k] - before.get(k, 0) for k in after
                  if isinstance(after[k], int) and after[k] != before.get(k, 0)}
@@ -225,6 +240,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         requests: list[Any] = [{"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p}
                                for p in prompts]
         outs = llm.generate(requests, params, use_tqdm=False)
+        settle()
         full = stats() if extra is not None else {}
         after = counters(full)
         delta = {k: after[k] - before.get(k, 0) for k in after
@@ -268,16 +284,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                        llm.reset_prefix_cache if reset else (lambda: None), first_prompt, turns)
             continue
         if step[0] in ("proxy", "wait_redis", "snapshot"):
-            outputs.append(fault_step(step, proxy, stats, poke))
+            outputs.append(fault_step(step, proxy, stats, poke, settle))
             continue
         gen(step[1], step[2], step[3] if len(step) > 3 else None)
     if extra is not None:
-        # Settle: background writes report, and the CPU-tier gauges (refreshed at most once
-        # a second) describe the tier at rest.
-        poke()
-        time.sleep(1.1)
-        poke()
-        poke()
+        # At rest: every background write reported, and the CPU-tier gauges describe the
+        # tier as it is now.
+        settle()
+        worker_probe.fresh_gauges(poke)
     full = stats() if extra is not None else {}
     if proxy is not None:
         proxy.stop()
@@ -285,11 +299,48 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "redis_tier": full.get("redis_tier", {}), "cpu_tier": full.get("cpu_tier", {})}
 
 
-def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any) -> dict[str, Any]:
-    """``["proxy", "latency", s]``, ``["proxy", "reset"]``, ``["proxy", "mode", m]``,
-    ``["wait_redis", 0|1, timeout_s]`` (poll kvtier's gauge), ``["snapshot", name]``."""
-    import time
+class Flapper:
+    """RSTs every open connection of ``proxy`` every ``every_s`` seconds until ``stop()``;
+    an exception in its thread fails the step that stops it."""
 
+    def __init__(self, proxy: Any, every_s: float) -> None:
+        self.proxy = proxy
+        self.every_s = every_s
+        self.connections_before = proxy.connections
+        self.resets = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.every_s):
+                self.resets += self.proxy.reset_all()
+        except BaseException as exc:  # re-raised by stop(), in the runner's thread
+            self.error = exc
+
+    def stop(self, deadline_s: float = 300.0) -> int:
+        """Stop once the client opened a connection while the resets went on (it kept
+        reconnecting: the event the flapping is for, however long that takes)."""
+        deadline = time.monotonic() + deadline_s  # only a client that never reconnects
+        while (self.proxy.connections <= self.connections_before and self.error is None
+               and time.monotonic() < deadline):
+            time.sleep(0.02)  # polling interval
+        self._stop.set()
+        self._thread.join(60)  # one reset_all() at most: only a hung thread takes this long
+        assert not self._thread.is_alive(), "the flapping thread did not stop"
+        if self.error is not None:
+            raise self.error
+        return self.resets
+
+
+def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any,
+               settle: Any) -> dict[str, Any]:
+    """``["proxy", "latency", s]``, ``["proxy", "reset"]``, ``["proxy", "mode", m]``,
+    ``["proxy", "flap", every_s]`` ... ``["proxy", "steady"]``,
+    ``["wait_redis", 0|1, timeout_s]`` (poll kvtier's gauge), ``["snapshot", name]`` (once
+    every save planned so far has its outcome in the metrics)."""
     if step[0] == "proxy":
         assert proxy is not None, "spec has no proxy_to"
         if step[1] == "latency":
@@ -299,35 +350,19 @@ def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any) -> dict[str, 
         elif step[1] == "reset":
             return {"name": "proxy-reset", "reset": proxy.reset_all()}
         elif step[1] == "flap":  # RST every open connection every step[2] s until "steady"
-            import threading
-
-            stop = threading.Event()
-            count = [0]
-
-            def flap() -> None:
-                while not stop.wait(float(step[2])):
-                    count[0] += proxy.reset_all()
-
-            proxy.flapping = (stop, count, threading.Thread(target=flap, daemon=True))
-            proxy.flapping[2].start()
+            proxy.flapping = Flapper(proxy, float(step[2]))  # ("steady": once it reconnected)
         elif step[1] == "steady":
-            stop, count, thread = proxy.flapping
-            stop.set()
-            thread.join(2)
-            return {"name": "proxy-steady", "resets": count[0]}
+            return {"name": "proxy-steady", "resets": proxy.flapping.stop()}
         return {"name": f"proxy-{step[1]}"}
     if step[0] == "wait_redis":
         want, deadline = int(step[1]), time.monotonic() + float(step[2])
         start = time.monotonic()
         while stats().get("redis_available") != want and time.monotonic() < deadline:
             poke()  # the gauge comes with the workers' step reports
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling interval; the deadline only ends a hung wait
         return {"name": f"wait_redis-{want}", "reached": stats().get("redis_available") == want,
                 "waited_s": round(time.monotonic() - start, 3)}
-    for _ in range(3):
-        poke()  # background Redis writes report with the workers' next steps
-    time.sleep(0.3)
-    poke()
+    settle()
     full = stats()
     return {"name": step[1], "stats": counters(full), "redis_tier": full.get("redis_tier", {}),
             "proxy_connections": proxy.connections if proxy is not None else None}

@@ -80,7 +80,7 @@ class DaemonProcess:
     def source(self, i: int = 0) -> dict[str, Any]:
         return self.stats()["sources"][i]
 
-    def wait_for(self, predicate: Any, timeout: float = 20.0, what: str = "condition") -> Any:
+    def wait_for(self, predicate: Any, timeout: float = 60.0, what: str = "condition") -> Any:
         """Poll /stats until ``predicate(stats)`` is truthy; return that stats snapshot."""
         deadline = time.monotonic() + timeout
         last = None

@@ -193,7 +193,7 @@ class Halves:
         for rank in self.ranks:
             rank.worker.save(plan)
 
-    def collect(self, deadline_s: float = 10.0) -> WorkerReport:
+    def collect(self, deadline_s: float = 60.0) -> WorkerReport:
         """Every rank's report, merged, once every job sent so far is reported (polling)."""
         merged = WorkerReport()
         deadline = time.monotonic() + deadline_s
@@ -210,7 +210,7 @@ class Halves:
                 time.sleep(0.002)  # polling interval, not a synchronisation
         return merged
 
-    def deliver(self, plan: StepPlan, deadline_s: float = 10.0) -> StepResult:
+    def deliver(self, plan: StepPlan, deadline_s: float = 60.0) -> StepResult:
         """Wait for the workers, hand their merged report to the scheduler, gather results."""
         report = self.collect(deadline_s)
         self.sched.on_report(report)
@@ -229,7 +229,7 @@ class Halves:
 
     def step(self, computed_after: dict[str, int] | None = None,
              boundary: dict[str, list[tuple[int, int, int]]] | None = None,
-             gone: set[str] | None = None, deadline_s: float = 10.0) -> StepResult:
+             gone: set[str] | None = None, deadline_s: float = 60.0) -> StepResult:
         plan = self.plan(computed_after, boundary, gone)
         self.run(plan)
         return self.deliver(plan, deadline_s)

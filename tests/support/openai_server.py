@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,8 +69,10 @@ class OpenAIServer:
                 env[key] = value
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        # Its own process group: stop() ends the engine core and workers too, even when the
+        # API server dies before it could (a start that never got healthy).
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, cwd=REPO)
+                                     env=env, cwd=REPO, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -93,7 +96,7 @@ class OpenAIServer:
 
     def metrics(self) -> dict[str, float]:
         """``vllm:kvtier_*`` samples from ``/metrics``, summed over label sets."""
-        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base}/metrics", timeout=60).text  # a hang, not a speed bound
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line.startswith("vllm:kvtier_"):
@@ -107,11 +110,37 @@ class OpenAIServer:
         return out
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        self.proc.terminate()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        # What the server left behind (its engine core and workers, when it died before
+        # them): given time to finish on their own (a worker flushes its Redis writes), then
+        # killed. The wait ends as soon as they are gone; its bound only ends a hang.
+        deadline = time.monotonic() + 60
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling interval
+        if _group_alive(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` that still run (zombies are done: not counted)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            alive.append(int(entry))
+    return alive

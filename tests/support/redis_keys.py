@@ -6,6 +6,7 @@ one engine's Redis keys across tests use :func:`scratch_prefix`.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,3 +27,18 @@ def scratch_prefix(url: str) -> Iterator[str]:
         yield prefix
     finally:
         delete_prefix(url, prefix)
+
+
+def wait_for_keys(url: str, prefix: str, at_least: int, deadline_s: float = 300.0) -> int:
+    """Wait until Redis holds ``at_least`` keys under ``prefix`` (an engine's background
+    writes landed); the count. The deadline only ends a hang: it then fails."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        found = sum(1 for _ in client.scan_iter(match=f"{prefix}:*", count=1000))
+        if found >= at_least:
+            return found
+        assert time.monotonic() < deadline, f"only {found} of {at_least} keys under {prefix}"
+        time.sleep(0.05)  # polling interval

@@ -27,7 +27,8 @@ class TcpProxy:
 
     ``latency_s`` delays every forwarded chunk; ``reset_all()`` RSTs every open connection;
     ``blackhole`` accepts and forwards nothing (a hung peer); ``refuse`` resets new
-    connections at once.
+    connections at once. ``hold()`` keeps every chunk (both ways) until ``release()``: a
+    peer as slow as the test needs, for exactly as long as it needs.
     """
 
     def __init__(self, target_host: str, target_port: int, *, port: int | None = None) -> None:
@@ -39,6 +40,8 @@ class TcpProxy:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._open = threading.Event()
+        self._open.set()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", self.port))
@@ -54,6 +57,13 @@ class TcpProxy:
         self._thread.start()
         return self
 
+    def hold(self) -> None:
+        """Forward nothing more (chunks wait in the proxy) until ``release()``."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def reset_all(self) -> int:
         with self._lock:
             conns = list(self._conns)
@@ -64,6 +74,7 @@ class TcpProxy:
 
     def stop(self) -> None:
         self._stop.set()
+        self._open.set()
         self._thread.join(2)
         self._listener.close()
         self.reset_all()
@@ -101,6 +112,9 @@ class TcpProxy:
                     break
                 while self.mode == "blackhole" and not self._stop.is_set():
                     time.sleep(0.02)
+                while not self._open.wait(0.05):  # held until release()
+                    if self._stop.is_set():
+                        return
                 if self.latency_s:
                     time.sleep(self.latency_s)
                 dst.sendall(data)

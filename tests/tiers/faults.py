@@ -17,7 +17,7 @@ _WRITE_FIELDS = ("puts", "put_failures", "dropped", "dropped_unavailable", "queu
                  "written", "write_failed")
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
