@@ -48,9 +48,9 @@ def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
         tier = {"type": "fs", "root_dir": spec["fs_root"], "n_read_threads": 2,
                 "n_write_threads": 2}
     elif mode == "kvtier":
+        url = {"redis_url": spec["redis_url"]} if spec.get("redis_url") else {}  # or url_env
         tier = {"type": "KvtierRedisTier", "module_path": "connector.native_tier.tier",
-                "redis_url": spec["redis_url"], "redis_prefix": spec["redis_prefix"],
-                **spec.get("tier", {})}
+                **url, "redis_prefix": spec["redis_prefix"], **spec.get("tier", {})}
     else:
         raise ValueError(f"unknown mode {mode!r}: none, fs or kvtier")
     extra = {**SPEC, "cpu_bytes_to_use": int(spec.get("cpu_bytes", 64 << 20)),

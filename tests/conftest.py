@@ -3,19 +3,45 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
-from tests.support.redis_server import RedisServer
+from tests.support import engine_starts
+from tests.support.redis_server import RedisServer, SecretRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REDIS_URL = os.environ.get("KVTIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+_STARTS_KEY = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One engine-start log for the session (xdist workers inherit the variable)."""
+    if not os.environ.get(engine_starts.ENV):
+        fd, path = tempfile.mkstemp(prefix="kvtier-engine-starts-", suffix=".log")
+        os.close(fd)
+        os.environ[engine_starts.ENV] = path
+        config.stash[_STARTS_KEY] = Path(path)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """How many engines the session started, by kind (the suite's main cost)."""
+    path = config.stash.get(_STARTS_KEY, None)
+    if path is None:
+        return
+    total, by_kind = engine_starts.summary(path)
+    terminalreporter.write_sep("=", f"engine starts: {total}")
+    for label, count in sorted(by_kind.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{count:4d}  {label}")
+    path.unlink(missing_ok=True)
+
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +71,15 @@ def redis_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
     """A redis-server of the module's own, shared by its tests (engine starts are costly)."""
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def secret_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecretRedis]:
+    """A module's own password-protected redis-server with an ACL user."""
+    server = RedisServer(tmp_path_factory.mktemp("secret-redis"),
+                         password=f"admin-{uuid.uuid4().hex}").start()
+    yield SecretRedis(server)
     server.stop()
 
 

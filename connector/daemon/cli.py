@@ -56,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level")
     j = p.add_argument_group("Redis janitor (off unless --redis-url or redis_url is given)")
     j.add_argument("--redis-url", help="the Redis tier's URL (redis://, rediss://, unix://, "
-                   "+cluster); prefer the YAML file for URLs with a password (ps shows flags)")
+                   "+cluster) without a password (ps shows flags): see the next two")
+    j.add_argument("--redis-url-env", help="name of an environment variable holding the URL "
+                   "(password included)")
+    j.add_argument("--redis-password-file", help="a file only this user can read holding the "
+                   "Redis password (with --redis-url; --redis-username for an ACL user)")
+    j.add_argument("--redis-username", help="the Redis ACL user (with --redis-password-file)")
     j.add_argument("--redis-prefix", help="key prefix of the Redis tier (default kvtier)")
     j.add_argument("--janitor-interval", type=float, dest="janitor_interval_s",
                    help="seconds between passes (default 300)")
@@ -76,6 +81,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "replay_idle_probe_s": args.replay_idle_probe_s,
         "log_level": args.log_level, "storage_ttl_s": args.storage_ttl_s,
         "redis_url": args.redis_url, "redis_prefix": args.redis_prefix,
+        "redis_url_env": args.redis_url_env, "redis_username": args.redis_username,
+        "redis_password_file": args.redis_password_file,
         "janitor_interval_s": args.janitor_interval_s,
         "janitor_max_keys_per_s": args.janitor_max_keys_per_s,
         "janitor_max_keys_per_pass": args.janitor_max_keys_per_pass,

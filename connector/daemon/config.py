@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -161,6 +162,10 @@ class DaemonConfig(BaseModel):
     token_hashing: TokenHashingConfig | None = None
     # Redis janitor (off unless redis_url is set): see offload_tiers/redis/janitor.py
     redis_url: str | None = None
+    # Credentials outside the YAML and the command line: offload_tiers/redis/credentials.py.
+    redis_url_env: str | None = None
+    redis_username: str | None = None
+    redis_password_file: str | None = None
     redis_prefix: str = Field(default="kvtier", min_length=1)
     redis_ssl_ca_certs: str | None = None
     # bound on every Redis wait; the old name redis_socket_timeout_s is still read
@@ -173,6 +178,12 @@ class DaemonConfig(BaseModel):
     janitor_max_keys_per_pass: int = Field(default=0, ge=0)
     janitor_allowed_fingerprints: list[str] | None = None
     janitor_dry_run: bool = False
+    _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def redis_warnings(self) -> tuple[str, ...]:
+        """Warnings about how the Redis credentials were given (logged once, at start)."""
+        return self._redis_warnings
 
     @field_validator("redis_url")
     @classmethod
@@ -196,6 +207,15 @@ class DaemonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _janitor(self) -> DaemonConfig:
+        from offload_tiers.redis.credentials import resolve_redis_url
+
+        url, warnings = resolve_redis_url(
+            self.redis_url, url_env=self.redis_url_env, username=self.redis_username,
+            password_file=self.redis_password_file,
+            exposure="a --redis-url flag is visible to every user of this host (ps), and a "
+                     "YAML file is only as private as its mode")
+        self.redis_url = url
+        self._redis_warnings = tuple(warnings)
         if self.redis_url is None and self.janitor_allowed_fingerprints is not None:
             raise ValueError("janitor_allowed_fingerprints needs redis_url")
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ from connector.daemon.subscriber import Subscriber
 from connector.events.index import KIND_NAMES, ResidencyPolicy
 from connector.events.token_hashing import TokenHasher
 from connector.events.wire import Medium
+
+log = logging.getLogger("kvtier.daemon")
 
 __all__ = ["Daemon", "LookupRequest"]
 
@@ -194,6 +197,9 @@ def _make_janitor(cfg: DaemonConfig) -> Any:
     if cfg.redis_url is None:
         return None
     from offload_tiers.redis.janitor import RedisJanitor
+
+    for warning in cfg.redis_warnings:
+        log.warning("kvtier daemon: %s", warning)
 
     return RedisJanitor(
         cfg.redis_url, cfg.redis_prefix, interval_s=cfg.janitor_interval_s,

@@ -33,6 +33,8 @@ from connector.demo.report import Row, outputs_of, render_table, summarize
 from connector.demo.workload import Workload
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379"
+# The variable the child engines read the Redis URL from (redis_url_env): never a file.
+REDIS_URL_ENV = "KVTIER_DEMO_REDIS_URL"
 FULL = Workload(conversations=4, turns=3, system_words=320, user_words=40, max_tokens=8)
 QUICK = Workload(conversations=3, turns=2, system_words=200, user_words=40, max_tokens=8)
 CPU_TIER_BYTES = 256 << 20
@@ -135,8 +137,12 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.log_dir) if args.log_dir else None
     run_id = uuid.uuid4().hex[:10]
     prefix = f"kvtier-demo-{run_id}"
-    extra: dict[str, Any] = {"cpu_bytes": CPU_TIER_BYTES, "redis_url": choice.url,
-                             "redis_prefix": prefix}
+    # The URL (password included) reaches the child engines by their environment only: the
+    # spec files, logs and outputs in --log-dir never hold it (vLLM prints its config).
+    secrets = {REDIS_URL_ENV: choice.url} if choice.url else {}
+    extra: dict[str, Any] = {"cpu_bytes": CPU_TIER_BYTES, "redis_prefix": prefix}
+    if choice.url:
+        extra["redis_url_env"] = REDIS_URL_ENV
     if args.debug_corrupt_loads:  # negative control for the "identical" column (tests)
         extra["debug_corrupt_loads"] = True
     ktc = kvtier_transfer_config(extra)
@@ -147,7 +153,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                       log_dir=log_dir)
     _say("[demo] 2/3 vLLM with kvtier: first run, then GPU prefix cache reset")
     first = run_engine(_spec("kvtier", args.model, model_dir, workload, ktc, two),
-                       log_dir=log_dir)
+                       log_dir=log_dir, secrets=secrets)
     restart = None
     cleaned = 0
     try:
@@ -155,7 +161,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             _say("[demo] 3/3 vLLM with kvtier: engine restarted (new process), same Redis")
             restart = run_engine(
                 _spec("kvtier-restart", args.model, model_dir, workload, ktc,
-                      [{"name": "restart"}]), log_dir=log_dir)
+                      [{"name": "restart"}]), log_dir=log_dir, secrets=secrets)
         else:
             _say("[demo] 3/3 skipped: without Redis nothing outlives the engine process")
     finally:

@@ -34,8 +34,8 @@ class EngineRunError(RuntimeError):
     """A child engine process failed; the message carries the tail of its log."""
 
 
-def _child_env(extra_paths: list[str]) -> dict[str, str]:
-    env = dict(os.environ)
+def _child_env(extra_paths: list[str], secrets: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ, **secrets)
     for key, value in CPU_ENGINE_ENV.items():
         env.setdefault(key, value)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -48,8 +48,14 @@ def _child_env(extra_paths: list[str]) -> dict[str, str]:
 
 
 def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: float = 600,
-               quiet: bool = False, extra_paths: list[str] | None = None) -> dict[str, Any]:
-    """Run one engine lifetime in a child process; return its result dict."""
+               quiet: bool = False, extra_paths: list[str] | None = None,
+               secrets: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one engine lifetime in a child process; return its result dict.
+
+    ``secrets`` (e.g. the Redis URL with its password, named in the spec by
+    ``redis_url_env``) reach the child through its environment only: the spec file, the
+    log and the output in ``log_dir`` never hold them.
+    """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvtier-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in spec["label"]).strip("-")
@@ -64,7 +70,7 @@ def run_engine(spec: dict[str, Any], *, log_dir: Path | None = None, timeout_s: 
     errors: deque[str] = deque(maxlen=8)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=_child_env(extra_paths or []),
+                                text=True, env=_child_env(extra_paths or [], secrets or {}),
                                 cwd=str(REPO_ROOT))
         assert proc.stdout is not None
         try:

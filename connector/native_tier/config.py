@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from offload_tiers.redis.credentials import resolve_redis_url
 from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
 from offload_tiers.redis.url import redact_url
 
@@ -24,6 +25,11 @@ _FIXES: dict[str, str] = {
     "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
     "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
                           "Redis server's certificate (used with rediss:// URLs)",
+    "redis_url_env": "name an environment variable that holds the Redis URL (the engine's "
+                     "processes inherit it), e.g. KVTIER_REDIS_URL; leave redis_url unset",
+    "redis_username": "use the Redis ACL user name (with redis_password_file)",
+    "redis_password_file": "give the path of a file only this user can read (chmod 600) "
+                           "holding the Redis password",
     "redis_password_env": "name an environment variable that holds the Redis password "
                           "(keeps it out of the kv-transfer-config, which vLLM logs)",
     "model_id": "use a string naming the model's identity (defaults to the model path)",
@@ -45,7 +51,12 @@ class NativeTierSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    redis_url: str
+    # One of redis_url / redis_url_env; credentials outside vLLM's printed config:
+    # offload_tiers/redis/credentials.py.
+    redis_url: str | None = None
+    redis_url_env: str | None = None
+    redis_username: str | None = None
+    redis_password_file: str | None = None
     redis_prefix: str = "kvtier"
     redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
     redis_timeout_s: float = Field(default=0.25, gt=0)
@@ -60,11 +71,12 @@ class NativeTierSettings(BaseModel):
     kv_events: bool = True
     write_queue_max: int = Field(default=1024, ge=1)
     locality: Literal["LOCAL", "REMOTE"] | None = None
+    _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")
     @classmethod
-    def _check_url(cls, value: str) -> str:
-        return check_redis_url(value)
+    def _check_url(cls, value: str | None) -> str | None:
+        return check_redis_url(value) if value else None
 
     @field_validator("redis_ssl_ca_certs")
     @classmethod
@@ -92,8 +104,19 @@ class NativeTierSettings(BaseModel):
     def describe(self) -> dict[str, Any]:
         """Settings safe to log (the Redis password is redacted)."""
         data = self.model_dump()
-        data["redis_url"] = redact_url(self.redis_url)
+        data["redis_url"] = redact_url(self.redis_url or "")
         return data
+
+    @property
+    def url(self) -> str:
+        """The URL to connect with (resolved by :func:`load_native_settings`)."""
+        assert self.redis_url, "settings not resolved by load_native_settings"
+        return self.redis_url
+
+    @property
+    def redis_warnings(self) -> tuple[str, ...]:
+        """Warnings about how the Redis credentials were given (log them once, at start)."""
+        return self._redis_warnings
 
 
 def load_native_settings(entry: dict[str, Any], tier_type: str = "KvtierRedisTier"
@@ -101,7 +124,7 @@ def load_native_settings(entry: dict[str, Any], tier_type: str = "KvtierRedisTie
     """Validate one ``secondary_tiers`` entry (less the keys vLLM's factory consumes)."""
     where = f"secondary_tiers[type={tier_type}]"
     try:
-        return NativeTierSettings(**entry)
+        settings = NativeTierSettings(**entry)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -123,3 +146,20 @@ def load_native_settings(entry: dict[str, Any], tier_type: str = "KvtierRedisTie
         raise NativeTierConfigError(
             "kvtier native Redis tier: bad secondary tier settings: " + "; ".join(problems)
         ) from None
+    try:
+        if not settings.redis_url and not settings.redis_url_env:
+            raise ValueError("required: give redis_url or redis_url_env")
+        url, warnings = resolve_redis_url(
+            settings.redis_url, url_env=settings.redis_url_env,
+            username=settings.redis_username, password_file=settings.redis_password_file)
+    except ValueError as exc:
+        key = "redis_password_file" if settings.redis_password_file and "password" in str(exc) \
+            else "redis_url_env" if settings.redis_url_env else "redis_url"
+        raise NativeTierConfigError(
+            f"kvtier native Redis tier: bad secondary tier settings: {where}.{key}: {exc}. "
+            f"Fix: {_FIXES[key]}") from None
+    if settings.redis_password_env:  # the password comes from elsewhere: no inline warning
+        warnings = [w for w in warnings if "carries a password" not in w]
+    resolved = settings.model_copy(update={"redis_url": url})
+    resolved._redis_warnings = tuple(warnings)
+    return resolved

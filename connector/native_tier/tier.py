@@ -187,14 +187,17 @@ class KvtierRedisTier(SecondaryTierManager):
         self._chunk_tokens = {g.group_id: g.tokens_per_block * bpc
                               for g in offloading_spec.config.groups}
         password = {"password": s.redis_password()} if s.redis_password_env else {}
-        self._scrubber = ClientFactory(parse_redis_url(s.redis_url),
+        self._scrubber = ClientFactory(parse_redis_url(s.url),
                                        timeout_s=s.redis_timeout_s, **password)
         self.redis = RedisTier.from_url(
-            s.redis_url, prefix=s.redis_prefix, ttl_s=s.redis_ttl_s,
+            s.url, prefix=s.redis_prefix, ttl_s=s.redis_ttl_s,
             redis_timeout_s=s.redis_timeout_s, ssl_ca_certs=s.redis_ssl_ca_certs,
             write_queue_max=s.write_queue_max,
             write_queue_max_bytes=max(s.write_queue_max * self.block_size_bytes, 1 << 20),
             **password)  # delete_corrupt: RedisTier's default (on), never turned off here
+        if self._tp_rank == 0:  # once per engine
+            for warning in s.redis_warnings:
+                log.warning("kvtier native tier: %s", warning)
         if not self.redis.available:
             log.warning("kvtier native tier: Redis at %s is not answering (%s); look-ups miss "
                         "and stores drop until it does", self.redis.target.redacted,

@@ -11,14 +11,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from offload_tiers.redis.credentials import resolve_redis_url
 from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
 from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
     "redis_url": "use redis://host:port/db, rediss://... for TLS, or null for CPU tier only",
+    "redis_url_env": "name an environment variable that holds the Redis URL (the engine's "
+                     "processes inherit it), e.g. KVTIER_REDIS_URL; leave redis_url unset",
+    "redis_username": "use the Redis ACL user name (with redis_password_file)",
+    "redis_password_file": "give the path of a file only this user can read (chmod 600) "
+                           "holding the Redis password",
     "redis_prefix": "use a short non-empty string without spaces, e.g. 'kvtier'",
     "redis_ttl_s": "give seconds as a positive integer, or null for no expiry",
     "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
@@ -52,6 +58,11 @@ class TieredConfig(BaseModel):
 
     cpu_bytes: int = Field(default=1 << 30, ge=1 << 20)
     redis_url: str | None = None
+    # Credentials outside vLLM's printed config: the URL in an environment variable, or
+    # the password in a file (offload_tiers/redis/credentials.py).
+    redis_url_env: str | None = None
+    redis_username: str | None = None
+    redis_password_file: str | None = None
     redis_prefix: str = "kvtier"
     redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
     redis_timeout_s: float = Field(default=0.25, gt=0)
@@ -70,6 +81,7 @@ class TieredConfig(BaseModel):
     hybrid_hits: bool = True
     # "Ask again" answers one request may get while its Redis probe is out (engine steps).
     max_probe_asks: int = Field(default=10_000, ge=1)
+    _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")
     @classmethod
@@ -94,6 +106,11 @@ class TieredConfig(BaseModel):
         if self.redis_url:
             data["redis_url"] = redact_url(self.redis_url)
         return data
+
+    @property
+    def redis_warnings(self) -> tuple[str, ...]:
+        """Warnings about how the Redis credentials were given (log them once, at start)."""
+        return self._redis_warnings
 
 
 def _load_yaml(path_value: Any) -> dict[str, Any]:
@@ -131,7 +148,7 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
         merged.update(_load_yaml(config_file))
     merged.update(inline)
     try:
-        return TieredConfig(**merged)
+        config = TieredConfig(**merged)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -145,6 +162,19 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
         raise ConnectorConfigError(
             "TieredOffloadingConnector: bad kv_connector_extra_config: " + "; ".join(problems)
         ) from None
+    try:
+        url, warnings = resolve_redis_url(
+            config.redis_url, url_env=config.redis_url_env, username=config.redis_username,
+            password_file=config.redis_password_file)
+    except ValueError as exc:
+        key = "redis_password_file" if config.redis_password_file and "password" in str(exc) \
+            else "redis_url_env" if config.redis_url_env else "redis_url"
+        raise ConnectorConfigError(
+            f"TieredOffloadingConnector: bad kv_connector_extra_config: {key}: {exc}. "
+            f"Fix: {_FIXES[key]}") from None
+    resolved = config.model_copy(update={"redis_url": url})
+    resolved._redis_warnings = tuple(warnings)
+    return resolved
 
 
 PIPELINE_UNSUPPORTED = (

@@ -223,6 +223,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
                  "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
                  hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())
+        for warning in self.config.redis_warnings:  # once per engine: the scheduler half
+            log.warning("kvtier: %s", warning)
         log.info("kvtier namespace: checkpoint %s; %s", self.identity.checkpoint,
                  "after a connector reset the generation follows vLLM's weight version "
                  "(update_weight_version), else a random nonce" if self._weights.found else

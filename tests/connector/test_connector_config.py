@@ -82,3 +82,38 @@ def test_parallel_shapes_that_cannot_work_are_refused_naming_the_fix(name: str,
     with pytest.raises(ConnectorConfigError, match=needle) as err:
         check_parallel_shape(SimpleNamespace(**{**shape, name: 2}))
     assert "Fix: " in str(err.value)
+
+
+def test_credentials_from_a_variable_or_a_file(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_TEST_URL", "redis://u:from-env@h:1/0")
+    by_env = load_config({"redis_url_env": "KVTIER_TEST_URL"})
+    assert by_env.redis_url == "redis://u:from-env@h:1/0" and by_env.redis_warnings == ()
+    assert "from-env" not in str(by_env.describe())
+    path = tmp_path / "pw"
+    path.write_text("from-file\n")
+    path.chmod(0o600)
+    by_file = load_config({"redis_url": "redis://h:1/0", "redis_username": "u",
+                           "redis_password_file": str(path)})
+    assert by_file.redis_url == "redis://u:from-file@h:1/0" and by_file.redis_warnings == ()
+    assert "from-file" not in str(by_file.describe())
+
+
+def test_an_inline_password_gets_one_warning_without_it() -> None:
+    config = load_config({"redis_url": "redis://:inline-pw@h:1/0"})
+    assert len(config.redis_warnings) == 1
+    assert "inline-pw" not in config.redis_warnings[0]
+    assert "redis_url_env" in config.redis_warnings[0]
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"redis_url_env": "KVTIER_TEST_UNSET"}, "redis_url_env: redis_url_env names "
+                                             "KVTIER_TEST_UNSET, which is not set"),
+    ({"redis_url": "redis://h:1", "redis_password_file": "/nonexistent/pw"},
+     "redis_password_file: cannot read the password file"),
+    ({"redis_url": "redis://h:1", "redis_url_env": "HOME"}, "both set"),
+])
+def test_bad_credentials_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
+    with pytest.raises(ConnectorConfigError) as err:
+        load_config(extra)
+    assert needle in str(err.value) and "Fix:" in str(err.value)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import engine_starts
 from tests.support.daemon_proc import DaemonProcess
 from tests.support.ports import free_port
 from tests.support.vllm_engine import (
@@ -71,6 +72,7 @@ class EngineRig:
         previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
+            engine_starts.record("in-process engine (daemon e2e)")
             self.llm = LLM(**kwargs_fn(model_dir, kv_events_config=events, **engine))
         finally:
             if previous is None:

@@ -7,6 +7,7 @@ test's own (``redis_server``) where it is paused, killed or its keyspace counted
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from offload_tiers.redis.janitor import REASONS, Pacer, RedisJanitor, judge
 from offload_tiers.redis.tier import RedisTier
 from tests.support.daemon_proc import REPO, DaemonProcess
 from tests.support.ports import free_port
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, SecretRedis
 
 NS_A = Namespace("model-a", "float32", "nhd", 16)
 NS_B = Namespace("model-b", "bfloat16", "nhd", 16, tenant="t1")
@@ -561,6 +562,42 @@ def test_daemon_process_cleans_reports_and_survives_redis_down(pw_server: RedisS
     assert pw_server.password not in stats_text
     assert pw_server.password not in d.output.decode()
     assert "redis://:***@127.0.0.1" in d.output.decode()
+    # A password on the command line is visible to every user (ps): said once, at start.
+    assert d.output.decode().count("carries a password") == 1
+
+
+@pytest.mark.parametrize("how", ["url_env", "password_file"])
+def test_daemon_credentials_from_the_environment_or_a_file_never_in_clear(
+        how: str, secret_redis: SecretRedis, tmp_path: Path) -> None:
+    """The janitor reaches a password-protected Redis as an ACL user whose URL is in an
+    environment variable, or whose password is in a private file: it deletes the bad
+    values, and neither password is in the daemon's output, /stats or /metrics."""
+    prefix = f"kvtier-cred-{how}"
+    client = redis.Redis.from_url(secret_redis.admin_url)
+    valid = write_valid(secret_redis.admin_url, prefix)
+    bad = write_bad(client, prefix)
+    if how == "url_env":
+        args, env = ["--redis-url-env", "KVTIER_TEST_JANITOR_URL"], {
+            "KVTIER_TEST_JANITOR_URL": secret_redis.user_url}
+    else:
+        password_file = tmp_path / "redis-password"
+        password_file.write_text(secret_redis.user_password + "\n")
+        password_file.chmod(0o600)
+        args, env = ["--redis-url", f"redis://127.0.0.1:{secret_redis.server.port}/0",
+                     "--redis-username", "kvtier",
+                     "--redis-password-file", str(password_file)], {}
+    d = KvtierDaemon("--endpoint", f"tcp://*:{free_port()}", "--no-replay-on-start",
+                     "--redis-prefix", prefix, *args, "--janitor-interval", "0.2",
+                     "--janitor-max-keys-per-s", "100000", env=env).start()
+    try:
+        s = d.wait_for(lambda s: s["janitor"]["passes"] >= 1, what="a janitor pass")
+        seen = json.dumps(s) + d.get("/metrics")
+    finally:
+        assert d.terminate() == 0
+    assert bad and set(client.keys(f"{prefix}:*".encode())) == set(valid)  # bad ones gone
+    output = d.output.decode()
+    assert secret_redis.found_in(seen + output) == []
+    assert "carries a password" not in output
 
 
 def test_daemon_with_wrong_password_counts_errors_never_leaks_it(pw_server: RedisServer) -> None:

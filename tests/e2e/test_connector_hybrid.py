@@ -18,7 +18,7 @@ import pytest
 
 from connector.demo.tiny_models import prompt_words
 from connector.events.wire import BlockStored
-from tests.support import worker_probe
+from tests.support import engine_starts, worker_probe
 from tests.support.connector_runner import (
     counters,
     kvtier_stats,
@@ -121,6 +121,7 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
              "redis_timeout_s": 0.5}
     events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                    endpoint=sink.endpoint, topic="kv")
+    engine_starts.record("in-process engine: hybrid tp1 kvtier")
     llm = LLM(**hybrid_engine_kwargs(tiny_hybrid_dir, kv_events_config=events_config,
                                      kv_transfer_config=kvtier_transfer_config(extra),
                                      worker_extension_cls=worker_probe.PROBE_CLS))

@@ -34,13 +34,22 @@ def prefix(redis_url: str) -> Iterator[str]:
         yield name
 
 
+URL_ENV = "KVTIER_TEST_TP_REDIS_URL"
+
+
 @pytest.fixture(scope="module")
 def extra(redis_url: str, prefix: str) -> dict[str, Any]:
     # These tests are about shards and saves, not Redis faults: a Redis reply that a busy
     # 2-core machine delays (two ranks pinned to its two cores) must not make a miss (seen
-    # once at 2 s: each rank marked Redis down, the restore missed).
-    return {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
+    # once at 2 s: each rank marked Redis down, the restore missed). The URL is read from
+    # the environment (redis_url_env) by the scheduler and by each rank's worker process.
+    return {"cpu_bytes": 64 << 20, "redis_url_env": URL_ENV, "redis_prefix": prefix,
             "redis_timeout_s": 30.0}
+
+
+def run_tp(spec: dict[str, Any], redis_url: str) -> dict[str, Any]:
+    """A TP=2 kvtier engine whose processes find the Redis URL in their environment."""
+    return run_in_subprocess({**spec, "engine": TP2}, env={URL_ENV: redis_url})
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +59,14 @@ def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def first(tiny_llama_dir: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    return run_in_subprocess({"model": "llama", "extra": extra, "steps": FIRST, "engine": TP2})
+def first(tiny_llama_dir: Any, extra: dict[str, Any], redis_url: str) -> dict[str, Any]:
+    return run_tp({"model": "llama", "extra": extra, "steps": FIRST}, redis_url)
 
 
 @pytest.fixture(scope="module")
-def second(first: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
-                              "steps": [["generate", "A2", A2]]})
+def second(first: dict[str, Any], extra: dict[str, Any], redis_url: str) -> dict[str, Any]:
+    return run_tp({"model": "llama", "extra": extra, "steps": [["generate", "A2", A2]]},
+                  redis_url)
 
 
 @pytest.fixture(scope="module")
@@ -65,23 +74,22 @@ def damaged(second: dict[str, Any], extra: dict[str, Any], redis_url: str,
             prefix: str) -> dict[str, Any]:
     steps = [["damage_rank", redis_url, prefix, "flip"], ["generate", "A2", A2],
              ["damage_rank", redis_url, prefix, "delete"], ["generate", "B2", B2]]
-    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
-                              "steps": steps})
+    return run_tp({"model": "llama", "extra": extra, "steps": steps}, redis_url)
 
 
 @pytest.fixture(scope="module")
 def other_save(damaged: dict[str, Any], extra: dict[str, Any], redis_url: str,
                prefix: str) -> dict[str, Any]:
     """A new engine after one rank's values were replaced by valid values of another save."""
-    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2, "steps": [
-        ["damage_rank", redis_url, prefix, "other_save"], ["generate", "B1", B]]})
+    return run_tp({"model": "llama", "extra": extra, "steps": [
+        ["damage_rank", redis_url, prefix, "other_save"], ["generate", "B1", B]]}, redis_url)
 
 
 @pytest.fixture(scope="module")
-def rehit(other_save: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def rehit(other_save: dict[str, Any], extra: dict[str, Any], redis_url: str) -> dict[str, Any]:
     """Yet another engine, after ``other_save`` recomputed and stored B again."""
-    return run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
-                              "steps": [["generate", "B1", B]]})
+    return run_tp({"model": "llama", "extra": extra, "steps": [["generate", "B1", B]]},
+                  redis_url)
 
 
 def test_tp2_cpu_tier_hits_with_identical_output(baseline: dict[str, Any],

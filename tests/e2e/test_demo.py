@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support import engine_starts
+from tests.support.redis_server import SecretRedis
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +37,8 @@ def _run_demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, 
          "--log-dir", str(tmp_path / "logs"), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
     )
+    engine_starts.record("kvtier demo (child engines)",
+                         count=len(list((tmp_path / "logs").glob("*.spec.json"))))
     assert out.exists(), f"demo wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     return proc, json.loads(out.read_text())
 
@@ -49,7 +54,12 @@ def _rows(data: dict) -> dict[str, dict]:
     return {row["label"]: row for row in data["rows"]}
 
 
-def test_demo_with_redis_serves_prefix_from_tiers(tmp_path: Path, redis_url: str) -> None:
+def test_demo_with_redis_serves_prefix_from_tiers(tmp_path: Path,
+                                                  secret_redis: SecretRedis) -> None:
+    """The demo against a Redis that requires a password (an ACL user's, in the URL as a
+    user types it): the prefix comes back from Redis, and nothing the demo printed or left
+    in its log directory holds the password."""
+    redis_url = secret_redis.user_url
     proc, data = _run_demo(tmp_path, "--redis-url", redis_url)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert data["mode"] == "cpu+redis"
@@ -76,6 +86,14 @@ def test_demo_with_redis_serves_prefix_from_tiers(tmp_path: Path, redis_url: str
     client = redis.Redis.from_url(redis_url)
     assert list(client.scan_iter(match=f"{prefix}:*", count=1000)) == []
     assert "CPU + Redis" in proc.stdout
+
+    files = sorted(p for p in (tmp_path / "logs").rglob("*") if p.is_file())
+    assert {p.suffix for p in files} >= {".json", ".log"}  # specs, outputs, engine logs
+    for text in [proc.stdout, proc.stderr, json.dumps(data)] + [
+            p.read_text(errors="replace") for p in files]:
+        assert secret_redis.found_in(text) == []
+    assert any("redis_url_env" in p.read_text() for p in files if p.name.endswith(
+        ".spec.json"))  # the child engines were told where to find the URL, not the URL
 
 
 def test_demo_without_redis_runs_cpu_tier_alone(tmp_path: Path) -> None:

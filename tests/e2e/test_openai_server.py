@@ -1,7 +1,11 @@
 """kvtier inside vLLM's OpenAI-compatible server (a subprocess), driven over HTTP by the
 ``openai`` client: streamed and non-streamed completions, identical to the server without
 kvtier; after ``/reset_prefix_cache`` the prefix comes from kvtier's CPU tier, after a
-server restart from Redis (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``)."""
+server restart from Redis (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``).
+
+The Redis requires a password (an ACL user): the servers get it as users should give it,
+outside vLLM's printed config (``redis_url_env``; ``redis_password_file``), and it never
+appears in a server's log or ``/metrics``."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
 from tests.support.openai_server import OpenAIServer
 from tests.support.redis_keys import scratch_prefix, wait_for_keys
+from tests.support.redis_server import SecretRedis
 
 pytestmark = pytest.mark.e2e
 
@@ -58,34 +63,47 @@ def session(server: OpenAIServer, reset_first: bool) -> dict[str, Any]:
     out["P2"] = complete(server, PROMPT)
     out["S2"] = complete(server, STREAMED, stream=True)
     out["metrics"] = server.metrics()
+    out["metrics_text"] = server.metrics_text()
     return out
 
 
+URL_ENV = "KVTIER_TEST_SECRET_REDIS_URL"
+
+
 @pytest.fixture(scope="module")
-def prefix(redis_url: str) -> Iterator[str]:
-    with scratch_prefix(redis_url) as name:
+def prefix(secret_redis: SecretRedis) -> Iterator[str]:
+    with scratch_prefix(secret_redis.admin_url) as name:
         yield name
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_llama_dir: Path, redis_url: str, prefix: str,
+def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     logs = tmp_path_factory.mktemp("servers")
-    transfer = kvtier_transfer_config({"cpu_bytes": 64 << 20, "redis_url": redis_url,
-                                       "redis_prefix": prefix, "redis_timeout_s": 2.0})
+    password_file = logs / "redis-password"
+    password_file.write_text(secret_redis.user_password + "\n")
+    password_file.chmod(0o600)
+    common = {"cpu_bytes": 64 << 20, "redis_prefix": prefix, "redis_timeout_s": 2.0}
+    by_env = kvtier_transfer_config({**common, "redis_url_env": URL_ENV})
+    plain_url = f"redis://127.0.0.1:{secret_redis.server.port}/0"  # no credentials in it
+    by_file = kvtier_transfer_config({**common, "redis_url": plain_url,
+                                      "redis_username": "kvtier",
+                                      "redis_password_file": str(password_file)})
+    env = {URL_ENV: secret_redis.user_url}
     out: dict[str, dict[str, Any]] = {}
-    for name, config in (("baseline", None), ("kvtier", transfer), ("restarted", transfer)):
-        server = OpenAIServer(tiny_llama_dir, logs / f"{name}.log",
-                              kv_transfer_config=config).start()
+    for name, config in (("baseline", None), ("kvtier", by_env), ("restarted", by_file)):
+        server = OpenAIServer(tiny_llama_dir, logs / f"{name}.log", kv_transfer_config=config,
+                              env=env).start()
         try:
             out[name] = session(server, reset_first=False)
             if name == "kvtier":  # its Redis writes land in the background: wait for them
-                wait_for_keys(redis_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS)
+                wait_for_keys(secret_redis.admin_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS)
         except Exception:
             print(server.log_tail())
             raise
         finally:
             server.stop()
+        out[name]["log"] = server.log_path.read_text(errors="replace")
     return out
 
 
@@ -115,14 +133,29 @@ def test_restarted_server_restores_from_redis(runs: dict[str, Any]) -> None:
     assert metrics["vllm:kvtier_failed_restores"] == 0
 
 
+def test_the_password_is_in_no_log_and_no_metric(runs: dict[str, Any],
+                                                secret_redis: SecretRedis) -> None:
+    """The servers stored to and restored from the password-protected Redis (above), and
+    neither password appears in a server's log or ``/metrics``."""
+    assert runs["restarted"]["metrics"]["vllm:kvtier_hit_tokens_redis"] > 0
+    for name in ("kvtier", "restarted"):
+        assert runs[name]["log"], name
+        assert secret_redis.found_in(runs[name]["log"]) == [], name
+        assert secret_redis.found_in(runs[name]["metrics_text"]) == [], name
+    assert URL_ENV in runs["kvtier"]["log"]  # vLLM printed the config: it names the variable
+
+
 def test_data_parallel_engines_each_restore_from_their_cpu_tier(
-        tiny_llama_dir: Path, tmp_path: Path) -> None:
+        tiny_llama_dir: Path, tmp_path: Path, secret_redis: SecretRedis, prefix: str) -> None:
     """``--data-parallel-size 2``: two engine cores, each with its own kvtier scheduler and
     worker. Requests spread over both; after ``/reset_prefix_cache`` every one of them is
-    restored by kvtier, with the output of the pass that computed everything."""
+    restored by kvtier, with the output of the pass that computed everything. The Redis URL
+    (password included) reaches both engine cores' processes by ``redis_url_env``."""
     prompts = [prompt_words(90 + i, 150) for i in range(4)]
-    server = OpenAIServer(tiny_llama_dir, tmp_path / "dp2.log",
-                          kv_transfer_config=kvtier_transfer_config({"cpu_bytes": 64 << 20}),
+    config = kvtier_transfer_config({"cpu_bytes": 64 << 20, "redis_url_env": URL_ENV,
+                                     "redis_prefix": prefix, "redis_timeout_s": 2.0})
+    server = OpenAIServer(tiny_llama_dir, tmp_path / "dp2.log", kv_transfer_config=config,
+                          env={URL_ENV: secret_redis.user_url},
                           extra_args=["--data-parallel-size", "2"]).start(timeout_s=600)
     try:
         first = [complete(server, p) for p in prompts]
@@ -139,3 +172,5 @@ def test_data_parallel_engines_each_restore_from_their_cpu_tier(
     assert [r["text"] for r in second] == [r["text"] for r in first]
     assert metrics["vllm:kvtier_hit_tokens_cpu"] == 4 * 128
     assert metrics["vllm:kvtier_load_errors"] == 0
+    assert metrics["vllm:kvtier_redis_available"] == 2  # both engine cores' workers
+    assert secret_redis.found_in(server.log_path.read_text(errors="replace")) == []

@@ -19,17 +19,19 @@ copy worker. Engines, one at a time, each in its own process:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from benchmarks.native_tier_engine import run_in_subprocess
 from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import corrupt_redis
+from tests.support.engine_host import run_native_engine as run_in_subprocess
 from tests.support.ports import free_port
 from tests.support.redis_keys import scratch_prefix
+from tests.support.redis_server import SecretRedis
 
 pytestmark = pytest.mark.e2e
 
@@ -44,23 +46,44 @@ def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {o["name"]: o for o in result["outputs"]}
 
 
+URL_ENV = "KVTIER_TEST_SECRET_REDIS_URL"
+
+
 @pytest.fixture(scope="module")
-def prefix(redis_url: str) -> Iterator[str]:
-    with scratch_prefix(redis_url) as name:
+def prefix(secret_redis: SecretRedis) -> Iterator[str]:
+    with scratch_prefix(secret_redis.admin_url) as name:
         yield name
 
 
-def kvtier(redis_url: str, prefix: str, prompts: list[list[Any]],
+@pytest.fixture(scope="module")
+def admin_url(secret_redis: SecretRedis) -> str:
+    """The test's own view of the password-protected Redis (scans, damage)."""
+    return secret_redis.admin_url
+
+
+@pytest.fixture(scope="module")
+def by_file(secret_redis: SecretRedis, tmp_path_factory: pytest.TempPathFactory
+            ) -> dict[str, Any]:
+    """The tier's settings for the ACL user, its password in a private file."""
+    path = tmp_path_factory.mktemp("secret") / "redis-password"
+    path.write_text(secret_redis.user_password + "\n")
+    path.chmod(0o600)
+    return {"redis_url": f"redis://127.0.0.1:{secret_redis.server.port}/0",
+            "tier": {"redis_username": "kvtier", "redis_password_file": str(path)}}
+
+
+def kvtier(where: dict[str, Any], prefix: str, prompts: list[list[Any]],
            engine: dict[str, Any] | None = None, wait_for: list[list[Any]] | None = None,
-           **tier: Any) -> dict[str, Any]:
-    """``wait_for``: metrics the engine is stepped for until they reach a value (cascades
-    to Redis are counted when a later step collects them; see native_tier_engine)."""
+           env: dict[str, str] | None = None, **tier: Any) -> dict[str, Any]:
+    """``where``: ``redis_url`` and tier settings naming the Redis. ``wait_for``: metrics the
+    engine is stepped for until they reach a value (cascades to Redis are counted when a
+    later step collects them; see native_tier_engine)."""
     # A loaded 2-core machine can stall a Redis reply past the 0.25 s default (the tier then
     # counts drops, by design); only the fault test below sets a short timeout.
-    tier.setdefault("redis_timeout_s", 2.0)
-    return run_in_subprocess({"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix,
-                              "prompts": prompts, "tier": tier, "engine": engine or {},
-                              "wait_for": wait_for or []})
+    tier = {"redis_timeout_s": 2.0, **where.get("tier", {}), **tier}
+    return run_in_subprocess({"mode": "kvtier", "redis_url": where.get("redis_url"),
+                              "redis_prefix": prefix, "prompts": prompts, "tier": tier,
+                              "engine": engine or {}, "wait_for": wait_for or []}, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -70,36 +93,39 @@ def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def first(baseline: Any, redis_url: str, prefix: str) -> dict[str, Any]:
-    return kvtier(redis_url, prefix, [["A1", PROMPT_A], ["B1", PROMPT_B]],
+def first(baseline: Any, by_file: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return kvtier(by_file, prefix, [["A1", PROMPT_A], ["B1", PROMPT_B]],
                   wait_for=[[N + "stored_chunks", 8]])  # A and B: 4 full chunks each
 
 
 @pytest.fixture(scope="module")
-def second(first: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
-    return kvtier(redis_url, prefix, [["A2", A2]])
+def second(first: dict[str, Any], secret_redis: SecretRedis, prefix: str) -> dict[str, Any]:
+    """A new engine that reads the whole URL (ACL user and password) from a variable."""
+    return kvtier({"tier": {"redis_url_env": URL_ENV}}, prefix, [["A2", A2]],
+                  env={URL_ENV: secret_redis.user_url})
 
 
 @pytest.fixture(scope="module")
-def bfloat16(second: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
+def bfloat16(second: dict[str, Any], by_file: dict[str, Any], prefix: str) -> dict[str, Any]:
     alone = by_name(run_in_subprocess({"mode": "none", "engine": BF16,
                                        "prompts": [["A2", A2]]}))
-    result = kvtier(redis_url, prefix, [["A2", A2]], engine=BF16,
+    result = kvtier(by_file, prefix, [["A2", A2]], engine=BF16,
                     wait_for=[[N + "stored_chunks", 4]])
     result["alone"] = alone
     return result
 
 
 @pytest.fixture(scope="module")
-def damaged(second: dict[str, Any], redis_url: str, prefix: str) -> dict[str, Any]:
-    damage = corrupt_redis(redis_url, prefix)
-    result = kvtier(redis_url, prefix, [["B1", PROMPT_B]])
+def damaged(second: dict[str, Any], by_file: dict[str, Any], admin_url: str,
+            prefix: str) -> dict[str, Any]:
+    damage = corrupt_redis(admin_url, prefix)
+    result = kvtier(by_file, prefix, [["B1", PROMPT_B]])
     result["damage"] = damage
     return result
 
 
 def test_first_engine_cascades_its_chunks_to_redis(first: dict[str, Any], baseline: Any,
-                                                   redis_url: str, prefix: str) -> None:
+                                                   admin_url: str, prefix: str) -> None:
     outs = by_name(first)
     for name in ("A1", "B1"):
         assert outs[name]["token_ids"] == baseline[name]["token_ids"]
@@ -107,9 +133,19 @@ def test_first_engine_cascades_its_chunks_to_redis(first: dict[str, Any], baseli
     assert m[N + "stored_chunks"] >= 8  # A and B: 4 full chunks each
     assert m.get(N + "store_drops", 0) == 0 and m.get(N + "store_failures", 0) == 0
     assert m[N + "redis_available"] == 1
-    keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
+    keys = list(redis.Redis.from_url(admin_url).scan_iter(match=f"{prefix}:*", count=1000))
     assert len(keys) >= 8
     assert len({k.split(b":")[1] for k in keys}) == 1  # one namespace fingerprint
+
+
+def test_no_password_in_the_engines_output(first: dict[str, Any], second: dict[str, Any],
+                                           secret_redis: SecretRedis) -> None:
+    """Both engines stored to or restored from the password-protected Redis (the tests
+    around this one), and nothing they or their processes printed holds a password."""
+    for result in (first, second):
+        assert "KvtierRedisTier" in result["log"]  # vLLM printed the tier's settings
+        assert secret_redis.found_in(result["log"]) == []
+        assert secret_redis.found_in(json.dumps(result["metrics"])) == []
 
 
 def test_new_engine_restores_the_prefix_from_redis(second: dict[str, Any],
@@ -125,7 +161,7 @@ def test_new_engine_restores_the_prefix_from_redis(second: dict[str, Any],
 
 
 def test_engine_of_another_dtype_restores_nothing_of_the_first_engine_s(
-        bfloat16: dict[str, Any], redis_url: str, prefix: str) -> None:
+        bfloat16: dict[str, Any], admin_url: str, prefix: str) -> None:
     out = by_name(bfloat16)["A2"]
     assert out["token_ids"] == bfloat16["alone"]["A2"]["token_ids"]  # = vLLM alone, bfloat16
     assert out["num_cached_tokens"] == 0  # A's float32 chunks are in Redis: none served
@@ -134,7 +170,7 @@ def test_engine_of_another_dtype_restores_nothing_of_the_first_engine_s(
     assert m.get(N + "lookup_known_hits", 0) == 0
     assert m.get("vllm:kv_offload_tiering_chunk_hits", 0) == 0
     assert m[N + "stored_chunks"] >= 4  # its own chunks, under its own fingerprint
-    keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
+    keys = list(redis.Redis.from_url(admin_url).scan_iter(match=f"{prefix}:*", count=1000))
     assert len({k.split(b":")[1] for k in keys}) == 2
 
 
@@ -152,7 +188,7 @@ def test_damaged_values_are_misses_and_outputs_stay_identical(damaged: dict[str,
 def test_redis_down_gives_misses_and_counted_drops(damaged: dict[str, Any], baseline: Any,
                                                    prefix: str) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    result = kvtier(dead, prefix, [["A1", PROMPT_A]], redis_timeout_s=0.2,
+    result = kvtier({"redis_url": dead}, prefix, [["A1", PROMPT_A]], redis_timeout_s=0.2,
                     wait_for=[[[N + "store_drops", N + "store_failures"], 4]])
     out = by_name(result)["A1"]
     assert out["token_ids"] == baseline["A1"]["token_ids"]

@@ -545,6 +545,28 @@ def test_bad_settings_name_the_key_and_the_fix(redis_url: str, entry: dict[str, 
     assert needle in str(err.value) and "Fix:" in str(err.value)
 
 
+def test_credentials_from_a_variable_or_a_file_and_the_inline_warning(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    from connector.native_tier.config import load_native_settings
+
+    monkeypatch.setenv("KVTIER_TEST_NATIVE_URL", "redis://u:from-env@h:1/0")
+    by_env = load_native_settings({"redis_url_env": "KVTIER_TEST_NATIVE_URL"})
+    assert by_env.url == "redis://u:from-env@h:1/0" and by_env.redis_warnings == ()
+    assert "from-env" not in str(by_env.describe())
+    path = tmp_path / "pw"
+    path.write_text("from-file\n")
+    path.chmod(0o600)
+    by_file = load_native_settings({"redis_url": "redis://h:1/0", "redis_username": "u",
+                                    "redis_password_file": str(path)})
+    assert by_file.url == "redis://u:from-file@h:1/0" and by_file.redis_warnings == ()
+    inline = load_native_settings({"redis_url": "redis://:inline-pw@h:1/0"})
+    assert len(inline.redis_warnings) == 1 and "inline-pw" not in inline.redis_warnings[0]
+    with pytest.raises(NativeTierConfigError, match="redis_url_env.*not set.*Fix:"):
+        load_native_settings({"redis_url_env": "KVTIER_TEST_NATIVE_UNSET"})
+    with pytest.raises(NativeTierConfigError, match="redis_url: required"):
+        load_native_settings({})
+
+
 def test_importing_offload_tiers_does_not_import_vllm() -> None:
     import subprocess
     import sys

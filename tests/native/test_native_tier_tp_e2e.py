@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.native_tier_engine import run_in_subprocess
 from connector.demo.tiny_models import prompt_words
+from tests.support.engine_host import run_native_engine as run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
 pytestmark = pytest.mark.e2e

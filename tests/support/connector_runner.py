@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from connector.demo.presets import TP2_ENV
-from tests.support import worker_probe
+from tests.support import engine_host, worker_probe
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -163,7 +163,7 @@ def counters(stats: dict[str, Any]) -> dict[str, Any]:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     apply_cpu_engine_env()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from connector.demo.tiny_models import tiny_hybrid, tiny_llama
 
@@ -189,10 +189,28 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if int(overrides.get("tensor_parallel_size", 1)) > 1:
         for key, value in TP2_ENV.items():
             os.environ.setdefault(key, value)
-    if spec["model"] == "llama":
-        llm = LLM(**llama_engine_kwargs(tiny_llama(), **overrides))
-    else:
-        llm = LLM(**hybrid_engine_kwargs(tiny_hybrid(), **overrides))
+    try:
+        if spec["model"] == "llama":
+            llm = LLM(**llama_engine_kwargs(tiny_llama(), **overrides))
+        else:
+            llm = LLM(**hybrid_engine_kwargs(tiny_hybrid(), **overrides))
+    except BaseException:
+        if proxy is not None:
+            proxy.stop()
+        raise
+    try:
+        return drive(llm, spec, extra, proxy)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        engine_host.defer_shutdown(llm)
+
+
+def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
+          proxy: Any) -> dict[str, Any]:
+    """Run ``spec``'s steps on ``llm``; outputs and kvtier's counters."""
+    from vllm import SamplingParams
+
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
 
     def stats() -> dict[str, Any]:
@@ -293,8 +311,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         settle()
         worker_probe.fresh_gauges(poke)
     full = stats() if extra is not None else {}
-    if proxy is not None:
-        proxy.stop()
     return {"outputs": outputs, "stats": counters(full),
             "redis_tier": full.get("redis_tier", {}), "cpu_tier": full.get("cpu_tier", {})}
 
@@ -368,24 +384,12 @@ def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any,
             "proxy_connections": proxy.connections if proxy is not None else None}
 
 
-def run_in_subprocess(spec: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
-    """Run ``spec`` in a fresh Python process (its own engine); the parsed RESULT."""
-    import os
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.support.connector_runner",
-                           json.dumps(spec)], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[len("RESULT "):])
-            result["log"] = proc.stderr
-            return result
-    raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+def run_in_subprocess(spec: dict[str, Any], timeout: float = 900,
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``spec`` with its own engine (fresh engine core and workers, vLLM's default
+    executors) in this test process's engine host, ``env`` set for it (its engine's
+    processes inherit it); the parsed result, ``log`` included."""
+    return engine_host.run_spec("tests.support.connector_runner:run", spec, timeout, env)
 
 
 def main() -> None:

@@ -21,8 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 class DaemonProcess:
     """``python -m connector.daemon.cli ...`` with an HTTP port of its own."""
 
-    def __init__(self, *args: str, http_port: int | None = None) -> None:
+    def __init__(self, *args: str, http_port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.http_port = http_port or free_port()
+        self.env = dict(env or {})
         self.args = [*args, "--http", f"127.0.0.1:{self.http_port}"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.output = b""
@@ -36,7 +38,7 @@ class DaemonProcess:
         return [sys.executable, "-m", "connector.daemon.cli", *self.args]
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             self.command(), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )

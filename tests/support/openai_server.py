@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from connector.demo.presets import CPU_ENGINE_ENV, TP2_ENV
+from tests.support import engine_starts
 from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,6 +69,11 @@ class OpenAIServer:
             else:
                 env[key] = value
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        args = self.extra_args
+        cores = int(args[args.index("--data-parallel-size") + 1]) \
+            if "--data-parallel-size" in args else 1
+        engine_starts.record(f"openai server ({cores} engine core{'s' * (cores > 1)})",
+                             count=cores)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         # Its own process group: stop() ends the engine core and workers too, even when the
         # API server dies before it could (a start that never got healthy).
@@ -94,9 +100,13 @@ class OpenAIServer:
         resp.raise_for_status()
         return json.loads(resp.content or b"{}")
 
+    def metrics_text(self) -> str:
+        """``/metrics`` as served (every metric, every label)."""
+        return httpx.get(f"{self.base}/metrics", timeout=60).text  # a hang, not a speed bound
+
     def metrics(self) -> dict[str, float]:
         """``vllm:kvtier_*`` samples from ``/metrics``, summed over label sets."""
-        text = httpx.get(f"{self.base}/metrics", timeout=60).text  # a hang, not a speed bound
+        text = self.metrics_text()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line.startswith("vllm:kvtier_"):

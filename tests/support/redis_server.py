@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import redis
@@ -31,6 +32,12 @@ class RedisServer:
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def add_acl_user(self, name: str, password: str) -> str:
+        """An ACL user with its own password (all commands, every key); its URL."""
+        self.client().acl_setuser(name, enabled=True, passwords=[f"+{password}"],
+                                  keys=["*"], commands=["+@all"])
+        return f"redis://{name}:{password}@127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
@@ -101,3 +108,19 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         self.proc = None
+
+
+class SecretRedis:
+    """A redis-server that requires a password, with an ACL user: the secrets a test
+    greps for (``secrets``) and the URLs that carry them."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.user_password = f"user-{uuid.uuid4().hex}"
+        self.user_url = server.add_acl_user("kvtier", self.user_password)
+        self.admin_url = server.url
+        self.secrets = (server.password or "", self.user_password)
+
+    def found_in(self, text: str) -> list[str]:
+        """The secrets (masked) that occur in ``text``: what a test asserts is empty."""
+        return [f"{s[:5]}..." for s in self.secrets if s and s in text]

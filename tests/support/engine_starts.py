@@ -1,0 +1,43 @@
+"""Count the engines a test session starts (printed at the end of ``make test``).
+
+``conftest.py`` points ``KVTIER_ENGINE_STARTS`` at one file for the whole session (xdist
+workers inherit it); every helper that starts an engine appends one line to it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ENV = "KVTIER_ENGINE_STARTS"
+
+
+def describe(spec: dict[str, Any]) -> str:
+    """A spec's engine in a few words: model, parallel shape, with or without kvtier."""
+    engine = spec.get("engine") or {}
+    shape = f"tp{engine.get('tensor_parallel_size', 1)}"
+    model = spec.get("model", "llama")
+    with_kvtier = spec.get("extra") is not None or spec.get("mode") not in (None, "none")
+    return f"{model} {shape} {'kvtier' if with_kvtier else 'baseline'}"
+
+
+def record(kind: str, spec: dict[str, Any] | None = None, count: int = 1) -> None:
+    """Note ``count`` engine starts of ``kind`` (no-op outside a test session)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    label = f"{kind}: {describe(spec)}" if spec is not None else kind
+    with open(path, "a", encoding="utf-8") as fh:  # one short line per write: O_APPEND
+        fh.write(f"{count}\t{label}\n")
+
+
+def summary(path: Path) -> tuple[int, Counter[str]]:
+    """Total engine starts and starts by kind, from the session's file."""
+    by_kind: Counter[str] = Counter()
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            count, _, label = line.partition("\t")
+            by_kind[label] += int(count)
+    return sum(by_kind.values()), by_kind
