@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.batches import HIT, WARM, toks
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
@@ -29,25 +30,6 @@ BLOCK = 32
 TIGHT_CPU_BYTES = 1 << 20  # the connector's minimum cpu_bytes
 
 
-def toks(seed: int, n: int) -> list[int]:
-    """``n`` deterministic token ids of the tiny vocabulary (no special ids 0..3)."""
-    return [4 + (seed * 7919 + i * 104729) % 508 for i in range(n)]
-
-
-A, B, C = toks(1, 96), toks(2, 77), toks(3, 128)  # shared prefixes: 3 blocks, 77, 4 blocks
-WARM = [
-    A + toks(10, 20),       # 116: shares 3 aligned blocks with the next two
-    A + toks(11, 32),       # 128: block-aligned
-    A[:64] + toks(12, 41),  # 105: shares 2 blocks of A
-    B + toks(13, 15),       # 92: shares 77 tokens (not block-aligned) with the next
-    B + toks(14, 51),       # 128: block-aligned
-    C,                      # 128: whole prompt block-aligned, repeated below
-    C + toks(15, 9),        # 137
-    toks(16, 70),           # unrelated
-]
-# The second batch: even prompts grow (hit ends at their old block boundaries), odd ones
-# repeat exactly (whole-prompt hits, offered as num_tokens - 1).
-HIT = [p + toks(20 + i, 3 + 5 * i) if i % 2 == 0 else p for i, p in enumerate(WARM)]
 # Pressure: 8 unrelated prompts of 6-7 blocks each (~50 blocks) through a ~30-slot CPU tier.
 PRESSURE = [toks(40 + i, 200 + 3 * i) for i in range(8)]
 PRESSURE_HIT = [p + toks(60 + i, 5) for i, p in enumerate(PRESSURE)]
@@ -173,39 +155,3 @@ def test_full_cpu_tier_with_redis_serves_evicted_blocks_from_redis(
     for batch in ("warm", "hit", "pwarm"):
         assert tight_redis["runs"][batch]["delta"].get("store_drops", 0) == 0, batch
     assert tight_redis["stats"]["redis_write_failures"] == 0
-
-
-HYBRID_STEPS = [["batch", "warm", WARM], ["reset"], ["batch", "hit", HIT]]
-HYBRID_ENGINE = {"max_num_seqs": 4}  # max_num_batched_tokens stays at the preset's 32
-
-
-def run_hybrid(extra: dict[str, Any] | None) -> dict[str, Any]:
-    result = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": HYBRID_STEPS,
-                                "engine": HYBRID_ENGINE})
-    result["runs"] = by_name(result)
-    return result
-
-
-def test_hybrid_batched_requests_hit_with_identical_output(tiny_hybrid_dir: Any) -> None:
-    """The hybrid (Mamba + attention, partial entries): the same batches, 4 seqs at once."""
-    base = run_hybrid(None)
-    kv = run_hybrid({"cpu_bytes": 64 << 20})
-    assert_identical(kv, base, "warm", len(WARM))
-    assert_identical(kv, base, "hit", len(HIT))
-    hit = kv["runs"]["hit"]["delta"]
-    cached = [kv["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
-    print("KVTIER-HYBRID-BATCH", {"hit_delta": hit, "num_cached": cached,
-                                  "baseline": [base["runs"][f"hit/{i}"]["num_cached_tokens"]
-                                               for i in range(len(HIT))]})
-    baseline = [base["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
-    # Every request gets a prefix hit, never less than vLLM alone finds; each one that
-    # gets more than vLLM alone is kvtier's restore (the others' hits are vLLM's own,
-    # from a batch-mate restored in the same step).
-    assert all(c > 0 for c in cached), cached
-    assert all(c >= b for c, b in zip(cached, baseline, strict=True))
-    extended = sum(c > b for c, b in zip(cached, baseline, strict=True))
-    assert hit.get("hit_requests", 0) >= extended > 0
-    assert hit.get("hit_tokens_cpu", 0) >= sum(
-        c - b for c, b in zip(cached, baseline, strict=True))
-    assert kv["stats"]["load_errors"] == 0
-    assert kv["cpu_tier"]["pinned"] == 0 and kv["cpu_tier"]["reserved"] == 0

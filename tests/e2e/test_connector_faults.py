@@ -194,6 +194,9 @@ def tls_srv(tmp_path_factory: pytest.TempPathFactory, tls: TlsFiles) -> Iterator
     server.stop()
 
 
+URL_ENV = "KVTIER_TEST_TLS_REDIS_URL"
+
+
 def _tls_url(port: int, password: str) -> str:
     return tls_url(port, ACL_USER, password)
 
@@ -201,16 +204,19 @@ def _tls_url(port: int, password: str) -> str:
 def test_tls_with_acl_user_stores_and_serves(
         baseline: dict[str, dict[str, Any]], tls: TlsFiles, tls_srv: Any) -> None:
     server, port = tls_srv
-    extra = dict(EXTRA, redis_url=_tls_url(port, ACL_PASSWORD),
-                 redis_ssl_ca_certs=str(tls.ca_cert))
+    # The URL (password included) from the environment: vLLM prints the config it is given,
+    # and the whole output of the engine's processes is checked below.
+    extra = dict(EXTRA, redis_url_env=URL_ENV, redis_ssl_ca_certs=str(tls.ca_cert))
+    env = {URL_ENV: _tls_url(port, ACL_PASSWORD)}
     result = run_in_subprocess({"model": "llama", "extra": extra, "log_info": True,
-                                "steps": [["generate", "P1", P1], ["generate", "P2", P2]]})
+                                "steps": [["generate", "P1", P1], ["generate", "P2", P2]]},
+                               env=env)
     assert result["stats"]["redis_available"] == 1
     assert result["stats"]["blocks_written_redis"] > 0
     assert server.client().dbsize() > 0  # the blocks really landed, over TLS, as the ACL user
     # A second engine (fresh CPU tier) reads them back over TLS.
     again = by_name(run_in_subprocess({"model": "llama", "extra": extra,
-                                       "steps": [["generate", "P1", P1]]}))["P1"]
+                                       "steps": [["generate", "P1", P1]]}, env=env))["P1"]
     assert hits(again)[1] > 0 and again["token_ids"] == baseline["P1"]["token_ids"]
     assert ACL_PASSWORD not in result["log"] + json.dumps(result["stats"])
     assert ACL_PASSWORD not in json.dumps(result["redis_tier"])
@@ -219,11 +225,11 @@ def test_tls_with_acl_user_stores_and_serves(
 def test_wrong_password_starts_cpu_only_with_a_clear_error_and_no_secret(
         baseline: dict[str, dict[str, Any]], tls: TlsFiles, tls_srv: Any) -> None:
     _, port = tls_srv
-    extra = dict(EXTRA, redis_url=_tls_url(port, WRONG_PASSWORD),
-                 redis_ssl_ca_certs=str(tls.ca_cert))
+    extra = dict(EXTRA, redis_url_env=URL_ENV, redis_ssl_ca_certs=str(tls.ca_cert))
     steps = [["generate", "P1", P1], ["reset"], ["generate", "P1B", P1B]]
     result = run_in_subprocess({"model": "llama", "extra": extra, "steps": steps,
-                                "log_info": True})
+                                "log_info": True},
+                               env={URL_ENV: _tls_url(port, WRONG_PASSWORD)})
     runs = by_name(result)
     assert runs["P1"]["token_ids"] == baseline["P1"]["token_ids"]
     assert runs["P1B"]["token_ids"] == baseline["P1B"]["token_ids"]

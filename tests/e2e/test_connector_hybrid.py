@@ -19,12 +19,14 @@ import pytest
 from connector.demo.tiny_models import prompt_words
 from connector.events.wire import BlockStored
 from tests.support import engine_starts, worker_probe
+from tests.support.batches import HIT, WARM
 from tests.support.connector_runner import (
     counters,
     kvtier_stats,
     multi_turn,
     run_in_subprocess,
 )
+from tests.support.redis_keys import scratch_prefix
 from tests.support.redis_server import RedisServer
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
@@ -39,11 +41,76 @@ TURNS = 6
 MARKER = list(range(300, 370))  # token ids no other prompt starts with (a full 64-block)
 
 
+# Scenarios of their own (each test's steps); one engine without kvtier runs them all, and
+# one kvtier engine (CPU tier only) runs RESTORED_STEPS and SHARED_STEPS: vLLM's prefix
+# cache is reset between scenarios and their prompts share no block, so each scenario sees
+# what a fresh engine would.
+TURN1 = prompt_words(41, 240)
+TURN2 = TURN1 + " " + prompt_words(42, 40)
+RESTORED_STEPS = [["generate", "T1", TURN1], ["reset"], ["generate", "T1-restored", TURN1],
+                  ["generate", "T2", TURN2]]
+SHARED = prompt_words(61, 100)  # 100 tokens: blocks of 64, hash unit 32 -> hit ends at 96
+SHARED_STEPS = [["generate", "P", SHARED], ["reset"],
+                ["generate", "P-short", SHARED + " " + prompt_words(62, 2)], ["reset"],
+                ["generate", "P-again", SHARED],
+                ["generate", "P-cross", SHARED + " " + prompt_words(63, 48)],  # fills block 1
+                ["reset"], ["generate", "P-after", SHARED]]
+FAILED = prompt_words(64, 130)
+FAILED_STEPS = [["generate", "F", FAILED], ["generate", "G", prompt_words(65, 70)]]
+
+
+def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {o["name"]: o for o in result["outputs"]}
+
+
+# Batches of requests sharing prefixes (4 sequences at once; max_num_batched_tokens stays
+# at the preset's 32): the engines below run with max_num_seqs=4.
+BATCH_STEPS = [["batch", "warm", WARM], ["reset"], ["batch", "hit", HIT]]
+ENGINE = {"max_num_seqs": 4}
+
+
 @pytest.fixture(scope="module")
-def baseline(tiny_hybrid_dir: Path) -> list[list[int]]:
-    result = run_in_subprocess({"model": "hybrid", "extra": None,
-                                "steps": [["multi_turn", FIRST_PROMPT, TURNS]]})
-    return [o["token_ids"] for o in result["outputs"]]
+def base_runs(tiny_hybrid_dir: Path) -> dict[str, dict[str, Any]]:
+    """vLLM alone, every scenario of the module, one engine (a reset before each)."""
+    steps = [["multi_turn", FIRST_PROMPT, TURNS]]
+    for scenario in (RESTORED_STEPS, SHARED_STEPS, FAILED_STEPS, BATCH_STEPS):
+        steps += [["reset"], *scenario]
+    return by_name(run_in_subprocess({"model": "hybrid", "extra": None, "steps": steps,
+                                      "engine": ENGINE}))
+
+
+@pytest.fixture(scope="module")
+def baseline(base_runs: dict[str, dict[str, Any]]) -> list[list[int]]:
+    return [base_runs[f"turn{i}"]["token_ids"] for i in range(TURNS)]
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tiny_hybrid_dir: Path) -> dict[str, dict[str, Any]]:
+    """kvtier with its CPU tier alone: the restored-state, shared-partial and batch
+    scenarios; the counters of the engine at rest are under ``"at_rest"``."""
+    result = run_in_subprocess({"model": "hybrid", "extra": {"cpu_bytes": 64 << 20},
+                                "engine": ENGINE, "steps": [
+                                    *RESTORED_STEPS, ["reset"], *SHARED_STEPS, ["reset"],
+                                    *BATCH_STEPS]})
+    return {**by_name(result), "at_rest": result}
+
+
+@pytest.fixture(scope="module")
+def redis_runs(tiny_hybrid_dir: Path, redis_url: str) -> Iterator[list[dict[str, Any]]]:
+    """Three kvtier engines on one Redis prefix, one after another: the first stores a
+    3-turn conversation and FAILED; the second (fresh CPU tier) restores the conversation
+    from Redis; then every value is flipped and the third asks for FAILED again."""
+    with scratch_prefix(redis_url) as prefix:
+        extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
+                 "redis_timeout_s": 2.0}
+        conversation = ["multi_turn", FIRST_PROMPT, 3]
+        first = run_in_subprocess({"model": "hybrid", "extra": extra,
+                                   "steps": [conversation, FAILED_STEPS[0]]})
+        second = run_in_subprocess({"model": "hybrid", "extra": extra,
+                                    "steps": [conversation]})
+        damaged = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": [
+            ["damage_rank", redis_url, prefix, "flip"], *FAILED_STEPS]})
+        yield [first, second, damaged]
 
 
 class EventSink:
@@ -178,6 +245,7 @@ def run(tiny_hybrid_dir: Path, redis_srv: RedisServer) -> Iterator[dict[str, Any
         yield {"outputs": outputs, "per_turn": per_turn, "events": events,
                "stats": final, "recovered": recovered, **seen}
     finally:
+        llm.llm_engine.engine_core.shutdown()  # now, not at the worker's exit
         sink.close()
         if redis_srv.proc is not None and redis_srv.proc.poll() is None:
             redis_srv.resume()
@@ -201,12 +269,10 @@ def test_hybrid_prefixes_restored_including_partial_ends(run: dict[str, Any]) ->
 
 
 def test_second_engine_serves_hybrid_prefix_from_redis(
-        baseline: list[list[int]], redis_url: str, key_prefix: str) -> None:
-    extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": key_prefix}
-    steps = [["multi_turn", FIRST_PROMPT, 3]]
-    first = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": steps})
-    second = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": steps})
-    assert [o["token_ids"] for o in first["outputs"]] == baseline[:3]
+        baseline: list[list[int]], redis_runs: list[dict[str, Any]]) -> None:
+    first, second, _ = redis_runs
+    turns = [o for o in first["outputs"] if o["name"].startswith("turn")]
+    assert [o["token_ids"] for o in turns] == baseline[:3]
     assert [o["token_ids"] for o in second["outputs"]] == baseline[:3]
     from_redis = [o["delta"].get("hit_tokens_redis", 0) for o in second["outputs"]]
     print("KVTIER-HYBRID-REDIS", from_redis)
@@ -260,18 +326,11 @@ def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
 
 
 def test_restored_state_is_kept_in_vllms_own_cache_for_the_next_turn(
-        tiny_hybrid_dir: Path) -> None:
+        base_runs: dict[str, dict[str, Any]], cpu_runs: dict[str, dict[str, Any]]) -> None:
     """A restore is handed to vLLM asynchronously, so vLLM caches the restored blocks and
     Mamba state before the request runs: the next turn hits vLLM's own cache there instead of
     kvtier loading the same prefix again (a synchronous restore's state was overwritten)."""
-    turn1 = prompt_words(41, 240)
-    turn2 = turn1 + " " + prompt_words(42, 40)
-    steps = [["generate", "T1", turn1], ["reset"], ["generate", "T1-restored", turn1],
-             ["generate", "T2", turn2]]
-    base = {o["name"]: o for o in run_in_subprocess(
-        {"model": "hybrid", "extra": None, "steps": steps})["outputs"]}
-    runs = {o["name"]: o for o in run_in_subprocess(
-        {"model": "hybrid", "extra": {"cpu_bytes": 64 << 20}, "steps": steps})["outputs"]}
+    base, runs = base_runs, cpu_runs
     restored = runs["T1-restored"]["delta"].get("hit_tokens_cpu", 0)
     t2 = runs["T2"]
     local = t2["num_cached_tokens"] - t2["delta"].get("hit_tokens_cpu", 0)
@@ -284,46 +343,54 @@ def test_restored_state_is_kept_in_vllms_own_cache_for_the_next_turn(
 
 
 def test_shared_partial_entry_survives_a_request_that_fills_its_block(
-        tiny_hybrid_dir: Path) -> None:
+        base_runs: dict[str, dict[str, Any]], cpu_runs: dict[str, dict[str, Any]]) -> None:
     """A PARTIAL entry is a cache entry for every request sharing its prefix: a request that
     fills the block (a FULL block of a different hash) must not take it away from the next
     request with the same prompt (issue #10 item 4: 96 restored before, only 64 after)."""
-    prompt = prompt_words(61, 100)  # 100 tokens: blocks of 64, hash unit 32 -> hit ends at 96
-    short = prompt + " " + prompt_words(62, 2)
-    crossing = prompt + " " + prompt_words(63, 48)  # grows past 128: fills block 1
-    steps = [["generate", "P", prompt], ["reset"], ["generate", "P-short", short], ["reset"],
-             ["generate", "P-again", prompt], ["generate", "P-cross", crossing], ["reset"],
-             ["generate", "P-after", prompt]]
-    base = {o["name"]: o for o in run_in_subprocess(
-        {"model": "hybrid", "extra": None, "steps": steps})["outputs"]}
-    runs = {o["name"]: o for o in run_in_subprocess(
-        {"model": "hybrid", "extra": {"cpu_bytes": 64 << 20}, "steps": steps})["outputs"]}
-    served = {n: runs[n]["delta"].get("hit_tokens_cpu", 0) for n in runs}
+    names = [step[1] for step in SHARED_STEPS if step[0] == "generate"]
+    served = {n: cpu_runs[n]["delta"].get("hit_tokens_cpu", 0) for n in names}
     print("KVTIER-SHARED-PARTIAL", served)
     assert served["P-again"] == 96
     assert served["P-after"] == 96  # still 96 after P-cross filled the block
-    for name in base:
-        assert runs[name]["token_ids"] == base[name]["token_ids"], name
+    for name in names:
+        assert cpu_runs[name]["token_ids"] == base_runs[name]["token_ids"], name
 
 
 def test_failed_hybrid_restore_is_recomputed_and_the_engine_keeps_serving(
-        tiny_hybrid_dir: Path, redis_url: str, key_prefix: str) -> None:
+        base_runs: dict[str, dict[str, Any]], redis_runs: list[dict[str, Any]]) -> None:
     """Every Redis value's payload flipped: the probe passes (headers intact), the fetch
     fails its checksum, the request is reported in ``failed_recving`` and recomputed by vLLM
     (issue #10 item 5: this raised RuntimeError in the engine before)."""
-    prompt = prompt_words(64, 130)
-    extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": key_prefix,
-             "redis_timeout_s": 2.0}
-    steps = [["generate", "P", prompt], ["generate", "Q", prompt_words(65, 70)]]
-    base = {o["name"]: o for o in run_in_subprocess(
-        {"model": "hybrid", "extra": None, "steps": steps})["outputs"]}
-    run_in_subprocess({"model": "hybrid", "extra": extra, "steps": steps[:1]})
-    again = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": [
-        ["damage_rank", redis_url, key_prefix, "flip"], *steps]})
-    runs = {o["name"]: o for o in again["outputs"]}
+    runs = by_name(redis_runs[2])
     assert runs["damage_rank-flip"]["result"]["damaged"] > 0
-    assert runs["P"]["delta"].get("failed_restores", 0) == 1
-    assert runs["P"]["delta"].get("hit_tokens_redis", 0) == 0
-    assert runs["P"]["num_cached_tokens"] == 0
-    for name in ("P", "Q"):  # and the engine serves the next request too
-        assert runs[name]["token_ids"] == base[name]["token_ids"], name
+    assert runs["F"]["delta"].get("failed_restores", 0) == 1
+    assert runs["F"]["delta"].get("hit_tokens_redis", 0) == 0
+    assert runs["F"]["num_cached_tokens"] == 0
+    for name in ("F", "G"):  # and the engine serves the next request too
+        assert runs[name]["token_ids"] == base_runs[name]["token_ids"], name
+
+
+def test_hybrid_batched_requests_hit_with_identical_output(
+        base_runs: dict[str, dict[str, Any]], cpu_runs: dict[str, dict[str, Any]]) -> None:
+    """Batches sharing prefixes, 4 sequences at once: every request gets a prefix hit,
+    never less than vLLM alone finds, with identical outputs."""
+    for batch, prompts in (("warm", WARM), ("hit", HIT)):
+        for i in range(len(prompts)):
+            name = f"{batch}/{i}"
+            assert cpu_runs[name]["token_ids"] == base_runs[name]["token_ids"], name
+    hit = cpu_runs["hit"]["delta"]
+    cached = [cpu_runs[f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+    baseline = [base_runs[f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+    print("KVTIER-HYBRID-BATCH", {"hit_delta": hit, "num_cached": cached,
+                                  "baseline": baseline})
+    # Each request that gets more than vLLM alone is kvtier's restore (the others' hits
+    # are vLLM's own, from a batch-mate restored in the same step).
+    assert all(c > 0 for c in cached), cached
+    assert all(c >= b for c, b in zip(cached, baseline, strict=True))
+    extended = sum(c > b for c, b in zip(cached, baseline, strict=True))
+    assert hit.get("hit_requests", 0) >= extended > 0
+    assert hit.get("hit_tokens_cpu", 0) >= sum(
+        c - b for c, b in zip(cached, baseline, strict=True))
+    at_rest = cpu_runs["at_rest"]
+    assert at_rest["stats"]["load_errors"] == 0
+    assert at_rest["cpu_tier"]["pinned"] == 0 and at_rest["cpu_tier"]["reserved"] == 0
