@@ -24,11 +24,21 @@ test: lint
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 unit: bootstrap
-	$(VENV)/python -m pytest -q -m "not e2e" tests
+	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) -m "not e2e" tests
 
+# Every benchmark the README quotes, its JSON into benchmarks/results/ (stamped with date,
+# load and command), then README/docs figures rendered from those files (benchmarks/figures.py;
+# the test suite fails when a quoted figure differs from its JSON). Takes ~1 h on 2 cores.
+R := benchmarks/results
+FIG := $(VENV)/python -m benchmarks.figures
 bench: bootstrap
-	mkdir -p bench-results
-	$(VENV)/python benchmarks/bench_events.py --json bench-results/events.json
-	$(VENV)/python benchmarks/bench_tiers.py --json bench-results/tiers.json
-	$(VENV)/python benchmarks/bench_audit.py --json bench-results/audit.json
-	$(VENV)/python benchmarks/bench_e2e.py --json bench-results/e2e.json
+	mkdir -p $(R)
+	$(VENV)/python benchmarks/bench_events.py --json $(R)/events.json && $(FIG) stamp $(R)/events.json -- bench_events.py
+	$(VENV)/python benchmarks/bench_tiers.py --json $(R)/tiers.json && $(FIG) stamp $(R)/tiers.json -- bench_tiers.py
+	$(VENV)/python benchmarks/bench_audit.py --json $(R)/audit.json && $(FIG) stamp $(R)/audit.json -- bench_audit.py
+	$(VENV)/python benchmarks/bench_janitor.py --value-bytes 65536 --json $(R)/janitor-64k.json && $(FIG) stamp $(R)/janitor-64k.json -- bench_janitor.py --value-bytes 65536
+	$(VENV)/python benchmarks/bench_janitor.py --value-bytes 2097152 --keys 2000 --json $(R)/janitor-2m.json && $(FIG) stamp $(R)/janitor-2m.json -- bench_janitor.py --value-bytes 2097152 --keys 2000
+	$(VENV)/python benchmarks/bench_native_tier.py --json $(R)/native.json && $(FIG) stamp $(R)/native.json -- bench_native_tier.py
+	$(VENV)/python benchmarks/bench_stall.py --quick --json $(R)/stall.json && $(FIG) stamp $(R)/stall.json -- bench_stall.py --quick
+	$(VENV)/python benchmarks/bench_e2e.py --json $(R)/e2e.json && $(FIG) stamp $(R)/e2e.json -- bench_e2e.py
+	$(FIG) render

@@ -1,0 +1,255 @@
+"""The figures README.md and docs quote, rendered from the benchmarks' JSON (no hand copy).
+
+``make bench`` runs every benchmark with ``--json benchmarks/results/NAME.json``, stamps each
+file with when and how it was measured (``stamp``), then ``render`` rewrites every span
+
+    <!-- figures:NAME -->...<!-- /figures:NAME -->
+
+in README.md and docs/*.md from those files. ``check`` (run by the test suite) fails when a
+span differs from what the committed JSON renders to: a figure cannot drift from its run.
+
+    python -m benchmarks.figures stamp benchmarks/results/events.json -- CMD...
+    python -m benchmarks.figures render          # rewrite the spans
+    python -m benchmarks.figures check           # exit 1 and name the stale spans
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+DOCUMENTS = ("README.md", "docs/daemon.md", "docs/tiers.md", "docs/benchmarks-e2e.md",
+             "docs/native-tier.md")
+SPAN = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures:(?P=name) -->",
+                  re.S)
+
+
+def x(value: float | None) -> str:
+    """A ratio as the README writes it."""
+    return "n/a" if value is None else f"{value:.2f}×"
+
+
+def pct(value: float | None) -> str:
+    """``0.064`` -> ``+6.4 %``."""
+    return "n/a" if value is None else f"{value * 100:+.1f} %"
+
+
+def when(data: dict[str, Any]) -> str:
+    meta = data.get("_measured", {})
+    return f"{meta.get('date', 'undated')}, load {meta.get('load_avg', '?')}"
+
+
+def events(d: dict[str, Any]) -> str:
+    r = d["ratios"]
+    return (f"decode+classify+index {d['hashes_per_s'] / 1e6:.2f} M hash updates/s; "
+            f"{x(r['ingest_vs_decode_floor'])} the msgspec decode floor; "
+            f"{x(r['ingest_vs_naive'])} a naive dict/set consumer; "
+            f"{d['bytes_per_entry']:.0f} bytes per index entry ({when(d)})")
+
+
+def index_memory(d: dict[str, Any]) -> str:
+    bpe = d["bytes_per_entry"]
+    return (f"{bpe:.0f} bytes per resident index entry (tracemalloc, "
+            f"`benchmarks/bench_events.py`, {when(d)}): 10 M entries ≈ {bpe * 1e7 / 1e9:.1f} GB")
+
+
+def events_table(d: dict[str, Any]) -> str:
+    rates, floor = d["rates"], d["rates"]["decode_floor"]
+    rows = [("msgspec decode into vLLM's schema (the floor)", "decode_floor"),
+            ("kvtier's hot-path decoder alone", "kvtier_decoder_only"),
+            ("**kvtier ingest (decode + classify + refcounted index)**", "kvtier_ingest"),
+            ("naive (untyped decode to dicts + a `set`)", "naive")]
+    lines = [f"\n`python benchmarks/bench_events.py` ({d['batches']:,} batches, "
+             f"{d['updates']:,} hash updates, best of {d['reps']}, one core; {when(d)}):\n",
+             "| consumer | hash updates/s | vs decode floor |", "|---|---|---|"]
+    lines += [f"| {label} | {rates[key] / 1e6:.2f} M | {rates[key] / floor:.2f} |"
+              for label, key in rows]
+    return "\n".join(lines) + "\n"
+
+
+def tiers_table(d: dict[str, Any]) -> str:
+    lines = [f"\n`python benchmarks/bench_tiers.py` ({when(d)}):\n",
+             "| shape | kvtier | GB/s | vs | GB/s | ratio |",
+             "| --- | --- | ---: | --- | ---: | ---: |"]
+    for shape, r in d["shapes"].items():
+        c, t, rb = r["cpu"], r["redis"], r["redis_benchmark"]
+        rows = [("CPU put", c["tier_put_gbps"], "numpy.copyto", c["memcpy_put_gbps"]),
+                ("CPU get (read_into)", c["tier_get_gbps"], "numpy.copyto",
+                 c["memcpy_get_gbps"]),
+                ("Redis put_many", t["tier_put_gbps"], "redis-py pipelined SET",
+                 t["raw_put_gbps"]),
+                ("Redis get_many", t["tier_get_gbps"], "redis-py pipelined GET",
+                 t["raw_get_gbps"]),
+                ("Redis get_many_into", t["tier_get_into_gbps"], "redis-py pipelined GET",
+                 t["raw_get_gbps"])]
+        if "set_gbps" in rb:
+            rows += [("Redis put_many", t["tier_put_gbps"], "redis-benchmark SET",
+                      rb["set_gbps"]),
+                     ("Redis get_many_into", t["tier_get_into_gbps"], "redis-benchmark GET",
+                      rb["get_gbps"])]
+        lines += [f"| {shape} | {name} | {mine:.2f} | {peer} | {other:.2f} | "
+                  f"{mine / other:.2f} |" for name, mine, peer, other in rows]
+    return "\n".join(lines) + "\n"
+
+
+def tiers(d: dict[str, Any]) -> str:
+    by_shape = d["ratios_by_shape"]
+    big, small = by_shape["block_2MiB"], min(
+        (v for k, v in by_shape.items() if k != "block_2MiB"),
+        key=lambda v: v.get("redis_get_vs_server_limit", 1.0))
+    parts = [f"CPU tier put/get {x(big['cpu_put_vs_memcpy'])} / "
+             f"{x(big['cpu_get_vs_memcpy'])} memcpy (2 MiB blocks)"]
+    if "redis_put_vs_server_limit" in d["ratios"]:
+        parts.append(f"Redis tier vs `redis-benchmark` on the same server, worst shape: "
+                     f"put_many {x(d['ratios']['redis_put_vs_server_limit'])}, "
+                     f"get_many_into {x(d['ratios']['redis_get_vs_server_limit'])}")
+    parts.append(f"vs raw redis-py pipelines (2 MiB / worst shape): put "
+                 f"{x(big['redis_put_vs_raw'])} / {x(small['redis_put_vs_raw'])}, get "
+                 f"{x(big['redis_get_vs_raw'])} / {x(small['redis_get_vs_raw'])}")
+    if "redis_put_vs_lmcache" in big:
+        parts.append(f"LMCache's Redis backend: put {x(big['redis_put_vs_lmcache'])}, get "
+                     f"{x(big['redis_get_vs_lmcache'])} (2 MiB)")
+    return "; ".join(parts) + f" ({when(d)})"
+
+
+def audit(d: dict[str, Any]) -> str:
+    k = d["kvtier"]
+    return (f"{d['files']:,} files in {d['seconds']:.2f} s best / {d['seconds_median']:.2f} s "
+            f"median; {x(d['ratios']['time_vs_ruff'])} ruff's time on the same tree; "
+            f"{k['errors']} errors, {k['warnings']} warnings, {k['info']} info ({when(d)})")
+
+
+def janitor(small: dict[str, Any], big: dict[str, Any]) -> str:
+    return (f"{small['keys_per_s']['janitor'] / 1e3:.0f}k keys/s vs "
+            f"{small['keys_per_s']['naive'] / 1e3:.0f}k for a naive SCAN + GET pass "
+            f"({small['value_bytes'] >> 10} KiB values, {small['ratio_keys_per_s']:.1f}×); "
+            f"{big['ratio_keys_per_s']:.0f}× on {big['value_bytes'] >> 20} MiB values "
+            f"(it reads headers only) ({when(small)})")
+
+
+def e2e(d: dict[str, Any]) -> str:
+    r = d["ratios"]
+    models = [m for m in ("llama", "hybrid") if f"overhead_no_hit_{m}" in r]
+    over = " / ".join(f"{pct(r[f'overhead_no_hit_{m}'])} ({m})" for m in models)
+    native = " / ".join(pct(r.get(f"native_overhead_no_hit_{m}")) for m in models)
+    restart = " / ".join(x(r.get(f"restart_recomputed_vs_native_{m}")) for m in models)
+    reset = " / ".join(x(r.get(f"recomputed_vs_native_{m}")) for m in models)
+    return (f"recomputed prefill tokens after vLLM's cache is emptied, kvtier vs vLLM's native "
+            f"OffloadingConnector: {reset}; after an engine restart (kvtier from Redis): "
+            f"{restart}. No-hit overhead (wall, kvtier as deployed, Redis configured): "
+            f"{over}; native {native} in the same run ({when(d)})")
+
+
+def stall(d: dict[str, Any]) -> str:
+    r = d["ratios"]
+    return (f"decoding ITL p99 vs no connector: kvtier {x(r.get('itl_p99_vs_no_connector'))}, "
+            f"native {x(r.get('native_itl_p99_vs_no_connector'))} (p50 "
+            f"{x(r.get('itl_p50_vs_no_connector'))} / "
+            f"{x(r.get('native_itl_p50_vs_no_connector'))}); restoring TTFT p50 "
+            f"{x(r.get('restore_ttft_p50_vs_no_connector'))} / "
+            f"{x(r.get('native_restore_ttft_p50_vs_no_connector'))}; storing TTFT p50 "
+            f"{x(r.get('store_ttft_p50_vs_no_connector'))} / "
+            f"{x(r.get('native_store_ttft_p50_vs_no_connector'))} ({when(d)})")
+
+
+def native(d: dict[str, Any]) -> str:
+    rows = {(row["config"], row["phase"]): row for row in d["rows"]}
+    k, f, n = (rows[(c, "restart")] for c in ("kvtier", "fs", "none"))
+    same = all(row["same_as_none"] for row in d["rows"])
+    return (f"across an engine restart: recomputed {k['recomputed_tokens']:,} tokens with "
+            f"kvtier's tier, {f['recomputed_tokens']:,} with the fs tier "
+            f"({x(d['ratios']['restart_recomputed_vs_fs'])}), {n['recomputed_tokens']:,} "
+            f"without ({x(d['ratios']['restart_recomputed_vs_none'])}); outputs "
+            f"{'identical' if same else 'NOT identical'} ({when(d)})")
+
+
+#: span name -> (JSON files under benchmarks/results, renderer)
+RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
+    "events": (("events.json",), events),
+    "index-memory": (("events.json",), index_memory),
+    "events-table": (("events.json",), events_table),
+    "tiers-table": (("tiers.json",), tiers_table),
+    "tiers": (("tiers.json",), tiers),
+    "audit": (("audit.json",), audit),
+    "janitor": (("janitor-64k.json", "janitor-2m.json"), janitor),
+    "e2e": (("e2e.json",), e2e),
+    "stall": (("stall.json",), stall),
+    "native": (("native.json",), native),
+}
+
+
+def render_span(name: str, results: Path = RESULTS) -> str:
+    """The text of span ``name`` from its JSON files (KeyError / OSError name what lacks)."""
+    if name not in RENDERERS:
+        raise KeyError(f"no renderer for figures span {name!r}; known: {', '.join(RENDERERS)}")
+    files, renderer = RENDERERS[name]
+    data = [json.loads((results / f).read_text()) for f in files]
+    return renderer(*data)
+
+
+def rewrite(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every figures span rendered afresh."""
+    def sub(match: re.Match[str]) -> str:
+        name = match["name"]
+        return f"<!-- figures:{name} -->{render_span(name, results)}<!-- /figures:{name} -->"
+    return SPAN.sub(sub, text)
+
+
+def stale_spans(results: Path = RESULTS, root: Path = REPO) -> list[str]:
+    """``doc:span`` for every span whose text is not what its JSON renders to."""
+    stale = []
+    for doc in DOCUMENTS:
+        path = root / doc
+        if not path.exists():
+            continue
+        text = path.read_text()
+        for match in SPAN.finditer(text):
+            if match["body"] != render_span(match["name"], results):
+                stale.append(f"{doc}:{match['name']}")
+    return stale
+
+
+def stamp(path: Path, command: list[str]) -> None:
+    """Record in ``path`` when, on what and by which command it was measured."""
+    data = json.loads(path.read_text())
+    data["_measured"] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(command),
+                         "load_avg": f"{os.getloadavg()[0]:.1f}", "cpus": os.cpu_count()}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("stamp", help="record when and how a JSON file was measured")
+    st.add_argument("path", type=Path)
+    st.add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("render", help="rewrite every figures span from benchmarks/results")
+    sub.add_parser("check", help="exit 1 when a span differs from its JSON")
+    args = ap.parse_args(argv)
+    if args.cmd == "stamp":
+        stamp(args.path, [c for c in args.command if c != "--"])
+        return 0
+    if args.cmd == "render":
+        for doc in DOCUMENTS:
+            path = REPO / doc
+            if path.exists():
+                path.write_text(rewrite(path.read_text()))
+        return 0
+    stale = stale_spans()
+    for span in stale:
+        print(f"stale figures: {span} (run `make bench`, or "
+              "`python -m benchmarks.figures render` after editing a JSON)", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
