@@ -75,7 +75,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     apply_cpu_engine_env()
     if spec.get("log_info"):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from connector.demo.tiny_models import tiny_llama
 
@@ -89,6 +89,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs("llama", str(tiny_llama()), **overrides))
     start_s = time.perf_counter() - t0
+    try:
+        return _serve(llm, spec, start_s)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # now, whoever runs this (a test's engine host)
+
+
+def _serve(llm: Any, spec: dict[str, Any], start_s: float) -> dict[str, Any]:
+    from vllm import SamplingParams
+
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
     outputs = []
     for name, prompt in spec["prompts"]:

@@ -11,8 +11,9 @@ executors as before. Per spec it
   leak into the next one),
 * sends everything written to file descriptors 1 and 2 during the spec (its own and its
   engine processes' output) to that spec's log, returned as ``result["log"]``,
-* shuts the engine down after the result is sent, in the background, so the next spec's
-  start overlaps the previous engine's exit.
+* shuts the engine down after the result is sent, in the background (the test reads the
+  result meanwhile); the next spec starts once it is gone, and any engine process a spec
+  left behind is killed then (one engine per host at a time, never a leak).
 
 Protocol (one JSON object per line): ``{"target": "module:function", "spec": {...}}`` in;
 ``RESULT {...}`` or ``ERROR {"error": text}`` out. The client restarts a host that died and
@@ -43,6 +44,8 @@ from tests.support import engine_starts
 REPO = Path(__file__).resolve().parents[2]
 #: What a spec's ``run`` hands over to be shut down once the result is sent.
 _pending_shutdowns: list[threading.Thread] = []
+#: Shutdowns under way (joined before the host exits).
+_running_shutdowns: list[threading.Thread] = []
 
 
 def defer_shutdown(llm: Any) -> None:
@@ -59,7 +62,37 @@ def defer_shutdown(llm: Any) -> None:
                                                daemon=True))
 
 
+def _leftover_engine_processes() -> list[int]:
+    """This host's child processes that are vLLM engine processes (none should outlive
+    their spec's shutdown)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _finish_previous_engines() -> None:
+    """Wait for the previous spec's engine to be shut down; kill what it left behind."""
+    for thread in _running_shutdowns:
+        thread.join(120)  # a shutdown takes ~5 s; only a hung one takes this long
+    _running_shutdowns.clear()
+    for pid in _leftover_engine_processes():
+        print(f"engine host: killing process {pid} left by the previous spec", file=sys.stderr)
+        os.kill(pid, signal.SIGKILL)
+
+
 def _serve_one(line: str, out_fd: int) -> None:
+    _finish_previous_engines()  # one engine at a time (the next one starts afterwards)
     request = json.loads(line)
     module_name, func_name = request["target"].split(":")
     env_before = dict(os.environ)
@@ -103,9 +136,6 @@ def _serve_one(line: str, out_fd: int) -> None:
         _running_shutdowns.append(thread)
 
 
-_running_shutdowns: list[threading.Thread] = []
-
-
 def serve() -> None:
     """The host's loop: import vLLM once, then one spec per stdin line."""
     os.environ["KVTIER_ENGINE_HOST"] = "1"
@@ -121,11 +151,14 @@ def serve() -> None:
     os.dup2(between.fileno(), 1)  # output between specs (engine exits) goes here
     os.dup2(between.fileno(), 2)
     os.write(out_fd, b"READY\n")
-    for line in sys.stdin:
-        if line.strip():
-            _serve_one(line, out_fd)
-    for thread in _running_shutdowns:
-        thread.join()
+    try:
+        for line in sys.stdin:
+            if line.strip():
+                _serve_one(line, out_fd)
+        _finish_previous_engines()
+    finally:
+        between.close()
+        os.unlink(between.name)
 
 
 class EngineHost:
@@ -227,4 +260,8 @@ def run_native_engine(spec: dict[str, Any], timeout: float = 900,
 
 
 if __name__ == "__main__":
-    serve()
+    # The module as imported by name (not this __main__ copy): the specs' defer_shutdown
+    # and the loop must share one _pending_shutdowns.
+    from tests.support import engine_host
+
+    engine_host.serve()
