@@ -77,7 +77,7 @@ def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
         ["generate", "P3", P3],              # ... while this request runs, and until
         ["proxy", "steady"],                 # kvtier opened a connection meanwhile
         ["snapshot", "after-flap"],
-        ["wait_redis", 1, 120.0],
+        ["wait_writes", 300.0],              # the healed link takes writes again
         ["generate", "P4", P4],
         ["snapshot", "recovered"],
     ]
@@ -141,10 +141,11 @@ def test_recovers_after_the_link_heals_and_its_writes_are_served(
         baseline: dict[str, dict[str, Any]], proxied: dict[str, Any],
         reader: dict[str, Any]) -> None:
     runs = by_name(proxied)
-    print("KVTIER-RECOVERY", runs["wait_redis-1"], "P4 written",
+    print("KVTIER-RECOVERY", runs["wait_redis-1"], runs["wait_writes"], "P4 written",
           runs["P4"]["delta"].get("blocks_written_redis", 0), "read back",
           hits(by_name(reader)["P4"]))
     assert runs["wait_redis-1"]["reached"], runs["wait_redis-1"]
+    assert runs["wait_writes"]["reached"], runs["wait_writes"]
     assert runs["recovered"]["stats"]["redis_available"] == 1
     assert proxied["redis_tier"]["recoveries"] >= 1
     assert runs["P4"]["delta"].get("blocks_written_redis", 0) > 0

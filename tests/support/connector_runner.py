@@ -7,7 +7,8 @@ on the same Redis, and engines with test-only switches, each in its own process:
         "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"],
                   ["batch", "name", [prompt | [token ids], ...]],
                   ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
-                  ["reset_connector"], ["perturb_weights", seed], ["weight_version", v]],
+                  ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
+                  ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s]],
         "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
@@ -304,6 +305,9 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
         if step[0] in ("proxy", "wait_redis", "snapshot"):
             outputs.append(fault_step(step, proxy, stats, poke, settle))
             continue
+        if step[0] == "wait_writes":  # Redis takes writes again: the event, not the gauge
+            outputs.append(wait_writes(gen, stats, float(step[1])))
+            continue
         gen(step[1], step[2], step[3] if len(step) > 3 else None)
     if extra is not None:
         # At rest: every background write reported, and the CPU-tier gauges describe the
@@ -382,6 +386,23 @@ def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any,
     full = stats()
     return {"name": step[1], "stats": counters(full), "redis_tier": full.get("redis_tier", {}),
             "proxy_connections": proxy.connections if proxy is not None else None}
+
+
+def wait_writes(gen: Any, stats: Any, timeout_s: float) -> dict[str, Any]:
+    """Run fresh 2-block prompts (token ids no other step uses) until one of them has
+    blocks written to Redis: the link is healed and kvtier uses it again. After faults the
+    availability gauge can still read 1 from before a failure kvtier has not met yet; a
+    write that lands cannot. The deadline only ends a hung wait."""
+    deadline = time.monotonic() + timeout_s
+    tries = 0
+    while True:
+        tries += 1
+        before = stats().get("blocks_written_redis", 0)
+        gen(f"wait_writes-{tries}", [4 + (tries * 7919 + i * 104729) % 500 for i in range(64)])
+        if stats().get("blocks_written_redis", 0) > before:
+            return {"name": "wait_writes", "reached": True, "tries": tries}
+        if time.monotonic() > deadline:
+            return {"name": "wait_writes", "reached": False, "tries": tries}
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900,
