@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from connector.demo.presets import TP2_ENV
-from tests.support import engine_host, worker_probe
+from tests.support import engine_host, engine_starts, worker_probe
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -406,11 +406,34 @@ def wait_writes(gen: Any, stats: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900,
-                      env: dict[str, str] | None = None) -> dict[str, Any]:
+                      env: dict[str, str] | None = None,
+                      fresh_process: bool = False) -> dict[str, Any]:
     """Run ``spec`` with its own engine (fresh engine core and workers, vLLM's default
     executors) in this test process's engine host, ``env`` set for it (its engine's
-    processes inherit it); the parsed result, ``log`` included."""
+    processes inherit it); the parsed result, ``log`` included. ``fresh_process``: in a
+    Python process of its own instead (see test_connector_tp.py)."""
+    if fresh_process:
+        return _run_fresh(spec, timeout, env or {})
     return engine_host.run_spec("tests.support.connector_runner:run", spec, timeout, env)
+
+
+def _run_fresh(spec: dict[str, Any], timeout: float, env: dict[str, str]) -> dict[str, Any]:
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    child_env = {**os.environ, **env}
+    child_env["PYTHONPATH"] = str(repo) + os.pathsep + child_env.get("PYTHONPATH", "")
+    engine_starts.record("connector_runner (own process)", spec)
+    proc = subprocess.run([sys.executable, "-m", "tests.support.connector_runner",
+                           json.dumps(spec)], cwd=repo, env=child_env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[len("RESULT "):])
+            result["log"] = proc.stderr
+            return result
+    raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def main() -> None:
