@@ -9,7 +9,7 @@ three processes) with a tiny Llama (one KV-cache group) and a tiny Mamba+attenti
   (n) null          a connector whose every hook is a no-op (benchmarks/peers/
                     null_connector.py): what vLLM itself spends on having any connector
   (b) native        vLLM's OffloadingConnector + CPUOffloadingManager, with a CPU transfer
-                    worker written for this comparison (benchmarks/peers/native_cpu_offload.py;
+                    worker written for this comparison (connector/native_tier/cpu_offload.py;
                     the stock worker refuses the CPU platform)
   (c) kvtier        TieredOffloadingConnector as deployed: CPU tier + Redis, background
                     writes (``write_mode: back``, the default); without a reachable Redis,
@@ -87,7 +87,7 @@ from connector.demo.workload import Workload  # noqa: E402
 CPU_BYTES = 256 << 20
 NATIVE_EXTRA = {
     "spec_name": "CpuPeerOffloadingSpec",
-    "spec_module_path": "benchmarks.peers.native_cpu_offload",
+    "spec_module_path": "connector.native_tier.cpu_offload",
     "cpu_bytes_to_use": CPU_BYTES,
     # Give the peer its best setting for multi-turn chat: answers are reused next turn.
     "offload_prompt_only": False,

@@ -10,7 +10,7 @@ default executors), each engine lifetime its own process (``benchmarks/native_ti
            (``connector.native_tier.tier.KvtierRedisTier``), a fresh key prefix
 
 Both offloading configurations use ``CpuTieringOffloadingSpec`` (the stock tiering worker
-refuses the CPU platform; ``benchmarks/peers/native_tiering_cpu.py``). Per configuration two
+refuses the CPU platform; ``connector/native_tier/cpu_tiering.py``). Per configuration two
 engines run the same workload one after the other: ``cold`` (first lifetime, stores) and
 ``restart`` (a new process; whatever a persistent tier kept comes back). The workload is
 ``--docs`` shared prefixes of ``--doc-words`` tokens, each asked ``--questions`` times with

@@ -9,7 +9,7 @@ streaming completions (``httpx`` async). Side by side in one run:
   none     vLLM alone: warm the prefixes, ``POST /reset_prefix_cache``, measure
            (the restoring requests recompute their prefixes)
   native   vLLM's OffloadingConnector with the CPU transfer worker in
-           ``benchmarks/peers/native_cpu_offload.py``: warm, reset, measure (its CPU tier
+           ``connector/native_tier/cpu_offload.py``: warm, reset, measure (its CPU tier
            serves the prefixes)
   kvtier   TieredOffloadingConnector with ``redis_url`` pointing at a loopback latency
            proxy (its own process, ``tests/support/tcp_proxy.py``, +``--rtt-ms`` per round
@@ -82,7 +82,7 @@ BLOCK = 32
 CPU_BYTES = 512 << 20
 NATIVE_EXTRA = {
     "spec_name": "CpuPeerOffloadingSpec",
-    "spec_module_path": "benchmarks.peers.native_cpu_offload",
+    "spec_module_path": "connector.native_tier.cpu_offload",
     "cpu_bytes_to_use": CPU_BYTES,
 }
 CONFIGS = ("none", "native", "kvtier")

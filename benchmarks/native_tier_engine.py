@@ -12,7 +12,7 @@ Used by ``benchmarks/bench_native_tier.py`` and ``tests/native/test_native_tier_
 Modes: ``none`` = vLLM alone; ``fs`` = OffloadingConnector + TieringOffloadingSpec with
 vLLM's file-system tier; ``kvtier`` = the same with kvtier's Redis tier
 (``connector.native_tier.tier.KvtierRedisTier``). The spec is ``CpuTieringOffloadingSpec``
-(``benchmarks/peers/native_tiering_cpu.py``): ``TieringOffloadingSpec`` with a CPU worker.
+(``connector/native_tier/cpu_tiering.py``): ``TieringOffloadingSpec`` with a CPU worker.
 vLLM's default executors (engine core and worker in their own processes).
 
 ``wait_for``: after the prompts, step the engine (one-token requests) until each metric
@@ -36,7 +36,7 @@ from typing import Any
 from connector.demo.presets import TP2_ENV, apply_cpu_engine_env, engine_kwargs
 
 SPEC = {"spec_name": "CpuTieringOffloadingSpec",
-        "spec_module_path": "benchmarks.peers.native_tiering_cpu"}
+        "spec_module_path": "connector.native_tier.cpu_tiering"}
 
 
 def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:

@@ -44,7 +44,7 @@ from connector.demo.presets import (  # noqa: E402
 # Frames whose inclusive share is reported (substring of "file:function").
 WATCH = (
     "connector/", "offload_tiers/", "kv_connector", "kv_transfer", "offloading",
-    "native_cpu_offload", "shm_broadcast", "serial_utils", "msgspec",
+    "cpu_offload", "shm_broadcast", "serial_utils", "msgspec",
 )
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from offload_tiers.redis.credentials import resolve_redis_url
+from offload_tiers.redis.credentials import resolve_redis_url, setting_at_fault
 from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
 from offload_tiers.redis.url import redact_url
 
@@ -153,8 +153,7 @@ def load_native_settings(entry: dict[str, Any], tier_type: str = "KvtierRedisTie
             settings.redis_url, url_env=settings.redis_url_env,
             username=settings.redis_username, password_file=settings.redis_password_file)
     except ValueError as exc:
-        key = "redis_password_file" if settings.redis_password_file and "password" in str(exc) \
-            else "redis_url_env" if settings.redis_url_env else "redis_url"
+        key = setting_at_fault(exc, settings.redis_url_env, settings.redis_password_file)
         raise NativeTierConfigError(
             f"kvtier native Redis tier: bad secondary tier settings: {where}.{key}: {exc}. "
             f"Fix: {_FIXES[key]}") from None

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from offload_tiers.redis.credentials import resolve_redis_url
+from offload_tiers.redis.credentials import resolve_redis_url, setting_at_fault
 from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
 from offload_tiers.redis.url import redact_url
 
@@ -167,8 +167,7 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
             config.redis_url, url_env=config.redis_url_env, username=config.redis_username,
             password_file=config.redis_password_file)
     except ValueError as exc:
-        key = "redis_password_file" if config.redis_password_file and "password" in str(exc) \
-            else "redis_url_env" if config.redis_url_env else "redis_url"
+        key = setting_at_fault(exc, config.redis_url_env, config.redis_password_file)
         raise ConnectorConfigError(
             f"TieredOffloadingConnector: bad kv_connector_extra_config: {key}: {exc}. "
             f"Fix: {_FIXES[key]}") from None

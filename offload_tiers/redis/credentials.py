@@ -104,6 +104,13 @@ def resolve_redis_url(url: str | None, *, url_env: str | None = None,
     return url, warnings
 
 
+def setting_at_fault(exc: ValueError, url_env: str | None, password_file: str | None) -> str:
+    """Which setting a :func:`resolve_redis_url` error is about (for "key: message. Fix")."""
+    if password_file and "password" in str(exc):
+        return "redis_password_file"
+    return "redis_url_env" if url_env else "redis_url"
+
+
 def inline_password_warning(url: str, exposure: str = VLLM_EXPOSURE) -> str:
     """What a user who wrote the password into ``redis_url`` is told, once, at start."""
     return (f"redis_url {redact_url(url)} carries a password: {exposure}. "

@@ -2,7 +2,7 @@
 real vLLM CPU engine (tiny Llama, vLLM's default executors).
 
 vLLM's stock tiering worker refuses the CPU platform, so the spec is
-``CpuTieringOffloadingSpec`` (``benchmarks/peers/native_tiering_cpu.py``): the same
+``CpuTieringOffloadingSpec`` (``connector/native_tier/cpu_tiering.py``): the same
 ``TieringOffloadingSpec`` (manager, secondary tiers, shared primary region) with a CPU
 copy worker. Engines, one at a time, each in its own process:
 

@@ -6,13 +6,13 @@ scheduler-side secondary tiers read and write the same bytes through ``primary_k
 Its stock worker (``CPUOffloadingWorker``) asserts CUDA/XPU tensors, and its ``get_worker``
 refuses the CPU platform. ``CpuTieringOffloadingSpec`` keeps everything else of the spec
 (manager, secondary tiers, metrics, the region and its layout) and swaps in the CPU copy
-worker of :mod:`benchmarks.peers.native_cpu_offload`, pointed at this rank's views of the
+worker of :mod:`connector.native_tier.cpu_offload`, pointed at this rank's views of the
 shared region instead of private host tensors. Load it with::
 
     kv_connector="OffloadingConnector",
     kv_connector_extra_config={
         "spec_name": "CpuTieringOffloadingSpec",
-        "spec_module_path": "benchmarks.peers.native_tiering_cpu",
+        "spec_module_path": "connector.native_tier.cpu_tiering",
         "cpu_bytes_to_use": 256 << 20,
         "secondary_tiers": [...],
     }
@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from benchmarks.peers.native_cpu_offload import CpuTransferWorker
+from connector.native_tier.cpu_offload import CpuTransferWorker
 
 
 class _ChunkRows:

@@ -14,7 +14,7 @@ blocks, per canonical tensor; a group's first device block may start mid-chunk
     kv_connector="OffloadingConnector",
     kv_connector_extra_config={
         "spec_name": "CpuPeerOffloadingSpec",
-        "spec_module_path": "benchmarks.peers.native_cpu_offload",
+        "spec_module_path": "connector.native_tier.cpu_offload",
         "cpu_bytes_to_use": 256 << 20,
     }
 """
