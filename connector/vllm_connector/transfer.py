@@ -1,20 +1,38 @@
 """Copies blocks between vLLM's KV tensors and CPU-tier slots, on any device.
 
 ``gather`` reads blocks of one group into slot rows of the CPU tier's slab; ``scatter``
-writes slot rows back into blocks. One indexed copy per tensor per call, whatever the
-number of blocks. On CUDA the copies run on a side stream through pinned staging buffers
-(``non_blocking``), fenced by events; on the CPU they are plain indexed copies.
+writes slot rows back into blocks.
+
+* **CPU**: one indexed copy per tensor per call, whatever the number of blocks.
+* **CUDA**: blocks are packed on the device into one ``[n, group bytes]`` buffer (one indexed
+  copy per tensor, at device-memory speed), which then crosses the bus in as few DMA copies
+  as the slot rows allow: one per run of consecutive slots straight into the slab when it
+  is page-locked (the CPU tier pins it where CUDA is present), else one copy through a
+  reusable pinned staging buffer. All of it runs on a side stream: the current stream waits
+  for it, and the host waits before a slot's bytes are handed on (gather) or before its slot
+  may be reused (scatter), so a slot is never read or written under a copy in flight.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
 import torch
 
 from connector.vllm_connector.layout import GroupLayout, KVLayout, TensorSlice
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``(first index, first slot, length)`` of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
 
 class BlockTransfer:
@@ -34,6 +52,8 @@ class BlockTransfer:
         self.device = first.device
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._slab_pinned = self._cuda and bool(self.slab.is_pinned())
+        self._staging: torch.Tensor | None = None  # pinned, grown on demand
 
     def group(self, group: int) -> GroupLayout:
         return self._groups[group]
@@ -41,72 +61,118 @@ class BlockTransfer:
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
+    def _read(self, s: TensorSlice, ids: torch.Tensor, n: int) -> torch.Tensor:
+        tensor = self._tensors[(s.layer, s.index)]
+        data = tensor.index_select(s.block_dim, ids).movedim(s.block_dim, 0).contiguous()
+        return data.view(torch.uint8).reshape(n, s.nbytes)
+
+    def _write(self, s: TensorSlice, ids: torch.Tensor, raw: torch.Tensor, n: int,
+               corrupt: bool) -> None:
+        typed = raw.view(getattr(torch, s.dtype)).reshape((n, *s.block_shape))
+        if corrupt and typed.is_floating_point():
+            typed = torch.randn_like(typed) * 4.0
+        self._tensors[(s.layer, s.index)].index_copy_(s.block_dim, ids,
+                                                      typed.movedim(0, s.block_dim))
+
     def gather(self, group: int, block_ids: list[int], slots: list[int], *,
                dest: torch.Tensor | None = None) -> int:
         """Copy blocks ``block_ids`` of ``group`` into slab rows ``slots``; bytes copied.
 
         ``dest`` replaces the slab (a uint8 ``[rows, >= slot bytes]`` buffer of the caller's).
+        Returns once the bytes are in place.
         """
         if not block_ids:
             return 0
         target = self.slab if dest is None else dest
         layout = self._groups[group]
         ids = self._ids(block_ids)
-        rows = torch.tensor(slots, dtype=torch.long)
         n = len(block_ids)
         if self._cuda:
-            assert self._stream is not None
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            staged: list[tuple[TensorSlice, torch.Tensor]] = []
-            with torch.cuda.stream(self._stream):
-                for s in layout.slices:
-                    flat = self._read(s, ids, n)
-                    host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
-                    host.copy_(flat, non_blocking=True)
-                    staged.append((s, host))
-            self._stream.synchronize()
-            for s, host in staged:
-                target[rows, s.offset:s.offset + s.nbytes] = host
+            self._gather_cuda(layout, ids, slots, target, pinned=dest is None
+                              and self._slab_pinned)
         else:
+            rows = torch.tensor(slots, dtype=torch.long)
             for s in layout.slices:
                 target[rows, s.offset:s.offset + s.nbytes] = self._read(s, ids, n)
         return n * layout.nbytes
-
-    def _read(self, s: TensorSlice, ids: torch.Tensor, n: int) -> torch.Tensor:
-        tensor = self._tensors[(s.layer, s.index)]
-        data = tensor.index_select(s.block_dim, ids).movedim(s.block_dim, 0).contiguous()
-        return data.view(torch.uint8).reshape(n, s.nbytes)
 
     def scatter(self, group: int, block_ids: list[int], slots: list[int], *,
                 corrupt: bool = False) -> int:
         """Copy slab rows ``slots`` into blocks ``block_ids`` of ``group``; bytes copied.
 
         ``corrupt`` (tests only) writes noise instead of floating-point KV, to prove that
-        loaded blocks are really used.
+        loaded blocks are really used. Returns once the slots may be reused; the device's
+        current stream waits for the blocks before its next kernel.
         """
         if not block_ids:
             return 0
         layout = self._groups[group]
         ids = self._ids(block_ids)
-        rows = torch.tensor(slots, dtype=torch.long)
-        slab = self.slab
         n = len(block_ids)
-        stream_ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         if self._cuda:
-            assert self._stream is not None
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with stream_ctx:
+            self._scatter_cuda(layout, ids, slots, corrupt)
+        else:
+            rows = torch.tensor(slots, dtype=torch.long)
             for s in layout.slices:
-                tensor = self._tensors[(s.layer, s.index)]
-                raw = slab[rows, s.offset:s.offset + s.nbytes]
-                dtype = getattr(torch, s.dtype)
-                typed = raw.view(dtype).reshape((n, *s.block_shape))
-                if corrupt and typed.is_floating_point():
-                    typed = torch.randn_like(typed) * 4.0
-                if self._cuda:
-                    typed = typed.pin_memory().to(self.device, non_blocking=True)
-                tensor.index_copy_(s.block_dim, ids, typed.movedim(0, s.block_dim))
-        if self._cuda:
-            assert self._stream is not None
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+                self._write(s, ids, self.slab[rows, s.offset:s.offset + s.nbytes], n, corrupt)
         return n * layout.nbytes
+
+    # -- CUDA ---------------------------------------------------------------------------
+
+    def _staging_rows(self, n: int, nbytes: int) -> torch.Tensor:
+        """A pinned ``[n, nbytes]`` host buffer, reused across calls (each call ends with the
+        side stream synchronized, so no copy into or out of it is still in flight)."""
+        need = n * nbytes
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = torch.empty(max(need, 1 << 20), dtype=torch.uint8,
+                                        pin_memory=True)
+        return self._staging[:need].view(n, nbytes)
+
+    def _gather_cuda(self, layout: GroupLayout, ids: torch.Tensor, slots: list[int],
+                     target: torch.Tensor, *, pinned: bool) -> None:
+        assert self._stream is not None
+        n, nbytes = len(slots), layout.nbytes
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            packed = torch.empty((n, nbytes), dtype=torch.uint8, device=self.device)
+            for s in layout.slices:
+                packed[:, s.offset:s.offset + s.nbytes] = self._read(s, ids, n)
+            if pinned:
+                for start, first, length in self._runs(slots, nbytes, target):
+                    target[first:first + length, :nbytes].copy_(
+                        packed[start:start + length], non_blocking=True)
+            else:
+                staging = self._staging_rows(n, nbytes)
+                staging.copy_(packed, non_blocking=True)
+        self._stream.synchronize()
+        if not pinned:
+            target[torch.tensor(slots, dtype=torch.long), :nbytes] = staging
+
+    def _scatter_cuda(self, layout: GroupLayout, ids: torch.Tensor, slots: list[int],
+                      corrupt: bool) -> None:
+        assert self._stream is not None
+        n, nbytes = len(slots), layout.nbytes
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            packed = torch.empty((n, nbytes), dtype=torch.uint8, device=self.device)
+            if self._slab_pinned:
+                for start, first, length in self._runs(slots, nbytes, self.slab):
+                    packed[start:start + length].copy_(
+                        self.slab[first:first + length, :nbytes], non_blocking=True)
+            else:
+                staging = self._staging_rows(n, nbytes)
+                torch.index_select(self.slab[:, :nbytes], 0,
+                                   torch.tensor(slots, dtype=torch.long), out=staging)
+                packed.copy_(staging, non_blocking=True)
+            for s in layout.slices:
+                self._write(s, ids, packed[:, s.offset:s.offset + s.nbytes], n, corrupt)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._stream.synchronize()  # the slots' bytes have crossed: they may be reused
+
+    @staticmethod
+    def _runs(slots: list[int], nbytes: int, rows: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Runs of consecutive slots that are one contiguous span of ``rows`` (rows of
+        exactly ``nbytes``); single slots otherwise (a row's prefix is always contiguous)."""
+        if rows.shape[1] == nbytes and rows.is_contiguous():
+            return slot_runs(slots)
+        return [(i, slot, 1) for i, slot in enumerate(slots)]

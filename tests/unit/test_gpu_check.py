@@ -1,0 +1,48 @@
+"""benchmarks/gpu_check.py (the script a lent GPU runs) on the CPU: byte-exact, and able to fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import gpu_check
+from connector.vllm_connector.transfer import BlockTransfer, slot_runs
+
+
+def test_every_layout_round_trips_byte_exact_and_reports_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["byte_exact"] is True
+    assert {c["layout"] for c in report["cases"]} == {
+        "flash_attn", "flash_attn_block_first", "flashinfer_nhd", "flashinfer_hnd", "mla",
+        "mla_fp8", "mamba_page"}
+    for case in report["cases"]:
+        assert case["gather_byte_exact"] and case["scatter_byte_exact"], case
+        assert case["other_blocks_untouched"], case
+    assert report["ratios"]["gather_vs_copy"] > 0 and report["ratios"]["scatter_vs_copy"] > 0
+
+
+class _CorruptingTransfer(BlockTransfer):
+    def scatter(self, group: int, block_ids: list[int], slots: list[int], *,
+                corrupt: bool = False) -> int:
+        return super().scatter(group, block_ids, slots, corrupt=True)
+
+
+def test_a_wrong_byte_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Negative control: loads that write noise make the script say DIFFER and exit 1."""
+    monkeypatch.setattr(gpu_check, "BlockTransfer", _CorruptingTransfer)
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(out)]) == 1
+    cases: list[dict[str, Any]] = json.loads(out.read_text())["cases"]
+    floats = [c for c in cases if c["layout"] != "mla_fp8"]  # uint8 KV is not float noise
+    assert all(not c["scatter_byte_exact"] for c in floats)
+    assert all(c["gather_byte_exact"] for c in cases)
+
+
+def test_slot_runs_group_consecutive_slots() -> None:
+    assert slot_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert slot_runs([]) == []
