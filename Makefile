@@ -15,12 +15,13 @@ lint: bootstrap
 	$(VENV)/ruff check .
 	$(VENV)/kvtier audit connector offload_tiers audit
 
-# Two pytest workers, one test file each at a time (module fixtures start their engines once):
-# an engine start is ~30 s of single-threaded imports, so two overlap well on two cores.
+# Two pytest workers, one test file (or group of files, see tests/conftest.py) each at a
+# time, so module fixtures start their engines once: an engine start is ~30 s of mostly
+# single-threaded imports, so two overlap well on two cores.
 JOBS ?= 2
 
 test: lint
-	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --durations=60 tests; rc=$$?; \
+	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadgroup --durations=60 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 unit: bootstrap

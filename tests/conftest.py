@@ -31,6 +31,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_STARTS_KEY] = Path(path)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` a module's tests stay on one worker (its module-scoped
+    engines start once), unless the module names a group of its own: modules of one group
+    run on one worker, so the engine host's kept baseline engines serve them all."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     """How many engines the session started, by kind (the suite's main cost)."""
     path = config.stash.get(_STARTS_KEY, None)

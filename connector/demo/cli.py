@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from connector.demo.presets import kvtier_transfer_config
+from connector.demo.reference import LABEL as REFERENCE_LABEL
+from connector.demo.reference import fingerprinted, load_reference
 from connector.demo.report import Row, outputs_of, render_table, summarize
 from connector.demo.workload import Workload
 
@@ -149,8 +151,14 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     two = [{"name": "cold"}, {"name": "reset", "reset_before": True}]
 
     _say("[demo] 1/3 vLLM without kvtier (reference outputs)")
-    base = run_engine(_spec("vllm-alone", args.model, model_dir, workload, None, two),
-                      log_dir=log_dir)
+    ref_spec = fingerprinted(_spec(REFERENCE_LABEL, args.model, model_dir, workload, None, two))
+    base, reference = None, "computed"
+    if args.reference:
+        base, reference = load_reference(Path(args.reference), ref_spec)
+        _say(f"[demo] reference outputs: {reference}")
+    if base is None:
+        base = run_engine(ref_spec, log_dir=log_dir)
+        reference = "computed"
     _say("[demo] 2/3 vLLM with kvtier: first run, then GPU prefix cache reset")
     first = run_engine(_spec("kvtier", args.model, model_dir, workload, ktc, two),
                        log_dir=log_dir, secrets=secrets)
@@ -206,8 +214,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "outputs_identical": identical,
         "kvtier_tier_tokens": served,
         "kvtier_counters": kvtier_counters,
-        "startup_s": {"vllm-alone": base["startup_s"], "kvtier": first["startup_s"],
+        "startup_s": {"vllm-alone": base["startup_s"] if reference == "computed" else None,
+                      "kvtier": first["startup_s"],
                       "kvtier-restart": restart["startup_s"] if restart else None},
+        "reference": reference,
         "elapsed_s": time.monotonic() - t_start,
         "notes": notes,
     }
@@ -259,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write the table and details as JSON")
     parser.add_argument("--log-dir", default=None,
                         help="keep engine logs here (default: a temporary directory)")
+    parser.add_argument("--reference", default=None, metavar="DIR",
+                        help="reuse the vLLM-alone outputs kept in an earlier run's --log-dir "
+                             "when its model files, vLLM release and workload are this run's "
+                             "(else they are recomputed)")
     parser.add_argument("--debug-corrupt-loads", action="store_true", help=argparse.SUPPRESS)
     return parser
 

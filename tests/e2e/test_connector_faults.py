@@ -31,7 +31,8 @@ from tests.support.redis_server import RedisServer
 from tests.support.redis_tls import start_tls_acl_server, tls_url
 from tests.support.tls_certs import TlsFiles, make_tls_files
 
-pytestmark = pytest.mark.e2e
+# One worker for the modules whose baseline is vLLM's default llama engine (started once).
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama-baseline")]
 
 P1 = prompt_words(31, 140)
 P1B = P1 + " " + prompt_words(32, 20)

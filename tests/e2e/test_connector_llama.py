@@ -1,8 +1,10 @@
 """kvtier inside a real vLLM CPU engine with the tiny Llama (one KV-cache group).
 
-Four engine processes, each reused by several assertions: a baseline without kvtier, a
-first kvtier engine (CPU tier + Redis), a second kvtier engine on the same Redis (fresh CPU
-tier), and a kvtier engine with the test-only ``debug_corrupt_loads`` switch.
+Four engines, each reused by several assertions: a baseline without kvtier (shared with
+other modules by the engine host), a first kvtier engine (CPU tier + Redis) that loads
+kvtier by its registered name alone, as a user who left out ``kv_connector_module_path``
+does, a second kvtier engine on the same Redis (fresh CPU tier), and a kvtier engine with
+the test-only ``debug_corrupt_loads`` switch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
-pytestmark = pytest.mark.e2e
+# One worker for the modules whose baseline is vLLM's default llama engine (started once).
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama-baseline")]
 
 PROMPT_A = prompt_words(11, 150)
 PROMPT_B = prompt_words(12, 150)
@@ -51,7 +54,9 @@ def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def first(tiny_llama_dir: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    return run_in_subprocess({"model": "llama", "extra": extra, "steps": STEPS})
+    # No module path: vLLM finds kvtier through its vllm.general_plugins entry point.
+    return run_in_subprocess({"model": "llama", "extra": extra, "steps": STEPS,
+                              "no_module_path": True})
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +81,14 @@ def test_cpu_tier_serves_prefix_after_reset_with_identical_output(
     assert runs["B2"]["delta"].get("hit_tokens_cpu", 0) == 128
     assert first["stats"]["blocks_written_redis"] > 0
     assert first["stats"]["load_errors"] == 0
+
+
+def test_loads_by_name_without_module_path(first: dict[str, Any]) -> None:
+    """The first engine's transfer config names kvtier without a module path (the entry
+    point registers it): it ran kvtier, whose CPU tier served the prefix."""
+    assert "kv_connector_module_path" not in first["kv_transfer_config"]
+    assert first["kv_transfer_config"]["kv_connector"] == "TieredOffloadingConnector"
+    assert by_name(first)["A2"]["delta"].get("hit_tokens_cpu", 0) == 128
 
 
 def test_block_aligned_prompt_recomputes_only_its_last_token(

@@ -54,14 +54,30 @@ def _rows(data: dict) -> dict[str, dict]:
     return {row["label"]: row for row in data["rows"]}
 
 
-def test_demo_with_redis_serves_prefix_from_tiers(tmp_path: Path,
-                                                  secret_redis: SecretRedis) -> None:
+@pytest.fixture(scope="module")
+def with_redis(tmp_path_factory: pytest.TempPathFactory, secret_redis: SecretRedis
+               ) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    """The full demo against a Redis that requires a password; its log directory is the
+    reference (vLLM-alone outputs) the module's other demo runs reuse."""
+    tmp_path = tmp_path_factory.mktemp("demo-redis")
+    proc, data = _run_demo(tmp_path, "--redis-url", secret_redis.user_url)
+    return tmp_path, proc, data
+
+
+def _reference(with_redis: tuple[Path, subprocess.CompletedProcess, dict]) -> list[str]:
+    return ["--reference", str(with_redis[0] / "logs")]
+
+
+def test_demo_with_redis_serves_prefix_from_tiers(
+        with_redis: tuple[Path, subprocess.CompletedProcess, dict],
+        secret_redis: SecretRedis) -> None:
     """The demo against a Redis that requires a password (an ACL user's, in the URL as a
     user types it): the prefix comes back from Redis, and nothing the demo printed or left
     in its log directory holds the password."""
+    tmp_path, proc, data = with_redis
     redis_url = secret_redis.user_url
-    proc, data = _run_demo(tmp_path, "--redis-url", redis_url)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert data["reference"] == "computed"
     assert data["mode"] == "cpu+redis"
     assert data["redis"]["used"] is True
     assert data["outputs_identical"] is True
@@ -96,10 +112,15 @@ def test_demo_with_redis_serves_prefix_from_tiers(tmp_path: Path,
         ".spec.json"))  # the child engines were told where to find the URL, not the URL
 
 
-def test_demo_without_redis_runs_cpu_tier_alone(tmp_path: Path) -> None:
+def test_demo_without_redis_runs_cpu_tier_alone(
+        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict]) -> None:
     url = f"redis://127.0.0.1:{_closed_port()}"
-    proc, data = _run_demo(tmp_path, "--redis-url", url)
+    proc, data = _run_demo(tmp_path, "--redis-url", url, *_reference(with_redis))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The same model, vLLM and workload: the reference outputs are the earlier run's.
+    assert data["reference"].startswith("reused from ")
+    assert [r for r in data["rows"] if r["label"].startswith("vLLM alone")] == [
+        r for r in with_redis[2]["rows"] if r["label"].startswith("vLLM alone")]
     assert data["mode"] == "cpu-only"
     assert data["redis"]["used"] is False
     assert "CPU ONLY" in proc.stdout and url in proc.stdout
@@ -112,11 +133,14 @@ def test_demo_without_redis_runs_cpu_tier_alone(tmp_path: Path) -> None:
     assert any("CPU tier only" in note for note in data["notes"])
 
 
-def test_demo_detects_wrong_outputs(tmp_path: Path) -> None:
+def test_demo_detects_wrong_outputs(
+        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict]) -> None:
     """Negative control: kvtier's test-only switch corrupts every loaded block; the demo
     must then report outputs that are not identical and exit 1."""
     url = f"redis://127.0.0.1:{_closed_port()}"
-    proc, data = _run_demo(tmp_path, "--redis-url", url, "--debug-corrupt-loads")
+    proc, data = _run_demo(tmp_path, "--redis-url", url, "--debug-corrupt-loads",
+                           *_reference(with_redis))
+    assert data["reference"].startswith("reused from ")
     rows = _rows(data)
     reset = rows["kvtier: GPU prefix cache reset"]
     assert reset["cpu_tokens"] > 0, "the corrupt blocks must have been loaded"
@@ -127,7 +151,8 @@ def test_demo_detects_wrong_outputs(tmp_path: Path) -> None:
 
 
 def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """A bad connector setting fails the child engine; the parent raises with the log tail."""
+    """A bad connector setting fails the child engine at start, naming the key and the fix;
+    the parent raises with the log tail."""
     from connector.demo.engine import EngineRunError, run_engine
     from connector.demo.presets import kvtier_transfer_config
 
@@ -141,6 +166,7 @@ def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir:
     assert "bad-config" in message
     cause = message.split("errors:\n", 1)[1].split("log tail:", 1)[0]
     assert "ConnectorConfigError" in cause and "cpu_bytes" in cause, cause
+    assert "Fix:" in cause, cause
     assert (tmp_path / "bad-config.log").exists()
 
 

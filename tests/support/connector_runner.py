@@ -190,8 +190,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if int(overrides.get("tensor_parallel_size", 1)) > 1:
         for key, value in TP2_ENV.items():
             os.environ.setdefault(key, value)
+    shared = shared_baseline_key(spec, overrides)
+    reused = shared is not None and shared in _baselines
     try:
-        if spec["model"] == "llama":
+        if reused:
+            llm = _baselines[shared]
+            llm.reset_prefix_cache()  # as fresh as a new engine: nothing cached
+        elif spec["model"] == "llama":
             llm = LLM(**llama_engine_kwargs(tiny_llama(), **overrides))
         else:
             llm = LLM(**hybrid_engine_kwargs(tiny_hybrid(), **overrides))
@@ -199,12 +204,46 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         if proxy is not None:
             proxy.stop()
         raise
+    if shared is not None and not reused:
+        _keep_baseline(shared, llm)
     try:
-        return drive(llm, spec, extra, proxy)
+        return {**drive(llm, spec, extra, proxy), "engine_reused": reused,
+                "kv_transfer_config": overrides.get("kv_transfer_config")}
     finally:
         if proxy is not None:
             proxy.stop()
-        engine_host.defer_shutdown(llm)
+        if shared is None:
+            engine_host.defer_shutdown(llm)
+
+
+#: Baseline engines (vLLM without kvtier) kept by the engine host for later specs, by
+#: model and engine settings; at most two (llama and hybrid).
+_baselines: dict[str, Any] = {}
+_MAX_BASELINES = 2
+
+
+def shared_baseline_key(spec: dict[str, Any], overrides: dict[str, Any]) -> str | None:
+    """The key under which a baseline engine of ``spec`` is shared, or None (not shared).
+
+    Only engines without kvtier, in the engine host, at TP=1, whose steps leave the model
+    as it was (no weight updates): their outputs are a function of the prompt alone, and a
+    prefix-cache reset makes them as fresh as a new engine."""
+    if spec.get("extra") is not None or spec.get("proxy_to") \
+            or os.environ.get("KVTIER_ENGINE_HOST") != "1":
+        return None
+    if int(overrides.get("tensor_parallel_size", 1)) > 1:
+        return None
+    if any(step[0] in ("perturb_weights", "weight_version", "reset_connector")
+           for step in spec["steps"]):
+        return None
+    return json.dumps([spec["model"], overrides], sort_keys=True)
+
+
+def _keep_baseline(key: str, llm: Any) -> None:
+    while len(_baselines) >= _MAX_BASELINES:
+        engine_host.release_engine(_baselines.pop(next(iter(_baselines))))
+    _baselines[key] = llm
+    engine_host.keep_engine(llm)
 
 
 def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,

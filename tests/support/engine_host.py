@@ -13,7 +13,10 @@ executors as before. Per spec it
   engine processes' output) to that spec's log, returned as ``result["log"]``,
 * shuts the engine down after the result is sent, in the background (the test reads the
   result meanwhile); the next spec starts once it is gone, and any engine process a spec
-  left behind is killed then (one engine per host at a time, never a leak).
+  left behind is killed then (one engine per host at a time, never a leak), except
+* baseline engines (vLLM without kvtier) a spec asks to keep (:func:`keep_engine`, used by
+  ``connector_runner``): later specs of the same model and settings reuse them after a
+  prefix-cache reset, so a baseline is started once per test worker, not once per module.
 
 Protocol (one JSON object per line): ``{"target": "module:function", "spec": {...}}`` in;
 ``RESULT {...}`` or ``ERROR {"error": text}`` out. The client restarts a host that died and
@@ -46,6 +49,8 @@ REPO = Path(__file__).resolve().parents[2]
 _pending_shutdowns: list[threading.Thread] = []
 #: Shutdowns under way (joined before the host exits).
 _running_shutdowns: list[threading.Thread] = []
+#: Engine-core processes of engines kept for later specs (see :func:`keep_engine`).
+_kept_pids: dict[int, Any] = {}
 
 
 def defer_shutdown(llm: Any) -> None:
@@ -62,6 +67,25 @@ def defer_shutdown(llm: Any) -> None:
                                                daemon=True))
 
 
+def _core_pids(llm: Any) -> list[int]:
+    manager = getattr(llm.llm_engine.engine_core.resources, "engine_manager", None)
+    return [int(p.pid) for p in getattr(manager, "processes", ()) if p.pid is not None]
+
+
+def keep_engine(llm: Any) -> None:
+    """Keep ``llm``'s engine running after its spec (a baseline that later specs reuse):
+    its processes are not taken for leftovers. Only in the host."""
+    for pid in _core_pids(llm):
+        _kept_pids[pid] = llm
+
+
+def release_engine(llm: Any) -> None:
+    """A kept engine is no longer kept: shut down like any spec's engine."""
+    for pid in [p for p, kept in _kept_pids.items() if kept is llm]:
+        del _kept_pids[pid]
+    defer_shutdown(llm)
+
+
 def _leftover_engine_processes() -> list[int]:
     """This host's child processes that are vLLM engine processes (none should outlive
     their spec's shutdown)."""
@@ -76,7 +100,8 @@ def _leftover_engine_processes() -> list[int]:
                 cmdline = fh.read()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+        if (int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmdline
+                and int(entry) not in _kept_pids):
             found.append(int(entry))
     return found
 
@@ -155,6 +180,10 @@ def serve() -> None:
         for line in sys.stdin:
             if line.strip():
                 _serve_one(line, out_fd)
+        for llm in {id(v): v for v in _kept_pids.values()}.values():
+            _running_shutdowns.append(threading.Thread(target=llm.llm_engine.engine_core.shutdown))
+            _running_shutdowns[-1].start()
+        _kept_pids.clear()
         _finish_previous_engines()
     finally:
         between.close()
@@ -195,7 +224,6 @@ class EngineHost:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         assert self.proc is not None and self.proc.stdin is not None
-        engine_starts.record(target.split(":")[0].rsplit(".", 1)[-1], spec)
         self.proc.stdin.write(json.dumps({"target": target, "spec": spec, "env": env}) + "\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout  # only a hung engine gets there
@@ -212,6 +240,8 @@ class EngineHost:
                 break
         kind, _, body = line.partition(" ")
         payload: dict[str, Any] = json.loads(body)
+        if not payload.pop("engine_reused", False):
+            engine_starts.record(target.split(":")[0].rsplit(".", 1)[-1], spec)
         log_path = Path(payload.pop("log_path"))
         log = log_path.read_text(errors="replace")
         log_path.unlink(missing_ok=True)
