@@ -2,15 +2,17 @@
 
 Used by ``benchmarks/bench_native_tier.py`` and ``tests/native/test_native_tier_e2e.py``::
 
-    python -m benchmarks.native_tier_engine '{"mode": "none" | "fs" | "kvtier",
+    python -m benchmarks.native_tier_engine '{"mode": "none" | "cpu" | "fs" | "kvtier",
         "prompts": [[name, prompt], ...], "max_tokens": 8, "cpu_bytes": 67108864,
         "redis_url": "redis://...", "redis_prefix": "...", "fs_root": "/tmp/...",
         "tier": {extra kvtier tier settings}, "reset_between": false,
         "engine": {LLM keyword overrides, e.g. "tensor_parallel_size": 2},
         "wait_for": [[metric | [metrics], at_least], ...]}'
 
-Modes: ``none`` = vLLM alone; ``fs`` = OffloadingConnector + TieringOffloadingSpec with
-vLLM's file-system tier; ``kvtier`` = the same with kvtier's Redis tier
+Modes: ``none`` = vLLM alone; ``cpu`` = OffloadingConnector with its plain CPU tier
+(``CpuPeerOffloadingSpec``, ``connector/native_tier/cpu_offload.py``); ``fs`` =
+OffloadingConnector + TieringOffloadingSpec with vLLM's file-system tier; ``kvtier`` = the
+same with kvtier's Redis tier
 (``connector.native_tier.tier.KvtierRedisTier``). The spec is ``CpuTieringOffloadingSpec``
 (``connector/native_tier/cpu_tiering.py``): ``TieringOffloadingSpec`` with a CPU worker.
 vLLM's default executors (engine core and worker in their own processes).
@@ -37,6 +39,8 @@ from connector.demo.presets import TP2_ENV, apply_cpu_engine_env, engine_kwargs
 
 SPEC = {"spec_name": "CpuTieringOffloadingSpec",
         "spec_module_path": "connector.native_tier.cpu_tiering"}
+CPU_ALONE = {"spec_name": "CpuPeerOffloadingSpec",
+             "spec_module_path": "connector.native_tier.cpu_offload"}
 
 
 def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -44,6 +48,10 @@ def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
     mode = spec["mode"]
     if mode == "none":
         return None
+    if mode == "cpu":  # vLLM's plain CPU offloading, with kvtier's CPU worker
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    **CPU_ALONE, "cpu_bytes_to_use": int(spec.get("cpu_bytes", 64 << 20))}}
     if mode == "fs":
         tier = {"type": "fs", "root_dir": spec["fs_root"], "n_read_threads": 2,
                 "n_write_threads": 2}
@@ -52,7 +60,7 @@ def transfer_config(spec: dict[str, Any]) -> dict[str, Any] | None:
         tier = {"type": "KvtierRedisTier", "module_path": "connector.native_tier.tier",
                 **url, "redis_prefix": spec["redis_prefix"], **spec.get("tier", {})}
     else:
-        raise ValueError(f"unknown mode {mode!r}: none, fs or kvtier")
+        raise ValueError(f"unknown mode {mode!r}: none, cpu, fs or kvtier")
     extra = {**SPEC, "cpu_bytes_to_use": int(spec.get("cpu_bytes", 64 << 20)),
              "secondary_tiers": [tier]}
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -15,18 +15,28 @@ copy worker. Engines, one at a time, each in its own process:
   damaged    a new engine after every value was damaged in Redis (flipped bytes, values
              of other keys): misses, recomputes, same outputs
   down       a new engine whose Redis does not answer: misses and counted drops
+  wheel      README section 4's config served from kvtier's installed wheel (own venv)
+  cpu alone  vLLM's plain CPU offloading (``CpuPeerOffloadingSpec``, kvtier's CPU worker):
+             the prefix after a reset comes from the CPU tier, outputs equal vLLM alone
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
 from connector.demo.tiny_models import prompt_words
+from tests.support import engine_starts
 from tests.support.connector_runner import corrupt_redis
 from tests.support.engine_host import run_native_engine as run_in_subprocess
 from tests.support.ports import free_port
@@ -34,6 +44,7 @@ from tests.support.redis_keys import scratch_prefix
 from tests.support.redis_server import SecretRedis
 
 pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
 
 PROMPT_A = prompt_words(21, 150)  # 4 full chunks of 32 tokens + a tail
 PROMPT_B = prompt_words(22, 140)
@@ -196,3 +207,77 @@ def test_redis_down_gives_misses_and_counted_drops(damaged: dict[str, Any], base
     assert m[N + "redis_available"] == 0
     assert m.get(N + "stored_chunks", 0) == 0
     assert m[N + "store_drops"] + m.get(N + "store_failures", 0) >= 4
+
+
+def test_plain_cpu_offloading_restores_the_prefix_on_cpu_only_vllm(
+        baseline: dict[str, dict[str, Any]]) -> None:
+    """The README's "native offloading on CPU-only vLLM", CPU tier alone: after vLLM's
+    prefix cache is reset (every GPU-cached block dropped), A's 4 full chunks (128 tokens)
+    are cached again: only the offloading connector's CPU tier can hold them."""
+    runs = by_name(run_in_subprocess({"mode": "cpu", "reset_between": True,
+                                      "prompts": [["A1", PROMPT_A], ["A2", A2]]}))
+    assert runs["A1"]["num_cached_tokens"] == 0
+    assert runs["A2"]["num_cached_tokens"] == 128
+    for name in ("A1", "A2"):
+        assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv with kvtier's wheel (``pip wheel --no-deps .``) that sees the test venv's
+    packages (vLLM, torch) but not the checkout or its editable install."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "src"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".venv*", ".git", "__pycache__", "build", "*.egg-info", "tests", "benchmarks"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp / "dist"), str(source)], check=True)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    site = subprocess.run([str(venv / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    # A plain path line: the test venv's own .pth files (the editable install) stay unread.
+    (Path(site) / "test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    wheel = next((tmp / "dist").glob("kvtier-*.whl"))
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+                    str(wheel)], check=True)
+    return venv
+
+
+def test_the_wheel_serves_the_readme_native_config_on_the_cpu(
+        wheel_venv: Path, baseline: dict[str, dict[str, Any]], tiny_llama_dir: Path,
+        redis_url: str) -> None:
+    """README section 4's config (``CpuTieringOffloadingSpec`` + ``KvtierRedisTier``, URL from
+    ``redis_url_env``), served by a real engine from the installed wheel alone: A's prefix
+    after a reset comes from the CPU tier, its chunks cascade to Redis, outputs equal vLLM's."""
+    with scratch_prefix(redis_url) as prefix:
+        config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {
+                      "spec_name": "CpuTieringOffloadingSpec",
+                      "spec_module_path": "connector.native_tier.cpu_tiering",
+                      "cpu_bytes_to_use": 64 << 20,
+                      "secondary_tiers": [{"type": "KvtierRedisTier",
+                                           "module_path": "connector.native_tier.tier",
+                                           "redis_url_env": "KVTIER_REDIS_URL",
+                                           "redis_prefix": prefix}]}}
+        spec = {"kv_transfer_config": config, "stored_chunks": 4,
+                "prompts": [["A1", PROMPT_A], ["A2", A2]]}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(KVTIER_REDIS_URL=redis_url, HF_HUB_OFFLINE="1")
+        engine_starts.record("kvtier wheel venv (own process)")
+        proc = subprocess.run(
+            [str(wheel_venv / "bin" / "python"), str(REPO / "tests/native/wheel_engine.py"),
+             str(tiny_llama_dir), json.dumps(spec)],
+            cwd=wheel_venv, env=env, capture_output=True, text=True, timeout=900, check=False)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        assert lines, f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+        result = json.loads(lines[-1][len("RESULT "):])
+        keys = list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*", count=1000))
+    for module, path in result["modules"].items():
+        assert path.startswith(str(wheel_venv)), (module, path)
+    runs = by_name(result)
+    assert runs["A2"]["num_cached_tokens"] == 128  # 4 full chunks, after the reset
+    for name in ("A1", "A2"):
+        assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
+    assert result["stored_chunks"] >= 4 and len(keys) >= 4

@@ -19,8 +19,14 @@ def describe(spec: dict[str, Any]) -> str:
     engine = spec.get("engine") or {}
     shape = f"tp{engine.get('tensor_parallel_size', 1)}"
     model = spec.get("model", "llama")
-    with_kvtier = spec.get("extra") is not None or spec.get("mode") not in (None, "none")
-    return f"{model} {shape} {'kvtier' if with_kvtier else 'baseline'}"
+    mode = spec.get("mode")  # native_tier_engine's: none, cpu, fs, kvtier
+    if spec.get("extra") is not None or mode == "kvtier":
+        kind = "kvtier"
+    elif mode in ("cpu", "fs"):
+        kind = f"native {mode} tier"
+    else:
+        kind = "baseline"
+    return f"{model} {shape} {kind}"
 
 
 def record(kind: str, spec: dict[str, Any] | None = None, count: int = 1) -> None:
