@@ -3,7 +3,7 @@ VENV := .venv/bin
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: bootstrap demo test lint unit bench
+.PHONY: bootstrap demo test lint unit bench compat
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -26,6 +26,11 @@ test: lint
 
 unit: bootstrap
 	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) -m "not e2e" tests
+
+# kvtier's engine-free suites against the next vLLM release (0.33.0) in .venv-compat: .venv's
+# packages plus that vllm wheel (--no-deps), on the CPU platform; see scripts/compat.sh.
+compat:
+	@bash scripts/compat.sh
 
 # Every benchmark the README quotes, its JSON into benchmarks/results/ (stamped with date,
 # load and command), then README/docs figures rendered from those files (benchmarks/figures.py;

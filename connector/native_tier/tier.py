@@ -38,7 +38,13 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
   prepared or submitted makes it a reported failed job (counted ``job_errors``, logged once
   per kind), so ``drain_jobs`` and ``shutdown`` always return.
 * Every cache is bounded: ``_known`` (``known_keys``, LRU); jobs live until reported.
-* Logs and errors carry the redacted URL only.
+* Logs and errors carry the redacted URL only; so does ``config_info`` (vLLM >= 0.33's
+  ``vllm:kv_offload_config_info`` labels: this tier's settings), without even the user name.
+* Not serviced from vLLM 0.33's tier-poll thread (``tolerates_off_thread_polling`` False):
+  this tier answers no counterpart between steps. Its methods would be safe there (every
+  one runs under the tiering manager's lock; the I/O threads touch only jobs, under
+  ``_cond``), which matters when another tier's ``ParentManager`` fan-out reaches
+  ``lookup`` from that thread.
 
 This module imports vLLM (it is loaded by vLLM); ``offload_tiers`` stays vLLM-free.
 """
@@ -53,6 +59,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from typing_extensions import override
@@ -126,6 +133,22 @@ GAUGES = {
     "redis_available": "1 while Redis answers, else 0.",
     "inflight_jobs": "Load and store jobs submitted and not yet reported.",
 }
+#: The labels this tier fills on vLLM's ``vllm:kv_offload_config_info`` (vLLM >= 0.33; vLLM
+#: adds ``tier``). Settings fixed for the process lifetime (the fingerprint moves with the
+#: generation, so it is not one); no credentials.
+CONFIG_INFO_KEYS = (
+    "kvtier_redis_url", "kvtier_redis_cluster", "kvtier_redis_tls", "kvtier_redis_prefix",
+    "kvtier_redis_ttl_s", "kvtier_redis_timeout_s", "kvtier_io_threads", "kvtier_known_keys",
+    "kvtier_write_queue_max", "kvtier_kv_events", "kvtier_locality",
+)
+
+
+def _url_label(redacted: str) -> str:
+    """A redacted URL without its user part and query (``redis://h:6379/0``): a label."""
+    parts = urlsplit(redacted)
+    return urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))
+
+
 #: RedisTier counters mirrored into this tier's (RedisTier name, ours).
 _MIRRORED = (("corrupt", "corrupt_values"), ("corrupt_deleted", "corrupt_deleted"),
              ("put_failures", "store_failures"), ("dropped_unavailable", "store_drops"),
@@ -166,6 +189,12 @@ class KvtierRedisTier(SecondaryTierManager):
     """kvtier's Redis tier behind vLLM's ``SecondaryTierManager`` interface."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    # vLLM >= 0.33: opting in would service this tier from the tiering manager's tier-poll
+    # thread (get_finished_jobs and serve_external_requests every millisecond, under the
+    # manager lock). It is for tiers answering a counterpart between steps; this one serves
+    # no external requests, so polling would only add lock traffic (vLLM's fs/obj tiers also
+    # leave it off). Safe if it were on: see the module docstring.
+    tolerates_off_thread_polling: ClassVar[bool] = False
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
                  tier_type: str, backpressure_detector: BackpressureDetector | None = None,
@@ -215,6 +244,12 @@ class KvtierRedisTier(SecondaryTierManager):
         self._redis_seen: dict[str, int] = {}
         self._errors_logged: set[tuple[str, str]] = set()  # bounded: stages x exception types
         self._closed = False
+        target = self.redis.target
+        self._config_info: dict[str, str | int | float | bool] = dict(zip(CONFIG_INFO_KEYS, (
+            _url_label(target.redacted), target.cluster, target.tls, s.redis_prefix,
+            "None" if s.redis_ttl_s is None else s.redis_ttl_s, s.redis_timeout_s,
+            s.io_threads, s.known_keys, s.write_queue_max, bool(self._events_on),
+            s.locality or "None"), strict=True))
         log.info("kvtier native tier %s: Redis %s, prefix %s, fingerprint %s, row %d bytes, "
                  "checkpoint %s, engine config from %s; connector-cache resets: seen through "
                  "drain_jobs (vLLM 0.32 reset_cache); weight version: %s",
@@ -503,6 +538,16 @@ class KvtierRedisTier(SecondaryTierManager):
         self._stats.set_gauge(METRIC_PREFIX + "inflight_jobs", len(self._jobs))
         stats, self._stats = self._stats, OffloadingConnectorStats()
         return stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM >= 0.33: the label names :meth:`config_info` fills (whatever the settings)."""
+        return CONFIG_INFO_KEYS
+
+    def config_info(self) -> dict[str, str | int | float | bool]:
+        """vLLM >= 0.33: this tier's settings as info labels: the Redis URL redacted, without
+        user name or query, never a password; None written "None", as vLLM does."""
+        return dict(self._config_info)
 
     def counters(self) -> dict[str, Any]:
         """What this tier counted since the last ``get_stats`` (for tests and debugging)."""

@@ -167,6 +167,15 @@ class Engine:
     def finish(self, ctx: ReqContext) -> None:
         self.manager.on_request_finished(ctx)
 
+    def reset(self) -> None:
+        """The connector-cache reset as vLLM's scheduler makes it: ``reset_cache()``, then
+        (vLLM >= 0.33, no worker job in flight here) ``on_reset_flushed()``, which releases
+        the promotions the reset holds back."""
+        self.manager.reset_cache()
+        flushed = getattr(self.manager, "on_reset_flushed", None)
+        if flushed is not None:
+            flushed()
+
     def close(self) -> None:
         if self.spec._manager is not None and not getattr(self, "closed", False):
             self.closed = True
@@ -299,13 +308,17 @@ def test_evicted_chunk_is_promoted_back_with_its_bytes(engines: Any) -> None:
     keys = chain(5)
     ctx = eng.request(keys)
     for key in keys:
-        eng.store(ctx, [key])  # a 2-chunk primary: older chunks are evicted
-    assert eng.manager.primary_tier.lookup(keys[0], ctx) is LookupResult.MISS
+        eng.store(ctx, [key])  # a 2-chunk primary: three of the five are evicted
+    # Which three is vLLM's policy, not kvtier's: 0.32's LRU evicts the oldest, 0.33's keeps
+    # an active request's head and evicts its tail first.
+    evicted = [k for k in keys if eng.manager.primary_tier.lookup(k, ctx) is LookupResult.MISS]
+    assert len(evicted) == 3
+    key = evicted[0]
     ctx2 = eng.request(keys)
-    assert eng.manager.lookup(keys[0], ctx2) is LookupResult.HIT_PENDING  # known: no Redis wait
+    assert eng.manager.lookup(key, ctx2) is LookupResult.HIT_PENDING  # known: no Redis wait
     eng.settle()
-    assert eng.manager.lookup(keys[0], ctx2) is LookupResult.HIT
-    assert eng.primary_bytes(keys[0], ctx2) == pattern(keys[0]).tobytes()
+    assert eng.manager.lookup(key, ctx2) is LookupResult.HIT
+    assert eng.primary_bytes(key, ctx2) == pattern(key).tobytes()
     assert eng.tier.counters()["loaded_chunks"] == 1
 
 
@@ -525,6 +538,33 @@ def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any,
         server.stop()
 
 
+def test_config_info_reports_the_settings_and_no_credentials(engines: Any,
+                                                             key_prefix: str) -> None:
+    """vLLM 0.33 publishes it as vllm:kv_offload_config_info; on 0.32 nothing calls it."""
+    secret = "info-pw-" + uuid.uuid4().hex[:6]
+    url = f"redis://kvuser:{secret}@127.0.0.1:1/3?client_name=kvuser"  # never reached
+    eng = engines(url=url, redis_ttl_s=None, io_threads=3, known_keys=10, locality="REMOTE")
+    info = eng.tier.config_info()
+    assert tuple(info) == KvtierRedisTier.config_info_keys({}) and "tier" not in info
+    assert info == {
+        "kvtier_redis_url": "redis://127.0.0.1:1/3", "kvtier_redis_cluster": False,
+        "kvtier_redis_tls": False, "kvtier_redis_prefix": key_prefix,
+        "kvtier_redis_ttl_s": "None", "kvtier_redis_timeout_s": 0.25, "kvtier_io_threads": 3,
+        "kvtier_known_keys": 10, "kvtier_write_queue_max": 1024, "kvtier_kv_events": True,
+        "kvtier_locality": "REMOTE"}
+    assert secret not in repr(info) and "kvuser" not in repr(info)
+    assert eng.tier.config_info() == info  # fixed for the process lifetime
+    assert KvtierRedisTier.tolerates_off_thread_polling is False
+    published = getattr(eng.manager, "config_info", None)  # vLLM >= 0.33
+    if published is not None:
+        extra = eng.spec.extra_config
+        assert set(info) <= set(type(eng.spec).config_info_keys(extra))
+        (tier_series,) = [series for series in published()[1:]
+                          if series.get("kvtier_redis_prefix") == key_prefix]
+        assert {k: v for k, v in tier_series.items() if k != "tier"} == info
+        assert eng.manager._tier_poll_thread is None  # not polled off the scheduler thread
+
+
 # ---------------------------------------------------------------------------- settings
 @pytest.mark.parametrize(("entry", "needle"), [
     ({"redis_urll": "redis://x"}, "redis_urll: unknown setting"),
@@ -700,8 +740,8 @@ def test_connector_reset_moves_to_a_generation_no_other_engine_shares(engines: A
     ctx = a.request(keys)
     a.store(ctx, keys)
     a.finish(ctx)
-    a.manager.reset_cache()  # vLLM's reset_prefix_cache(reset_connector=True) lands here
-    b.manager.reset_cache()
+    a.reset()  # vLLM's reset_prefix_cache(reset_connector=True) lands here
+    b.reset()
     assert len({start, a.tier.fingerprint, b.tier.fingerprint}) == 3  # a nonce each
     assert a.tier.counters()["generation_moves"] == 1
     ctx = a.request(keys)  # forgotten, and Redis holds nothing under the new fingerprint
@@ -720,8 +760,8 @@ def test_a_named_weight_version_is_shared_after_the_reset(engines: Any) -> None:
     a, b = core_a.start(engines), core_b.start(engines)
     start = a.tier.fingerprint
     core_a._weight_version = core_b._weight_version = "rl-step-7"  # update_weight_version
-    a.manager.reset_cache()
-    b.manager.reset_cache()
+    a.reset()
+    b.reset()
     assert a.tier.generation.name == "named:rl-step-7"
     assert a.tier.fingerprint == b.tier.fingerprint != start
     keys = chain(2)
@@ -743,12 +783,12 @@ def test_a_new_weight_version_moves_the_generation_without_a_reset(engines: Any)
     eng.manager.on_schedule_end(STEP)  # the version is read once per step
     assert eng.tier.generation.name == "named:v2" and eng.tier.fingerprint != start
     eng.finish(ctx)
-    eng.manager.reset_cache()  # the reset that follows the update: still the named weights
+    eng.reset()  # the reset that follows the update: still the named weights
     assert eng.tier.generation.name == "named:v2"
     ctx = eng.request(keys)
     assert eng.lookup_all(keys, ctx) == [LookupResult.MISS] * 2  # v1's chunks: not served
     eng.finish(ctx)
-    eng.manager.reset_cache()  # a reset with no new version since: a nonce
+    eng.reset()  # a reset with no new version since: a nonce
     assert eng.tier.generation.name.startswith("nonce:")
 
 
