@@ -108,6 +108,24 @@ def tiny_hybrid(path: Path | None = None) -> Path:
     return _build(path or cache_root() / "tiny-hybrid", make)
 
 
+def prefill_llama(path: Path | None = None) -> Path:
+    """A 6-layer random Llama (hidden 256, 4 heads of 64, 2 KV heads, float32, 9k positions)
+    big enough that prefill dominates a request's time on a CPU, as on a GPU for real
+    models (``benchmarks/bench_ttft.py``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make() -> object:
+        config = LlamaConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=1024,
+            num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=9216, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            initializer_range=0.2, torch_dtype="float32", tie_word_embeddings=False,
+        )
+        return LlamaForCausalLM(config)
+
+    return _build(path or cache_root() / "prefill-llama", make)
+
+
 def prompt_words(seed: int, n: int, offset: int = 0) -> str:
     """A deterministic prompt of ``n`` vocabulary words (no specials) for workloads."""
     span = VOCAB_SIZE - 4
