@@ -47,4 +47,5 @@ bench: bootstrap
 	$(VENV)/python benchmarks/bench_native_tier.py --json $(R)/native.json && $(FIG) stamp $(R)/native.json -- bench_native_tier.py
 	$(VENV)/python benchmarks/bench_stall.py --quick --json $(R)/stall.json && $(FIG) stamp $(R)/stall.json -- bench_stall.py --quick
 	$(VENV)/python benchmarks/bench_e2e.py --json $(R)/e2e.json && $(FIG) stamp $(R)/e2e.json -- bench_e2e.py
+	$(VENV)/python benchmarks/bench_ttft.py --quick --json $(R)/ttft.json && $(FIG) stamp $(R)/ttft.json -- bench_ttft.py --quick
 	$(FIG) render

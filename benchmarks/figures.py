@@ -172,6 +172,23 @@ def native(d: dict[str, Any]) -> str:
             f"{'identical' if same else 'NOT identical'} ({when(d)})")
 
 
+def ttft(d: dict[str, Any]) -> str:
+    r, table = d["ratios"], d["table"]
+    size = "4096" if "4096" in table["recompute"] else str(max(d["sizes"]))
+    ms = {name: 1000 * row[size]["ttft_s"] for name, row in table.items()}
+    redis = r.get("restore_gbps_vs_tier_limit_redis")
+    return (f"TTFT at {int(size) // 1024}k prompt tokens after vLLM's prefix cache is reset: "
+            f"recompute {ms['recompute']:,.0f} ms; kvtier CPU-tier hit "
+            f"{ms['kvtier CPU']:,.0f} ms ({x(r['ttft_cpu_hit_vs_recompute_4k'])}), Redis hit "
+            f"{ms['kvtier Redis']:,.0f} ms ({x(r['ttft_redis_hit_vs_recompute_4k'])}), new "
+            f"engine from Redis {ms['kvtier Redis, new engine']:,.0f} ms "
+            f"({x(r['ttft_redis_new_engine_vs_recompute_4k'])}); vLLM's native CPU offloading "
+            f"{ms['native CPU']:,.0f} ms ({x(r['ttft_native_cpu_hit_vs_recompute_4k'])}). "
+            f"Restore at {max(d['sizes']) // 1024}k tokens vs the tier's raw limit: CPU "
+            f"{x(r['restore_gbps_vs_tier_limit_cpu'])} of memcpy, Redis {x(redis)} of "
+            f"redis-benchmark GET ({when(d)})")
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -184,6 +201,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "e2e": (("e2e.json",), e2e),
     "stall": (("stall.json",), stall),
     "native": (("native.json",), native),
+    "ttft": (("ttft.json",), ttft),
 }
 
 

@@ -7,7 +7,7 @@ Used by ``benchmarks/bench_native_tier.py`` and ``tests/native/test_native_tier_
         "redis_url": "redis://...", "redis_prefix": "...", "fs_root": "/tmp/...",
         "tier": {extra kvtier tier settings}, "reset_between": false,
         "engine": {LLM keyword overrides, e.g. "tensor_parallel_size": 2},
-        "wait_for": [[metric | [metrics], at_least], ...]}'
+        "wait_before": [...], "wait_for": [[metric | [metrics], at_least], ...]}'
 
 Modes: ``none`` = vLLM alone; ``cpu`` = OffloadingConnector with its plain CPU tier
 (``CpuPeerOffloadingSpec``, ``connector/native_tier/cpu_offload.py``); ``fs`` =
@@ -17,6 +17,8 @@ same with kvtier's Redis tier
 (``connector/native_tier/cpu_tiering.py``): ``TieringOffloadingSpec`` with a CPU worker.
 vLLM's default executors (engine core and worker in their own processes).
 
+``wait_before``: the same, before the first prompt (e.g. ``[["vllm:kvtier_native_redis_available",
+1]]``: the tier has reached Redis, which a loaded machine can delay past an engine's start).
 ``wait_for``: after the prompts, step the engine (one-token requests) until each metric
 (or the sum of a list of metrics) is at least its value: cascades to Redis finish in the
 background and are counted when a later step collects them. A generous deadline only ends a
@@ -107,6 +109,7 @@ def _serve(llm: Any, spec: dict[str, Any], start_s: float) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
+    wait_for_metrics(llm, spec.get("wait_before") or [])
     outputs = []
     for name, prompt in spec["prompts"]:
         if spec.get("reset_between"):

@@ -45,12 +45,16 @@ def test_tp2_engine_restores_from_redis(tiny_llama_dir: Any, redis_url: str,
                                "wait_for": [[N + "stored_chunks", 4]]})
     assert outs(first)["P1"]["token_ids"] == base["P1"]["token_ids"]
     assert first["metrics"][N + "stored_chunks"] >= 4
-    second = run_in_subprocess({**spec, "prompts": [["P2", PROMPT2]]})
+    # A new engine's first look-up is a miss while its tier has not reached Redis yet (a
+    # loaded machine delays that past the engine's start): wait for that event first.
+    ready = [[N + "redis_available", 1]]
+    second = run_in_subprocess({**spec, "prompts": [["P2", PROMPT2]], "wait_before": ready})
     out = outs(second)["P2"]
     assert out["token_ids"] == base["P2"]["token_ids"]
     assert out["num_cached_tokens"] >= 128
     assert second["metrics"][N + "loaded_chunks"] >= 4
     tp1 = run_in_subprocess({"mode": "kvtier", "redis_url": redis_url, "redis_prefix": prefix,
-                             "tier": SLOW_MACHINE, "prompts": [["P2", PROMPT2]]})
+                             "tier": SLOW_MACHINE, "prompts": [["P2", PROMPT2]],
+                             "wait_before": ready})
     assert tp1["metrics"].get(N + "loaded_chunks", 0) == 0  # another namespace: never served
     assert outs(tp1)["P2"]["num_cached_tokens"] == 0
