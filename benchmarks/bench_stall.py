@@ -75,6 +75,7 @@ from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory 
 from connector.demo.cli import delete_redis_prefix  # noqa: E402
 from connector.demo.presets import kvtier_transfer_config  # noqa: E402
 from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
+from offload_tiers.redis.presence_feed import is_announce_stream  # noqa: E402
 from tests.support.openai_server import OpenAIServer  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -360,7 +361,9 @@ def _redis_keys(url: str, prefix: str) -> int:
 
     client = redis.Redis.from_url(url, socket_timeout=5.0)
     try:
-        return sum(1 for _ in client.scan_iter(match=f"{prefix}:*", count=1000))
+        start = len(prefix) + 1
+        return sum(1 for n in client.scan_iter(match=f"{prefix}:*", count=1000)
+                   if not is_announce_stream(n[start:]))
     finally:
         client.close()
 

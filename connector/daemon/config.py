@@ -160,6 +160,8 @@ class DaemonConfig(BaseModel):
     storage_ttl_s: float | None = Field(default=None, gt=0)
     log_level: str = "INFO"
     token_hashing: TokenHashingConfig | None = None
+    # POST /score's tier weights (medium -> weight >= 0); a body's "weights" override them
+    score_weights: dict[str, float] = Field(default_factory=dict)
     # Redis janitor (off unless redis_url is set): see offload_tiers/redis/janitor.py
     redis_url: str | None = None
     # Credentials outside the YAML and the command line: offload_tiers/redis/credentials.py.
@@ -234,6 +236,14 @@ class DaemonConfig(BaseModel):
         for g, b in v.items():
             if g < 0 or b <= 0:
                 raise ValueError(f"block_sizes: group {g} -> {b}: groups >= 0, sizes > 0")
+        return v
+
+    @field_validator("score_weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        from connector.events.score import weights_from
+
+        weights_from(v)  # a ValueError naming weights.<medium>
         return v
 
     @field_validator("clear_on_restart")

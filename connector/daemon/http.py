@@ -1,4 +1,4 @@
-"""The daemon's HTTP API (aiohttp): /healthz, /metrics, /stats, POST /lookup."""
+"""The daemon's HTTP API (aiohttp): /healthz, /metrics, /stats, POST /lookup, /entries, /score."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from connector.daemon.service import Daemon, LookupRequest
+from connector.daemon.service import Daemon, LookupRequest, ScoreRequest
 
 __all__ = ["make_app"]
 
@@ -36,12 +36,14 @@ def make_app(daemon: Daemon) -> web.Application:
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(daemon.stats())
 
-    async def _parse(request: web.Request) -> LookupRequest:
+    async def _body(request: web.Request) -> Any:
         try:
-            body: Any = await request.json(loads=json.loads)
+            return await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError("body is not valid JSON") from None
-        return LookupRequest(body, daemon.token_hasher)
+
+    async def _parse(request: web.Request) -> LookupRequest:
+        return LookupRequest(await _body(request), daemon.token_hasher)
 
     async def lookup(request: web.Request) -> web.Response:
         try:
@@ -55,9 +57,18 @@ def make_app(daemon: Daemon) -> web.Application:
         except ValueError as exc:
             return _error(400, str(exc))
 
+    async def score(request: web.Request) -> web.Response:
+        try:
+            req = ScoreRequest(await _body(request), daemon.token_hasher,
+                               daemon.cfg.score_weights)
+            return web.json_response(daemon.score(req))
+        except ValueError as exc:
+            return _error(400, str(exc))
+
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/lookup", lookup)
     app.router.add_post("/entries", entries)
+    app.router.add_post("/score", score)
     return app

@@ -93,6 +93,7 @@ class Ingestor:
         at = min(ts, wall) if valid_ts else wall
         classify = self.classifier.classify
         index = self.index
+        res = index.res
         invalid_before = self.classifier.invalid_events
         n_store = n_remove = n_clear = 0
         for ev in batch.events:
@@ -101,6 +102,8 @@ class Ingestor:
                 continue
             op = run.op
             if op == STORE:
+                if run.key not in res:  # a new residency key: note its group's spec kind
+                    index.note_group_kind((pub, run.key[2]), ev.kv_cache_spec_kind)
                 again = index.store(run, at)
                 n_store += 1
                 if again and again == len(run.hashes) and run.parent is None \

@@ -15,79 +15,16 @@ from prometheus_client.registry import Collector
 
 from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
+from connector.daemon.requests import LookupRequest, ScoreRequest
 from connector.daemon.subscriber import Subscriber
 from connector.events.index import KIND_NAMES, ResidencyPolicy
+from connector.events.score import check_unit, prefixes, rank
 from connector.events.token_hashing import TokenHasher
 from connector.events.wire import Medium
 
 log = logging.getLogger("kvtier.daemon")
 
-__all__ = ["Daemon", "LookupRequest"]
-
-
-class LookupRequest:
-    """A validated ``POST /lookup`` body."""
-
-    __slots__ = ("block_hashes", "group_idx", "unit", "publisher")
-
-    MAX_HASHES = 1_000_000
-
-    def __init__(self, body: Any, hasher: TokenHasher | None = None) -> None:
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object with 'block_hashes' or 'token_ids'")
-        unknown = set(body) - {"block_hashes", "token_ids", "group_idx", "hash_block_size",
-                               "publisher"}
-        if unknown:
-            raise ValueError(f"unknown fields: {sorted(unknown)}")
-        self.group_idx = _int_field(body, "group_idx", 0, minimum=0)
-        pub = body.get("publisher")
-        if pub is not None and not isinstance(pub, str):
-            raise ValueError("'publisher' must be a string")
-        self.publisher = pub
-        if "token_ids" in body:
-            self._from_tokens(body, hasher)
-            return
-        hashes = body.get("block_hashes")
-        if not isinstance(hashes, list):
-            raise ValueError("'block_hashes' must be a list of ints (or hex strings)")
-        if len(hashes) > self.MAX_HASHES:
-            raise ValueError(f"'block_hashes' has more than {self.MAX_HASHES} entries")
-        out: list[int | bytes] = []
-        for i, h in enumerate(hashes):
-            if isinstance(h, bool):
-                raise ValueError(f"block_hashes[{i}] must be an int or hex string, not bool")
-            if isinstance(h, int):
-                out.append(h)
-            elif isinstance(h, str):
-                try:
-                    out.append(bytes.fromhex(h))
-                except ValueError:
-                    raise ValueError(f"block_hashes[{i}] is not a hex string") from None
-            else:
-                raise ValueError(f"block_hashes[{i}] must be an int or hex string")
-        self.block_hashes = out
-        unit = body.get("hash_block_size")
-        self.unit = None if unit is None else _int_field(body, "hash_block_size", 0, minimum=1)
-
-    def _from_tokens(self, body: dict[str, Any], hasher: TokenHasher | None) -> None:
-        if hasher is None:
-            raise ValueError("look-up by 'token_ids' needs 'token_hashing' in the daemon config")
-        if "block_hashes" in body or "hash_block_size" in body:
-            raise ValueError("give either 'token_ids' or 'block_hashes', not both")
-        toks = body["token_ids"]
-        if (not isinstance(toks, list) or len(toks) > 16 * self.MAX_HASHES
-                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
-                           for t in toks)):
-            raise ValueError("'token_ids' must be a list of non-negative ints")
-        self.block_hashes = hasher.chain(toks)
-        self.unit = hasher.hash_block_size
-
-
-def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
-    v = body.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"'{name}' must be an integer >= {minimum}")
-    return v
+__all__ = ["Daemon", "LookupRequest", "ScoreRequest"]
 
 
 class Daemon:
@@ -127,6 +64,17 @@ class Daemon:
             result = self.ingestor.index.lookup(
                 req.block_hashes, group=req.group_idx, unit=req.unit, publisher=req.publisher)
         return {m: r.as_dict() for m, r in result.items()}
+
+    def score(self, req: ScoreRequest) -> dict[str, Any]:
+        """Engines ranked for ``req`` (POST /score). Only the walk holds the lock: the chain
+        was hashed when the body was parsed, weights and ranking come after."""
+        with self.lock:
+            self.ingestor.index.expire(time.time())  # never claim past a TTL
+            found = prefixes(self.ingestor.index, req.block_hashes, unit=req.unit,
+                             groups=req.groups, publishers=tuple(self.ingestor.publishers))
+        check_unit(found, req.unit)
+        return {"unit": req.unit, "weights": req.weights,
+                "engines": [s.as_dict() for s in rank(found, req.weights)]}
 
     def entries(self, req: LookupRequest) -> list[dict[str, Any]]:
         with self.lock:
@@ -171,6 +119,7 @@ class Daemon:
                 "invalid_events": ing.classifier.invalid_events,
                 "block_size_conflicts": ing.classifier.conflicts,
                 "block_sizes": block_sizes,
+                "group_kinds": {f"{p}/{g}": k for (p, g), k in idx.group_kinds.items()},
             }
         counts = self.entry_counts()
         index["by_medium_kind"] = {f"{m}/{k}": c for (m, k), c in sorted(counts.items())}

@@ -44,6 +44,7 @@ from offload_tiers.keys import BlockKind
 __all__ = [
     "ANY",
     "CLEAR",
+    "STATE_KINDS",
     "DEFAULT_SET_MEDIA",
     "KIND_NAMES",
     "PG",
@@ -62,6 +63,9 @@ __all__ = [
     "publisher_id",
     "source_of",
     "unpack",
+    "full_run",
+    "has_partial",
+    "has_state",
 ]
 
 Publisher = str
@@ -241,7 +245,7 @@ class KVIndex:
     __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "kinds", "n_entries",
                  "dropped_capacity", "unknown_removals", "stores", "removals", "clears",
                  "policy", "set_keys", "ttl_keys", "expires", "expired", "_heap", "_tick",
-                 "_heap_limit")
+                 "_heap_limit", "group_kinds")
 
     def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000,
                  policy: ResidencyPolicy | None = None) -> None:
@@ -260,6 +264,8 @@ class KVIndex:
         self.res: dict[ResidencyKey, dict[Any, int]] = {}
         self.extra: dict[ResidencyKey, dict[Any, int]] = {}  # refcount - 1, when > 0
         self.by_pg: dict[PG, list[ResidencyKey]] = {}
+        # vLLM's kv_cache_spec_kind per (publisher, group), as announced; outlives clears
+        self.group_kinds: dict[PG, str] = {}
         self.kinds: dict[ResidencyKey, list[int]] = {}  # resident entries per kind, per key
         self.n_entries = 0
         self.dropped_capacity = 0
@@ -579,6 +585,31 @@ class KVIndex:
                         result[medium] = m
         return result
 
+    # -- what scoring reads (connector.events.score) ---------------------------------------
+
+    def note_group_kind(self, pg: PG, spec_kind: str | None) -> None:
+        """Remember vLLM's ``kv_cache_spec_kind`` of (publisher, group) (``None``: unsaid)."""
+        if spec_kind:
+            self.group_kinds[pg] = spec_kind
+
+    def publishers(self) -> set[Publisher]:
+        """Every publisher the index has heard of (entries, block sizes or group kinds)."""
+        return {pg[0] for pg in (*self.by_pg, *self.sizes.learned, *self.group_kinds)}
+
+    def groups_of(self, publisher: Publisher) -> list[int]:
+        """The KV-cache groups ``publisher`` has announced, sorted."""
+        return sorted({g for p, g in (*self.by_pg, *self.sizes.learned, *self.group_kinds)
+                       if p == publisher})
+
+    def media_view(self, pg: PG) -> dict[str, list[dict[Any, int]]]:
+        """Medium -> the entry dicts of (publisher, group) there (one per ownership)."""
+        view: dict[str, list[dict[Any, int]]] = {}
+        for key in self.by_pg.get(pg, ()):
+            d = self.res[key]
+            if d:
+                view.setdefault(key[1], []).append(d)
+        return view
+
     def describe(self, block_hashes: Sequence[Any], group: int = 0) -> list[dict[str, Any]]:
         """Every resident entry of ``block_hashes`` in ``group``, with its facts (/entries)."""
         out = []
@@ -637,3 +668,45 @@ def _walk(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -
     if best_partial > prefix:
         return PrefixMatch(best_partial, full, True)
     return PrefixMatch(prefix, full, False)
+
+
+# -- per-position tests for scoring (the packed format stays in this module) ----------------
+
+STATE_KINDS = frozenset({_FULL, _PARTIAL, int(BlockKind.PLACEHOLDER)})
+"""Kind bits that prove a recurrent (Mamba) state at a hash's position: any but PENDING."""
+
+
+def _at(sources: list[dict[Any, int]], h: Any, end: int, kinds: frozenset[int]) -> bool:
+    for d in sources:
+        f = d.get(h)
+        if f is not None and f & 3 in kinds and (not f >> 2 or f >> 2 == end):
+            return True
+    return False
+
+
+_FULL_ONLY = frozenset({_FULL})
+_PARTIAL_ONLY = frozenset({_PARTIAL})
+
+
+def full_run(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -> int:
+    """How many whole blocks of ``b`` tokens from the chain's start are resident FULL entries
+    (chain hash ``i`` covers ``(i + 1) * u`` tokens; a recorded position that disagrees does
+    not count). The run stops at the first block that is not: nothing past a gap counts."""
+    r = b // u
+    n = 0
+    for i in range(r - 1, len(chain), r):
+        if not _at(sources, chain[i], (i + 1) * u, _FULL_ONLY):
+            break
+        n += 1
+    return n
+
+
+def has_partial(sources: list[dict[Any, int]], h: Any, end: int) -> bool:
+    """A PARTIAL entry of hash ``h`` ending at ``end`` (or at an unknown position) is resident."""
+    return _at(sources, h, end, _PARTIAL_ONLY)
+
+
+def has_state(sources: list[dict[Any, int]], h: Any, end: int) -> bool:
+    """An entry of hash ``h`` that is not PENDING and not placed elsewhere is resident: for a
+    recurrent group, its state after ``end`` tokens."""
+    return _at(sources, h, end, STATE_KINDS)

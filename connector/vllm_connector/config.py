@@ -43,6 +43,12 @@ _FIXES: dict[str, str] = {
     "max_probe_asks": "give a positive integer (default 10000): how many times one request "
                       "may be told 'ask again' while its Redis probe is out",
     "hybrid_hits": "use true (default) or false (store hybrid blocks but never restore them)",
+    "presence": "use true (default: misses that no kvtier engine announced skip the Redis "
+                "probe) or false (every miss asks Redis)",
+    "presence_capacity": "give the number of Redis keys the presence summary remembers, an "
+                         "integer >= 1024 (default 1048576: 2.9 MB)",
+    "presence_scan_keys_per_s": "give a number > 0: key names read per second when the "
+                                "summary walks Redis at start (default 200000)",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
 
@@ -81,6 +87,11 @@ class TieredConfig(BaseModel):
     hybrid_hits: bool = True
     # "Ask again" answers one request may get while its Redis probe is out (engine steps).
     max_probe_asks: int = Field(default=10_000, ge=1)
+    # A summary of the keys Redis may hold (connector/vllm_connector/presence.py): a miss
+    # no kvtier engine announced is answered at once instead of waiting for a probe.
+    presence: bool = True
+    presence_capacity: int = Field(default=1 << 20, ge=1024)
+    presence_scan_keys_per_s: float = Field(default=200_000.0, gt=0)
     _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")

@@ -57,6 +57,7 @@ from connector.vllm_connector.namespace import (
     slot_count,
 )
 from connector.vllm_connector.plan import StepPlan, WorkerReport
+from connector.vllm_connector.presence import RedisPresence
 from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
@@ -219,7 +220,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
         self.scheduler = TieredScheduler(
             self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
-            int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block)
+            int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block,
+            presence=RedisPresence.from_config)
         log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
                  "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
                  hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())
@@ -324,6 +326,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # ================================================================ scheduler side
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:

@@ -93,6 +93,8 @@ class StepPlan:
     # Finished requests whose partial tails this plan saves (vLLM keeps their blocks until
     # the workers report them as finished sending, once the saves have copied them).
     tail_reqs: list[str] = field(default_factory=list)
+    # The scheduler knows rank 0's layout (the rank-0 worker stops sending it).
+    layout_known: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.fetches or self.saves or self.probes or self.async_reqs
@@ -118,13 +120,15 @@ class WorkerReport:
     ``[ranks_ok, ranks_reporting]``. ``probes``: job -> ``(save_ids, ranks_reporting)``
     with one save id per key: the id every reporting rank read, 0 where a rank found none,
     :data:`MIXED_SAVES` where ranks read different saves (:func:`merge_save_ids`).
-    ``redis_up``: the lowest over ranks (-1 = no Redis configured).
+    ``redis_up``: the lowest over ranks (-1 = no Redis configured). ``rank0_layout``: TP
+    rank 0's tensor layout (the presence summary's key names), until the scheduler has it.
     """
 
     saves: dict[int, list[int]] = field(default_factory=dict)
     fetches: dict[int, list[int]] = field(default_factory=dict)
     probes: dict[int, tuple[list[int], int]] = field(default_factory=dict)
     redis_up: int = -1
+    rank0_layout: str = ""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         for mine, theirs in ((self.saves, other.saves), (self.fetches, other.fetches)):
@@ -141,7 +145,9 @@ class WorkerReport:
         if other.redis_up >= 0:
             self.redis_up = other.redis_up if self.redis_up < 0 \
                 else min(self.redis_up, other.redis_up)
+        self.rank0_layout = self.rank0_layout or other.rank0_layout
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.fetches or self.probes) or self.redis_up >= 0
+        return bool(self.saves or self.fetches or self.probes or self.rank0_layout) \
+            or self.redis_up >= 0

@@ -41,6 +41,7 @@ from connector.vllm_connector.plan import (
     StepPlan,
     WorkerReport,
 )
+from connector.vllm_connector.presence import RedisPresence
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.codec import new_save_id
 from offload_tiers.cpu_tier import CpuTier
@@ -124,6 +125,8 @@ class _Probe:
     asked: set[BlockKey] = field(default_factory=set)
     answers: dict[BlockKey, int] = field(default_factory=dict)
     asks: int = 0
+    # The keys worth asking (the presence summary's "maybe"); None = every missing key.
+    worth: set[BlockKey] | None = None
 
 
 @dataclass(slots=True)
@@ -150,7 +153,8 @@ class TieredScheduler:
                  num_slots: int, slot_bytes: int, world_size: int,
                  fingerprint: Callable[[str], str],
                  blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
-                 pool_block: Callable[[int], BlockLike]) -> None:
+                 pool_block: Callable[[int], BlockLike],
+                 presence: Callable[..., RedisPresence | None] | None = None) -> None:
         self.config = config
         self.groups = groups
         self.hash_unit = hash_unit
@@ -203,6 +207,14 @@ class TieredScheduler:
         # bound only keeps a request from waiting for ever on an answer that never comes.
         self.max_probe_asks = config.max_probe_asks
         self._gauges_at = float("-inf")
+        # Which keys Redis may hold, known without waiting (None: every miss is probed).
+        self.presence = presence(config, world_size, self.counters) \
+            if presence is not None and self.redis_configured else None
+
+    def close(self) -> None:
+        """Stop the presence summary's feed thread (idempotent)."""
+        if self.presence is not None:
+            self.presence.close()
 
     def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
         self.outbox.append(TierChange(key, Medium.CPU, stored=False))
@@ -262,6 +274,9 @@ class TieredScheduler:
             (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
              if ok), Tier.CPU)
         missing = tuple(k for k in ordered if k not in tiers and not self._is_bad(k))
+        if missing:
+            missing = self._worth_asking(request.request_id, missing, ends, prefix, ending,
+                                         tiers)
         save_ids: dict[BlockKey, int] = {}
         if missing and not self._redis_answer(request.request_id, missing, tiers, save_ids):
             return None, False
@@ -288,6 +303,34 @@ class TieredScheduler:
                 for g in self.mamba
             ]
         return prefix, ending
+
+    def _worth_asking(self, req_id: str, missing: tuple[BlockKey, ...], ends: list[int],
+                      prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
+                      tiers: dict[BlockKey, str]) -> tuple[BlockKey, ...]:
+        """The missing keys worth a Redis probe: those the presence summary may hold, up to
+        the first end that a key nobody announced cuts off. ``()`` answers the lookup at
+        once (``presence_known_absent``). Without a trustworthy summary: all of them."""
+        if self.presence is None or not self.redis_up:
+            return missing
+        probe = self._probes.get(req_id)
+        if probe is not None:
+            return missing if probe.worth is None else tuple(k for k in missing
+                                                             if k in probe.worth)
+        if not self.presence.ready():
+            self.counters.add("presence_not_ready")
+            return missing
+        maybe = {k for k, m in zip(missing, self.presence.may_hold(missing), strict=True) if m}
+        worth: dict[BlockKey, None] = {}
+        for end in ends:
+            if any(n.key not in tiers and n.key not in maybe for n in prefix[end]):
+                break  # no hit reaches this end: a FULL block of it is nowhere
+            worth.update((n.key, None) for n in prefix[end] + ending[end] if n.key in maybe)
+        self.counters.add("presence_keys_skipped", len(missing) - len(worth))
+        if not worth:
+            self.counters.add("presence_known_absent")
+            return ()
+        self._probes[req_id] = _Probe(worth=set(worth))
+        return tuple(worth)
 
     def _redis_answer(self, req_id: str, missing: tuple[BlockKey, ...],
                       tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int]) -> bool:
@@ -511,6 +554,7 @@ class TieredScheduler:
         ``gone``: requests finished or preempted this step (their hand-offs are dropped).
         """
         plan, self._plan = self._plan, StepPlan()
+        plan.layout_known = self.presence is not None and self.presence.layout is not None
         if not self.supported:
             return plan
         for req_id, done in computed_after.items():
@@ -644,6 +688,8 @@ class TieredScheduler:
     # ------------------------------------------------------------------ worker reports
     def on_report(self, report: WorkerReport) -> None:
         """Apply what the workers finished: saves, fetches, probes, Redis health."""
+        if report.rank0_layout and self.presence is not None:
+            self.presence.set_layout(report.rank0_layout)
         if report.redis_up >= 0:
             self.redis_up = bool(report.redis_up)
             self.counters.set_gauge("redis_available", report.redis_up)
@@ -676,6 +722,8 @@ class TieredScheduler:
             return
         if info.to_redis:
             self._bad.pop(key, None)  # rewritten by this engine: valid again
+        if info.to_redis and self.presence is not None:
+            self.presence.stored(key)
         if info.to_redis and key not in self._in_redis:
             self._in_redis[key] = None
             self.outbox.append(TierChange(key, Medium.STORAGE, stored=True))
@@ -711,6 +759,10 @@ class TieredScheduler:
         probe = self._probes.get(req_id) if req_id is not None else None
         if probe is not None:
             probe.answers.update(zip(keys, save_ids, strict=True))
+        if self.presence is not None:
+            for key, save_id in zip(keys, save_ids, strict=True):
+                if save_id > 0:
+                    self.presence.confirmed(key)
 
     def register_tail(self, request: RequestLike, entries: list[tuple[int, int, int]]) -> bool:
         """A finishing request's Mamba partial tails (group, block id, tokens): save them in

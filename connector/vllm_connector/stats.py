@@ -51,12 +51,16 @@ COUNTER_NAMES: tuple[str, ...] = (
     "probe_gave_up",  # requests answered without Redis after max_probe_asks waits
     "redis_stale_saves",  # Redis shards of another save than the probe found (TP): not loaded
     "redis_corrupt_deleted",  # corrupt Redis values deleted (only if unchanged since read)
+    "presence_known_absent",  # lookups answered at once: no missing key was announced
+    "presence_keys_skipped",  # missing keys not probed (not announced, or past a gap)
+    "presence_not_ready",  # lookups probed in full: the presence summary was not synced
+    "presence_learned",  # key names learned from Redis (walk + other engines' announcements)
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).
 GAUGE_NAMES: tuple[str, ...] = (
     "redis_available", "redis_configured", "cpu_tier_slots", "cpu_tier_entries",
-    "cpu_tier_pinned", "cpu_tier_reserved",
+    "cpu_tier_pinned", "cpu_tier_reserved", "presence_synced", "presence_memory_bytes",
 )
 
 

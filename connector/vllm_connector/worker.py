@@ -100,6 +100,9 @@ class TieredWorker:
         self._failed_now: set[str] = set()  # requests whose load failed in this step
         self._report = WorkerReport()
         self._redis_seen: dict[str, int] = {}
+        # Rank 0 tells the scheduler its layout (the presence summary's key names) until a
+        # plan says it arrived.
+        self._send_layout = redis is not None and config.presence and tp_rank == 0
         self.closed = False
 
     # ------------------------------------------------------------------ setup
@@ -130,6 +133,8 @@ class TieredWorker:
     def start_step(self, plan: StepPlan) -> None:
         """Before the forward: probes and fetches go to the I/O threads, CPU loads run."""
         self._failed_now = set()
+        if plan.layout_known:
+            self._send_layout = False
         if self.transfer is None:
             return
         self._async.update(plan.async_reqs)
@@ -372,6 +377,8 @@ class TieredWorker:
     def take_report(self) -> WorkerReport:
         self.collect()
         report, self._report = self._report, WorkerReport()
+        if self._send_layout and self.layout is not None:
+            report.rank0_layout = self.layout.descriptor()
         if self.redis is not None:
             report.redis_up = int(bool(self.redis.available))
             self.counters.set_gauge("redis_available", report.redis_up)

@@ -4,7 +4,8 @@ A pass walks ``{prefix}:*`` with ``SCAN`` (bounded ``COUNT``, paced to at most
 ``max_keys_per_s`` keys examined per second), reads only each value's 64-byte header and its
 length (``GETRANGE 0 63`` + ``STRLEN``, pipelined) and deletes what a reader would reject
 whatever it asked for (the readers' own :func:`offload_tiers.codec.check_fields`): key names
-that :func:`offload_tiers.keys.parse_key_name` refuses, non-string values, short values, bad
+that :func:`offload_tiers.keys.parse_key_name` refuses (the presence feed's announcement
+stream excepted), non-string values, short values, bad
 magic, unknown format version, a kind that is neither FULL nor PARTIAL, header fingerprint /
 group / hash tag contradicting the key name, ``num_tokens`` 0, a length that disagrees with
 the header — and, only when ``allowed_fingerprints`` is set, values of namespaces not in
@@ -34,6 +35,7 @@ from redis.exceptions import NoPermissionError, ResponseError, WatchError
 from offload_tiers import codec
 from offload_tiers.keys import KeyName, parse_key_name
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
+from offload_tiers.redis.presence_feed import is_announce_stream
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 
 __all__ = ["REASONS", "JanitorCounters", "Pacer", "RedisJanitor", "judge"]
@@ -342,6 +344,8 @@ class RedisJanitor:
                 named.append((key, parsed))
             elif is_nested_prefix(rest):
                 nested += 1
+            elif is_announce_stream(rest):
+                continue  # the presence feed's stream (offload_tiers/redis/presence_feed.py)
             else:
                 doomed.append(_Doomed(key, "bad_key_name", "name", b"", 0))
         replies = self._pipeline(node, [(("GETRANGE", k, 0, codec.HEADER_SIZE - 1),

@@ -39,6 +39,7 @@ from typing import Any
 
 from connector.demo.presets import TP2_ENV
 from tests.support import engine_host, engine_starts, worker_probe
+from tests.support.redis_keys import block_names
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -53,7 +54,7 @@ def corrupt_redis(url: str, prefix: str) -> dict[str, int]:
     import redis
 
     client = redis.Redis.from_url(url)
-    names = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+    names = block_names(client, prefix)
     originals = {name: client.get(name) for name in names}
     flipped = swapped = 0
     for i, name in enumerate(names):
@@ -83,7 +84,7 @@ def damage_one_rank(url: str, prefix: str, how: str) -> dict[str, int]:
     import redis
 
     client = redis.Redis.from_url(url)
-    names = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
+    names = block_names(client, prefix)
     fps = sorted({n.split(b":")[1] for n in names})
     victim = [n for n in names if n.split(b":")[1] == fps[0]]
     for name in victim:

@@ -1,6 +1,7 @@
 """kvtier's two halves wired together in one process, the way vLLM wires them (no vLLM).
 
-One :class:`TieredScheduler` (vLLM's engine-core process) and ``tp_size`` :class:`TieredWorker`
+One :class:`TieredScheduler` (vLLM's engine-core process; with ``presence=True`` its presence
+summary's feed thread reads the real Redis, as in an engine) and ``tp_size`` :class:`TieredWorker`
 (one per TP rank, each with its own CPU KV tensors and, when ``redis_url`` is set, its own
 real :class:`RedisTier` built by ``make_redis_tier`` as the connector builds it). A step is:
 
@@ -34,6 +35,7 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.layout import build_layout
 from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
+from connector.vllm_connector.presence import RedisPresence
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
 from connector.vllm_connector.worker import TieredWorker, make_redis_tier
 from offload_tiers.keys import BlockKey
@@ -92,7 +94,7 @@ class Halves:
     def __init__(self, config: TieredConfig, *, tp_size: int = 1,
                  groups: Sequence[GroupSpec] = LLAMA, hash_unit: int = BS,
                  num_blocks: int = 16, width: int = 8, num_slots: int | None = None,
-                 ident: EngineIdentity | None = None) -> None:
+                 ident: EngineIdentity | None = None, presence: bool = False) -> None:
         self.config = config
         self.groups = list(groups)
         self.tp_size = tp_size
@@ -116,7 +118,8 @@ class Halves:
         self.sched = TieredScheduler(
             config, self.groups, hash_unit, self.num_slots, slot_bytes, tp_size,
             self._fingerprint, lambda rid: self.blocks[rid],
-            lambda bid: self.pool.get(bid, Blk(bid)))
+            lambda bid: self.pool.get(bid, Blk(bid)),
+            presence=RedisPresence.from_config if presence else None)
 
     # ------------------------------------------------------------------ set-up helpers
     @staticmethod
@@ -245,6 +248,7 @@ class Halves:
     def close(self) -> None:
         for rank in self.ranks:
             rank.worker.close()
+        self.sched.close()
 
 
 def as_bytes(tensor: torch.Tensor) -> bytes:

@@ -10,8 +10,18 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from connector.demo.cli import delete_redis_prefix
+from offload_tiers.redis.presence_feed import is_announce_stream
+
+
+def block_names(client: Any, prefix: str) -> list[bytes]:
+    """The key names of stored blocks under ``prefix`` (the presence feed's announcement
+    stream left out), sorted."""
+    start = len(prefix) + 1
+    return sorted(n for n in client.scan_iter(match=f"{prefix}:*", count=1000)
+                  if not is_announce_stream(n[start:]))
 
 
 def delete_prefix(url: str, prefix: str) -> int:
@@ -37,7 +47,7 @@ def wait_for_keys(url: str, prefix: str, at_least: int, deadline_s: float = 300.
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + deadline_s
     while True:
-        found = sum(1 for _ in client.scan_iter(match=f"{prefix}:*", count=1000))
+        found = len(block_names(client, prefix))
         if found >= at_least:
             return found
         assert time.monotonic() < deadline, f"only {found} of {at_least} keys under {prefix}"

@@ -1,0 +1,113 @@
+"""The scheduler half's answer to "may Redis hold this key?", given without waiting.
+
+A :class:`~offload_tiers.presence.PresenceFilter` of Redis key-name digests, fed by
+
+* this engine's own saves (once every rank wrote its shard) and probe answers, and
+* a :class:`~offload_tiers.redis.presence_feed.PresenceFeed` thread in this (engine-core)
+  process: the key names under the prefix at start, then the announcements of every kvtier
+  engine sharing the prefix, this one included.
+
+The feed reads Redis on its own thread, not on the scheduler's path, and not through the
+workers: worker reports travel only while the engine steps, so a summary fed by them would
+be stale exactly when a request reaches an idle engine.
+
+A key's presence unit is its name under TP rank 0's fingerprint (the names every engine of
+this namespace writes and scans), which depends on rank 0's tensor layout: the rank-0
+worker sends it in its reports until a plan says it arrived. Until then, and while the feed
+is not synced (walking the key names, or after a Redis failure), every miss asks Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
+from connector.vllm_connector.stats import ConnectorCounters
+from offload_tiers.keys import BlockKey
+from offload_tiers.presence import PresenceFilter, name_digest
+
+#: Base fingerprints whose rank-0 fingerprints are kept.
+_RANK0_CACHE_MAX = 4096
+#: The feed's socket timeout floor: its blocking reads wait up to a tenth of a second, and a
+#: timeout costs a walk of the key names, so it is generous (nothing waits on this thread).
+_FEED_TIMEOUT_S = 5.0
+
+
+class RedisPresence:
+    """Which keys Redis may hold, for one engine (all TP ranks)."""
+
+    def __init__(self, config: TieredConfig, world_size: int, counters: ConnectorCounters,
+                 feed: Any) -> None:
+        self.filter = PresenceFilter(config.presence_capacity)
+        self.feed = feed
+        self.world_size = world_size
+        self.counters = counters
+        self.layout: str | None = None
+        self._rank0: BoundedCache[str, str] = BoundedCache(_RANK0_CACHE_MAX)
+        counters.set_gauge("presence_memory_bytes", self.filter.memory_bytes)
+
+    @classmethod
+    def from_config(cls, config: TieredConfig, world_size: int,
+                    counters: ConnectorCounters) -> RedisPresence | None:
+        """The summary with its feed thread started; None when Redis or the summary is off."""
+        if not config.redis_url or not config.presence:
+            return None
+        from offload_tiers.redis.client import ClientFactory
+        from offload_tiers.redis.presence_feed import PresenceFeed
+        from offload_tiers.redis.url import parse_redis_url
+
+        factory = ClientFactory(parse_redis_url(config.redis_url),
+                                timeout_s=max(config.redis_timeout_s, _FEED_TIMEOUT_S),
+                                ssl_ca_certs=config.redis_ssl_ca_certs)
+        feed = PresenceFeed(factory, config.redis_prefix, max_keys=config.presence_capacity,
+                            scan_keys_per_s=config.presence_scan_keys_per_s)
+        return cls(config, world_size, counters, feed.start())
+
+    def set_layout(self, layout: str) -> None:
+        if layout != self.layout:
+            self.layout = layout
+            self._rank0.clear()
+
+    def ready(self) -> bool:
+        """True when an "absent" answer can be trusted (up to what is still in flight)."""
+        synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
+        self._drain()
+        self.counters.set_gauge("presence_synced", int(synced))
+        return synced and self.layout is not None
+
+    def _drain(self) -> None:
+        learned = self.feed.take()
+        if learned:
+            self.filter.add_many(learned)
+            self.counters.add("presence_learned", len(learned))
+
+    def _digest(self, key: BlockKey) -> int:
+        assert self.layout is not None
+        fp = self._rank0.get(key.fingerprint)
+        if fp is None:
+            fp = rank_fingerprint(key.fingerprint, 0, self.world_size, self.layout)
+            self._rank0.put(key.fingerprint, fp)
+        return name_digest(f"{fp}:{key.group}:{key.block_hash.hex()}".encode())
+
+    def may_hold(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key: False = no kvtier engine announced it (Redis is not asked)."""
+        found = self.filter.may_contain_many([self._digest(k) for k in keys])
+        return [bool(f) for f in found]
+
+    def stored(self, key: BlockKey) -> None:
+        """This engine stored ``key`` (every rank): remember it and tell the others."""
+        if self.layout is None:
+            return  # not yet told rank 0's layout (it comes with the first worker report)
+        digest = self._digest(key)
+        self.filter.add(digest)
+        self.feed.announce_digests([digest])
+
+    def confirmed(self, key: BlockKey) -> None:
+        """A probe found ``key`` in Redis."""
+        if self.layout is not None:
+            self.filter.add(self._digest(key))
+
+    def close(self) -> None:
+        self.feed.close()

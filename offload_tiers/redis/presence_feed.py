@@ -1,0 +1,288 @@
+"""What every writer sharing a Redis prefix stored, learned without asking per key.
+
+A :class:`PresenceFeed` runs one thread of its own (never the caller's):
+
+* **Announce.** ``announce(names)`` queues the digests (:func:`offload_tiers.presence.
+  name_digest`) of key names this process stored; the thread appends them to the prefix's
+  announcement stream ``{prefix}:announce`` (``XADD``, one entry per batch, field ``d`` =
+  packed 8-byte digests, ``MAXLEN ~`` :data:`STREAM_MAXLEN` entries).
+* **Learn.** At start, and again after any Redis failure, it notes the stream's last entry,
+  walks the key names under ``{prefix}:`` (``SCAN``, paced to ``scan_keys_per_s``), then reads
+  the stream from the noted entry on (``XREAD``, blocking at most ``block_ms``): what others
+  stored during the walk is in the stream. Every digest learned is handed over by
+  :meth:`take`; ``synced`` is True once the walk is done and the stream read to its end, and
+  False from the first failure until the next walk is done.
+
+Entries not written by a feed (a foreign writer, a truncated value) are skipped and counted,
+never raised. Nothing read is evaluated. Errors are logged without the password. A server
+that refuses the stream commands (ACL) or holds more than ``max_keys`` key names under the
+prefix turns the feed off for good (``synced`` stays False, callers ask Redis per key), said
+once in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from redis.exceptions import NoPermissionError, ResponseError
+
+from offload_tiers.keys import parse_key_name
+from offload_tiers.presence import name_digest, pack_digests, unpack_digests
+from offload_tiers.redis.client import ClientFactory, Health, close_quietly
+
+__all__ = ["ANNOUNCE_SUFFIX", "STREAM_MAXLEN", "PresenceFeed", "announce_stream",
+           "is_announce_stream"]
+
+log = logging.getLogger(__name__)
+
+#: The announcement stream's name under a prefix: ``{prefix}:announce``.
+ANNOUNCE_SUFFIX = "announce"
+#: Entries the stream keeps (approximately; each holds one batch of digests).
+STREAM_MAXLEN = 10_000
+#: Digests per stream entry at most.
+BATCH_MAX = 512
+_SCAN_COUNT = 1000
+_READ_COUNT = 1000
+
+
+def announce_stream(prefix: str) -> bytes:
+    """The announcement stream of ``prefix``."""
+    return f"{prefix}:{ANNOUNCE_SUFFIX}".encode()
+
+
+def is_announce_stream(rest: bytes) -> bool:
+    """``rest`` (a key name after ``{prefix}:``) is the announcement stream of this prefix or
+    of a nested one (no block's name ends so: its last part is a hex hash)."""
+    suffix = ANNOUNCE_SUFFIX.encode()
+    return rest == suffix or rest.endswith(b":" + suffix)
+
+
+class PresenceFeed:
+    """Announces this process's stores and learns everyone's, on its own thread."""
+
+    def __init__(self, factory: ClientFactory, prefix: str, *, max_keys: int = 1 << 20,
+                 scan_keys_per_s: float = 200_000.0, block_ms: int = 100,
+                 backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0) -> None:
+        if scan_keys_per_s <= 0:
+            raise ValueError(f"scan_keys_per_s must be positive, got {scan_keys_per_s}")
+        self._factory = factory
+        self.prefix = prefix
+        self.stream = announce_stream(prefix)
+        self._match = f"{prefix}:*".encode()
+        self._name_start = len(prefix) + 1
+        self.max_keys = max_keys
+        self.scan_keys_per_s = scan_keys_per_s
+        self.block_ms = block_ms
+        self._health = Health(factory.target.redacted, backoff_initial_s, backoff_max_s)
+        self._lock = threading.Lock()
+        self._outgoing: list[int] = []
+        self._learned: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self._cursor = b"0-0"
+        self._need_walk = True
+        self.synced = False
+        self.disabled = ""  # why the feed stopped for good ("" while it runs)
+        self._n = dict.fromkeys(("announced", "learned_stream", "learned_scan", "walks",
+                                 "bad_entries", "failures"), 0)
+
+    # ------------------------------------------------------------------ caller's side
+    def start(self) -> PresenceFeed:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvtier-presence",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def announce(self, names: Iterable[bytes]) -> None:
+        """Queue the key names (without the prefix) this process stored."""
+        digests = [name_digest(n) for n in names]
+        with self._lock:
+            self._outgoing.extend(digests)
+
+    def announce_digests(self, digests: Iterable[int]) -> None:
+        with self._lock:
+            self._outgoing.extend(digests)
+
+    def take(self) -> list[int]:
+        """Digests learned since the last call."""
+        with self._lock:
+            out, self._learned = self._learned, []
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._n)
+        out.update(synced=int(self.synced), disabled=self.disabled)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (its queued announcements are flushed first when Redis answers)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        close_quietly(self._client)
+        self._client = None
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self.disabled:
+            now = time.monotonic()
+            if self._health.waiting(now):
+                self._stop.wait(max(0.0, self._health.next_try - now))
+                continue
+            try:
+                client = self._connect()
+                if self._need_walk:
+                    self._walk(client)
+                self._flush(client)
+                self._read(client, block=True)
+                if self._health.recovered():
+                    log.info("kvtier presence feed: Redis %s answers again", self._health.label)
+            except _Stop:
+                continue
+            except Exception as exc:  # refused, reset, timeout, cluster down: all the same
+                self._failed(exc)
+        if self._stop.is_set() and self._client is not None and not self.disabled:
+            try:
+                self._flush(self._client)
+            except Exception:
+                log.debug("kvtier presence feed: final flush failed", exc_info=True)
+
+    def _connect(self) -> Any:
+        if self._client is None:
+            self._client = self._factory.make()
+        return self._client
+
+    def _failed(self, exc: BaseException) -> None:
+        self.synced = False
+        self._need_walk = True
+        close_quietly(self._client)
+        self._client = None
+        with self._lock:
+            self._n["failures"] += 1
+        if _refused(exc):
+            self.disabled = (f"Redis refuses the presence stream's commands (XADD, XREAD, "
+                             f"XREVRANGE, SCAN): {self._factory.describe(exc)}")
+            log.warning("kvtier presence feed off: %s; every miss asks Redis. Fix: allow "
+                        "those commands on %s* for this user", self.disabled, self.prefix)
+            return
+        if self._health.failed(time.monotonic()):
+            log.warning("kvtier presence feed: Redis %s failed (%s); misses ask Redis until "
+                        "the feed has walked the key names again", self._health.label,
+                        self._factory.describe(exc))
+
+    def _walk(self, client: Any) -> None:
+        """Note the stream's tip, learn every key name under the prefix, read the stream up
+        to now; then ``synced``."""
+        self.synced = False
+        tip = client.xrevrange(self.stream, count=1)
+        self._cursor = tip[0][0] if tip else b"0-0"
+        seen = 0
+        batch: list[int] = []
+        started = time.monotonic()
+        for key in client.scan_iter(match=self._match, count=_SCAN_COUNT):
+            name = key[self._name_start:]
+            if parse_key_name(name) is None:
+                continue  # the stream, nested prefixes, foreign keys: not a block's name
+            batch.append(name_digest(name))
+            seen += 1
+            if seen > self.max_keys:
+                self.disabled = (f"Redis holds more than {self.max_keys} key names under "
+                                 f"{self.prefix}:")
+                log.warning("kvtier presence feed off: %s; every miss asks Redis. Fix: raise "
+                            "presence_capacity", self.disabled)
+                raise _Stop
+            if len(batch) >= _SCAN_COUNT:
+                self._learn(batch, "learned_scan")
+                batch = []
+                ahead = seen / self.scan_keys_per_s - (time.monotonic() - started)
+                if ahead > 0 and self._stop.wait(ahead):
+                    raise _Stop
+        self._learn(batch, "learned_scan")
+        while self._read(client, block=False) >= _READ_COUNT:
+            pass
+        self._need_walk = False
+        self.synced = True
+        with self._lock:
+            self._n["walks"] += 1
+
+    def _flush(self, client: Any) -> None:
+        with self._lock:
+            out, self._outgoing = self._outgoing, []
+        for i in range(0, len(out), BATCH_MAX):
+            chunk = out[i:i + BATCH_MAX]
+            try:
+                client.xadd(self.stream, {b"d": pack_digests(chunk)}, maxlen=STREAM_MAXLEN,
+                            approximate=True)
+            except Exception:
+                with self._lock:  # keep what was not sent for the next try
+                    self._outgoing[:0] = out[i:]
+                raise
+            with self._lock:
+                self._n["announced"] += len(chunk)
+
+    def _read(self, client: Any, *, block: bool) -> int:
+        """Read the stream past the cursor; the number of entries read."""
+        reply = client.xread({self.stream: self._cursor}, count=_READ_COUNT,
+                             block=self.block_ms if block else None)
+        entries = _entries(reply)
+        digests: list[int] = []
+        bad = 0
+        for entry_id, fields in entries:
+            self._cursor = entry_id
+            data = fields.get(b"d") if isinstance(fields, dict) else None
+            try:
+                if not isinstance(data, bytes):
+                    raise ValueError("no digest field")
+                digests.extend(int(d) for d in unpack_digests(data))
+            except ValueError:
+                bad += 1
+        if bad:
+            with self._lock:
+                self._n["bad_entries"] += bad
+            log.debug("kvtier presence feed: %d stream entries were not digests", bad)
+        self._learn(digests, "learned_stream")
+        return len(entries)
+
+    def _learn(self, digests: list[int], counter: str) -> None:
+        if not digests:
+            return
+        with self._lock:
+            self._learned.extend(digests)
+            self._n[counter] += len(digests)
+
+
+class _Stop(Exception):
+    """The walk ends: the feed is closing or turned off."""
+
+
+def _refused(exc: BaseException) -> bool:
+    if isinstance(exc, NoPermissionError):
+        return True
+    text = str(exc)
+    return isinstance(exc, ResponseError) and (text.startswith("NOPERM")
+                                               or "unknown command" in text)
+
+
+def _entries(reply: Any) -> list[tuple[bytes, Any]]:
+    """``[(id, fields)]`` of one stream's XREAD reply (redis-py's RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else (s[1] for s in reply)
+    out: list[tuple[bytes, Any]] = []
+    for items in streams:
+        if items and isinstance(items[0], list) and items[0] \
+                and isinstance(items[0][0], list | tuple):
+            items = items[0]  # RESP3: one more level of nesting
+        for entry in items:
+            fields = entry[1]
+            if isinstance(fields, list):
+                fields = dict(zip(fields[::2], fields[1::2], strict=False))
+            out.append((entry[0], fields))
+    return out
