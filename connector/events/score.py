@@ -64,6 +64,10 @@ class Prefix(NamedTuple):
     partial: bool
 
 
+_NONE = Prefix(0, False)
+_MEDIA: tuple[str, ...] = tuple(str(m) for m in Medium)
+
+
 class EngineScore(NamedTuple):
     """One engine's answer: prefix per medium, the weighted score, the groups walked, and a
     note when it could not be walked (unknown block size, a unit that does not divide it)."""
@@ -164,7 +168,7 @@ def _medium_prefix(chain: Sequence[Any], u: int, groups: list[_Group],
     """The longest end every group restores from ``medium``."""
     srcs = [v.get(medium, []) for v in views]
     if not all(srcs):
-        return Prefix(0, False)
+        return _NONE
     horizon = len(chain) * u
     runs = []
     for g, s in zip(groups, srcs, strict=True):
@@ -176,7 +180,7 @@ def _medium_prefix(chain: Sequence[Any], u: int, groups: list[_Group],
         if all(_servable(chain, e, u, g, k, s)
                for g, k, s in zip(groups, runs, srcs, strict=True)):
             return Prefix(e, any(not g.state and e % g.block_size for g in groups))
-    return Prefix(0, False)
+    return _NONE
 
 
 def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
@@ -196,8 +200,8 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
         views = [index.media_view((pub, g.group)) for g in gs]
         seen = {m for v in views for m in v}
         walk = bool(gs) and u > 0 and note is None
-        media = {str(m): _medium_prefix(chain, u, gs, views, m) if walk else Prefix(0, False)
-                 for m in (*Medium, *sorted(seen - set(Medium)))}
+        media = {m: _medium_prefix(chain, u, gs, views, m) if walk else _NONE
+                 for m in (*_MEDIA, *sorted(seen.difference(_MEDIA)))}
         out[pub] = Found(media, [g.group for g in gs], note)
     return out
 

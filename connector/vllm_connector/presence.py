@@ -13,8 +13,9 @@ be stale exactly when a request reaches an idle engine.
 
 A key's presence unit is its name under TP rank 0's fingerprint (the names every engine of
 this namespace writes and scans), which depends on rank 0's tensor layout: the rank-0
-worker sends it in its reports until a plan says it arrived. Until then, and while the feed
-is not synced (walking the key names, or after a Redis failure), every miss asks Redis.
+worker sends it in its reports until a plan says it arrived. Until then (unless the feed
+learned nothing at all: then every key is absent, whatever its name), and while the feed is
+not synced (walking the key names, or after a Redis failure), every miss asks Redis.
 """
 
 from __future__ import annotations
@@ -70,18 +71,22 @@ class RedisPresence:
             self.layout = layout
             self._rank0.clear()
 
-    def ready(self) -> bool:
-        """True when an "absent" answer can be trusted (up to what is still in flight)."""
+    def refresh(self) -> bool:
+        """Take in what the feed learned (every step, and before a look-up); True when the
+        feed is synced."""
         synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
-        self._drain()
-        self.counters.set_gauge("presence_synced", int(synced))
-        return synced and self.layout is not None
-
-    def _drain(self) -> None:
         learned = self.feed.take()
         if learned:
             self.filter.add_many(learned)
             self.counters.add("presence_learned", len(learned))
+        self.counters.set_gauge("presence_synced", int(synced))
+        return synced
+
+    def ready(self) -> bool:
+        """True when an "absent" answer can be trusted (up to what is still in flight):
+        the feed is synced and rank 0's layout known — or nothing at all was learned (an
+        empty prefix holds no key whatever its names)."""
+        return self.refresh() and (self.layout is not None or self.filter.added == 0)
 
     def _digest(self, key: BlockKey) -> int:
         assert self.layout is not None
@@ -93,6 +98,9 @@ class RedisPresence:
 
     def may_hold(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: False = no kvtier engine announced it (Redis is not asked)."""
+        if self.layout is None:
+            assert self.filter.added == 0, "ask ready() first"
+            return [False] * len(keys)
         found = self.filter.may_contain_many([self._digest(k) for k in keys])
         return [bool(f) for f in found]
 

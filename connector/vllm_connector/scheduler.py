@@ -554,7 +554,9 @@ class TieredScheduler:
         ``gone``: requests finished or preempted this step (their hand-offs are dropped).
         """
         plan, self._plan = self._plan, StepPlan()
-        plan.layout_known = self.presence is not None and self.presence.layout is not None
+        if self.presence is not None:
+            self.presence.refresh()
+            plan.layout_known = self.presence.layout is not None
         if not self.supported:
             return plan
         for req_id, done in computed_after.items():

@@ -95,11 +95,15 @@ def test_only_announced_keys_up_to_the_first_unannounced_block_are_probed() -> N
     assert _counters(s)["probe_waits"] == 1
 
 
-def test_without_a_trustworthy_summary_every_miss_is_probed() -> None:
+def test_before_rank_0s_layout_is_known_only_an_empty_summary_answers() -> None:
     s, feed = _sched()
-    req = Req("r", 100)
-    assert s.lookup(req, 0) == (None, False)  # rank 0's layout not known yet
+    assert s.lookup(Req("first", 100), 0) == (0, False)  # nothing learned: nothing stored
+    feed.learned = [12345]  # some key exists under the prefix: its name is unreadable yet
+    assert s.lookup(Req("r", 100), 0) == (None, False)
     assert [k.num_tokens for k in s.plan({}, {}, set()).probes[0].keys] == [32, 64, 96]
+
+
+def test_without_a_trustworthy_summary_every_miss_is_probed() -> None:
     s2, feed2 = _sched()
     _ready(s2)
     feed2.synced = False  # walking the key names, or after a Redis failure
