@@ -211,6 +211,8 @@ class PresenceFeed:
         self.synced = True
         with self._lock:
             self._n["walks"] += 1
+        log.info("kvtier presence feed: synced with %s (%d key names under %s:, %.2f s)",
+                 self._health.label, seen, self.prefix, time.monotonic() - started)
 
     def _flush(self, client: Any) -> None:
         with self._lock:

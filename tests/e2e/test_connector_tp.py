@@ -115,7 +115,9 @@ def test_tp2_cpu_tier_hits_with_identical_output(baseline: dict[str, Any],
 def test_tp2_new_engine_restores_every_rank_from_redis(baseline: dict[str, Any],
                                                        second: dict[str, Any]) -> None:
     a2 = by_name(second)["A2"]
-    assert a2["delta"].get("hit_tokens_redis", 0) == 128
+    why = (a2["delta"], [line for line in second.get("log", "").splitlines()
+                         if "kvtier" in line][-40:])
+    assert a2["delta"].get("hit_tokens_redis", 0) == 128, why
     assert a2["delta"].get("blocks_loaded_redis", 0) == 2 * 4
     assert a2["token_ids"] == baseline["A2"]["token_ids"]
 
