@@ -13,7 +13,8 @@ Three measurements, each printed as a table row and written to JSON (``ratios`` 
 2. **query** (in process): a 4k-token request (256 hashes) against a 1M-block index (4
    engines, chains of 256 blocks; each chain whole on one engine, its first half on
    another): kvtier's ``score_engines`` (every engine, every medium, ranked) and Dynamo's
-   ``find_matches``; p50/p99 over many requests. Full-block answers are compared.
+   ``find_matches``; p50/p99 over many requests, the best of several rounds of them (as for
+   ingest: bursts of a shared machine are not the index's). Full-block answers are compared.
 3. **HTTP** (real ``kvtier daemon`` process): ``POST /score`` (256 hashes) on one keep-alive
    connection, closed loop, while another process publishes events over ZMQ at
    ``--rate`` hash updates/s; requests/s, p50/p99, and the ingest rate the daemon reached.
@@ -112,6 +113,14 @@ def percentiles(samples: list[float]) -> dict[str, float]:
             "n": len(s)}
 
 
+def best_round(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """Query latency over several rounds of the same requests: the best p50 and the best
+    p99 (as ingest takes the best repetition: a shared machine's bursts are not the index's),
+    with every round's figures."""
+    return {"p50_us": min(r["p50_us"] for r in rounds), "p99_us": min(r["p99_us"] for r in rounds),
+            "n": rounds[0]["n"], "rounds": rounds}
+
+
 # -- the peer side: runs under the peer venv's Python, standard library + dynamo only -------
 
 def _dynamo_json(ev: Event, event_id: int) -> bytes:
@@ -146,14 +155,19 @@ def peer_worker(spec_path: str, out_path: str) -> int:
     for i, ev in enumerate(events):
         tree.apply_event(ev[1], _dynamo_json(ev, i))
     tree.find_matches([1])
-    lat, answers = [], []
-    for q in queries:
-        t0 = time.perf_counter()
-        scores = tree.find_matches(q).scores
-        lat.append(time.perf_counter() - t0)
-        answers.append({str(w[0] if isinstance(w, tuple) else w): n for w, n in scores.items()})
+    rounds, answers = [], []
+    for _ in range(spec.get("query_rounds", 1)):
+        lat = []
+        for q in queries:
+            t0 = time.perf_counter()
+            scores = tree.find_matches(q).scores
+            lat.append(time.perf_counter() - t0)
+            if not rounds:
+                answers.append({str(w[0] if isinstance(w, tuple) else w): n
+                                for w, n in scores.items()})
+        rounds.append(percentiles(lat))
     Path(out_path).write_text(json.dumps({
-        "ingest_wall_s": best_wall, "ingest_cpu_s": best_cpu, "query": percentiles(lat),
+        "ingest_wall_s": best_wall, "ingest_cpu_s": best_cpu, "query": best_round(rounds),
         "answers": answers[:500]}))
     return 0
 
@@ -221,7 +235,7 @@ def kvtier_ingest(batches: list[list[Event]], reps: int) -> dict[str, float]:
     return {"ingest_wall_s": best_wall, "ingest_cpu_s": best_cpu}
 
 
-def kvtier_query(n_blocks: int) -> tuple[dict[str, Any], list[dict[str, int]]]:
+def kvtier_query(n_blocks: int, rounds_n: int = 1) -> tuple[dict[str, Any], list[dict[str, int]]]:
     from connector.daemon.ingest import Ingestor
     from connector.events.score import score_engines
 
@@ -230,14 +244,19 @@ def kvtier_query(n_blocks: int) -> tuple[dict[str, Any], list[dict[str, int]]]:
     for op, engine, hashes, parent in events:
         ing.ingest(f"engine{engine}", 0, _payloads([[(op, engine, hashes, parent)]])[0], 0.0)
     index = ing.index
-    lat, answers = [], []
-    for q in queries:
-        t0 = time.perf_counter()
-        ranked = score_engines(index, q)
-        lat.append(time.perf_counter() - t0)
-        answers.append({s.publisher.removeprefix("engine").removesuffix("#dp0"):
-                        s.media["GPU"].tokens // B for s in ranked if s.media["GPU"].tokens})
-    return {**percentiles(lat), "entries": index.n_entries}, answers
+    rounds, answers = [], []
+    for _ in range(rounds_n):
+        lat = []
+        for q in queries:
+            t0 = time.perf_counter()
+            ranked = score_engines(index, q)
+            lat.append(time.perf_counter() - t0)
+            if not rounds:
+                answers.append({s.publisher.removeprefix("engine").removesuffix("#dp0"):
+                                s.media["GPU"].tokens // B
+                                for s in ranked if s.media["GPU"].tokens})
+        rounds.append(percentiles(lat))
+    return {**best_round(rounds), "entries": index.n_entries}, answers
 
 
 # -- HTTP /score under ingest ----------------------------------------------------------------
@@ -383,7 +402,8 @@ def report(res: dict[str, Any]) -> None:
     k, p, h = res["kvtier"], res.get("dynamo", {}), res["http"]
     u = res["ingest_updates"]
     print(f"ingest: {u:,} hash updates (best of {res['reps']}); query: 4k-token request "
-          f"(256 hashes) against {k['query']['entries']:,} blocks, {k['query']['n']} requests")
+          f"(256 hashes) against {k['query']['entries']:,} blocks, {k['query']['n']} requests "
+          f"(best of {len(k['query']['rounds'])} rounds)")
     print(f"{'':<34}{'kvtier':>14}{'dynamo':>14}")
     rows = [("ingest hash updates/s (wall)", u / k["ingest_wall_s"],
              u / p["ingest_wall_s"] if "ingest_wall_s" in p else None),
@@ -418,12 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         return peer_worker(*args.peer_worker)
     sys.path.insert(0, str(ROOT))
     spec = {"n_batches": 300 if args.quick else 3000, "reps": 3 if args.quick else 5,
-            "index_blocks": 100_000 if args.quick else 1_000_000}
+            "index_blocks": 100_000 if args.quick else 1_000_000,
+            "query_rounds": 3 if args.quick else 5}
     batches = list(ingest_stream(spec["n_batches"]))
     res: dict[str, Any] = {"ingest_updates": updates_of(batches), "reps": spec["reps"],
                            "spec": spec, "cpus": os.cpu_count()}
     kv = kvtier_ingest(batches, spec["reps"])
-    kv["query"], ours = kvtier_query(spec["index_blocks"])
+    kv["query"], ours = kvtier_query(spec["index_blocks"], spec["query_rounds"])
     res["kvtier"] = kv
     peer = ({"error": "skipped (--no-peer)"} if args.no_peer
             else run_peer(args.peer_venv, not args.no_peer_install, spec))

@@ -144,6 +144,37 @@ class Run(NamedTuple):
     kind: BlockKind | None
 
 
+class _Learned(dict[PG, int]):
+    """Learned block sizes, with a count of changes (``version``) that scoring's cache reads."""
+
+    version = 0
+
+    def __setitem__(self, pg: PG, b: int) -> None:
+        self.version += 1
+        super().__setitem__(pg, b)
+
+    def __delitem__(self, pg: PG) -> None:
+        self.version += 1
+        super().__delitem__(pg)
+
+    def setdefault(self, pg: PG, b: int) -> int:  # type: ignore[override]
+        if pg not in self:
+            self[pg] = b
+        return self[pg]
+
+    def pop(self, pg: PG, *default: Any) -> Any:  # type: ignore[override]
+        self.version += 1
+        return super().pop(pg, *default)
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        self.version += 1
+        super().update(*args, **kw)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+
 class GroupSizes:
     """Physical block size per (publisher, group): configured per group, or learned."""
 
@@ -154,7 +185,7 @@ class GroupSizes:
         for g, b in self.configured.items():
             if b <= 0:
                 raise ValueError(f"block size of group {g} must be positive, got {b}")
-        self.learned: dict[PG, int] = {}
+        self.learned: dict[PG, int] = _Learned()
 
     def block_size(self, pg: PG) -> int | None:
         b = self.configured.get(pg[1])
@@ -245,7 +276,7 @@ class KVIndex:
     __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "kinds", "n_entries",
                  "dropped_capacity", "unknown_removals", "stores", "removals", "clears",
                  "policy", "set_keys", "ttl_keys", "expires", "expired", "_heap", "_tick",
-                 "_heap_limit", "group_kinds")
+                 "_heap_limit", "group_kinds", "shape", "plans")
 
     def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000,
                  policy: ResidencyPolicy | None = None) -> None:
@@ -266,6 +297,10 @@ class KVIndex:
         self.by_pg: dict[PG, list[ResidencyKey]] = {}
         # vLLM's kv_cache_spec_kind per (publisher, group), as announced; outlives clears
         self.group_kinds: dict[PG, str] = {}
+        # bumped when residency keys or group kinds come or go; what scoring caches per
+        # engine (connector.events.score) holds while it (and the learned sizes) stay put
+        self.shape = 0
+        self.plans: dict[Any, Any] = {}
         self.kinds: dict[ResidencyKey, list[int]] = {}  # resident entries per kind, per key
         self.n_entries = 0
         self.dropped_capacity = 0
@@ -280,6 +315,7 @@ class KVIndex:
         d = self.res.get(key)
         if d is None:
             d = self.res[key] = {}
+            self.shape += 1
             self.kinds[key] = [0, 0, 0, 0]
             self.by_pg.setdefault((key[0], key[2]), []).append(key)
             if self.policy.is_set(key):
@@ -431,6 +467,7 @@ class KVIndex:
         for key in [k for k in self.res if k[0] == publisher]:
             if wanted is None or key[1] in wanted:
                 dropped += len(self.res.pop(key))
+                self.shape += 1
                 self.extra.pop(key, None)
                 del self.kinds[key]
                 self.set_keys.discard(key)
@@ -589,8 +626,9 @@ class KVIndex:
 
     def note_group_kind(self, pg: PG, spec_kind: str | None) -> None:
         """Remember vLLM's ``kv_cache_spec_kind`` of (publisher, group) (``None``: unsaid)."""
-        if spec_kind:
+        if spec_kind and self.group_kinds.get(pg) != spec_kind:
             self.group_kinds[pg] = spec_kind
+            self.shape += 1
 
     def publishers(self) -> set[Publisher]:
         """Every publisher the index has heard of (entries, block sizes or group kinds)."""
@@ -601,12 +639,22 @@ class KVIndex:
         return sorted({g for p, g in (*self.by_pg, *self.sizes.learned, *self.group_kinds)
                        if p == publisher})
 
-    def media_view(self, pg: PG) -> dict[str, list[dict[Any, int]]]:
-        """Medium -> the entry dicts of (publisher, group) there (one per ownership)."""
+    def groups_by_publisher(self) -> dict[Publisher, list[int]]:
+        """Every publisher the index has heard of, with its groups (:meth:`groups_of`), in
+        one pass."""
+        out: dict[Publisher, set[int]] = {}
+        for p, g in (*self.by_pg, *self.sizes.learned, *self.group_kinds):
+            out.setdefault(p, set()).add(g)
+        return {p: sorted(gs) for p, gs in out.items()}
+
+    def media_view(self, pg: PG, empty: bool = False) -> dict[str, list[dict[Any, int]]]:
+        """Medium -> the entry dicts of (publisher, group) there (one per ownership); with
+        ``empty``, those that hold nothing right now too (the dicts live as long as their
+        residency key: until :attr:`shape` changes)."""
         view: dict[str, list[dict[Any, int]]] = {}
         for key in self.by_pg.get(pg, ()):
             d = self.res[key]
-            if d:
+            if d or empty:
                 view.setdefault(key[1], []).append(d)
         return view
 
@@ -699,24 +747,49 @@ def full_run(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int
         while i < n and _at(sources, chain[(i + 1) * r - 1], (i + 1) * b, _FULL_ONLY):
             i += 1
         return i
-    # One dict (the common case), at C speed, a chunk at a time: FULL at a known position
-    # packs to end * 4 + 1, so the run is where the facts equal that progression (an
-    # unknown position packs to 1: checked on its own).
+    # One dict (the common case). FULL at a known position packs to end * 4 + 1 (an
+    # unknown position packs to 1). Where the run ends is guessed with single probes: the
+    # first block (most engines hold none of a request), the last (an engine often holds
+    # it all), else a bisection (a prefix cache holds the start of a chain: gaps are rare).
+    # The guess is then proved: the blocks before it compared with the progression as one
+    # list, at C speed, which finds the first gap if the guess was wrong. Exact either way.
     get = sources[0].get
     step = b * 4
-    i = 0
-    while i < n:
-        j = min(n, i + _CHUNK)
-        facts = list(map(get, chain[(i + 1) * r - 1:j * r:r]))
-        expected = range((i + 1) * step + _FULL, (j + 1) * step, step)
-        k = next(compress(count(), map(ne, facts, expected)), j - i)
-        if k < j - i and facts[k] != _FULL:
-            return i + k
-        i += k + 1 if k < j - i else k
-    return n
+    if not n or get(chain[r - 1]) not in (step + _FULL, _FULL):
+        return 0
+    lo, hi = 0, n  # block lo is FULL; block hi is not (or hi == n)
+    if get(chain[n * r - 1]) not in (n * step + _FULL, _FULL):
+        hi = n - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if get(chain[(mid + 1) * r - 1]) in ((mid + 1) * step + _FULL, _FULL):
+                lo = mid
+            else:
+                hi = mid
+    if hi > 1:
+        facts = list(map(get, chain[2 * r - 1:hi * r:r]))  # blocks 1 .. hi - 1
+        ends = _progression(step, hi)[1:hi]
+        if facts != ends:
+            for k in compress(count(), map(ne, facts, ends)):
+                if facts[k] != _FULL:
+                    return 1 + k
+    return hi
 
 
-_CHUNK = 32
+_PROGRESSIONS: dict[int, list[int]] = {}  # step -> [step + 1, 2 * step + 1, ...]: FULL facts
+_PROGRESSION_CAP = 1 << 16  # longest cached progression (a 1M-token chain at 16 per hash)
+
+
+def _progression(step: int, n: int) -> list[int]:
+    """FULL facts of blocks ``1..n`` of ``step // 4`` tokens: ``[step + 1, ..., n * step + 1]``
+    (at least ``n`` items; cached per step up to :data:`_PROGRESSION_CAP`)."""
+    p = _PROGRESSIONS.get(step)
+    if p is None or len(p) < n:
+        if n > _PROGRESSION_CAP:
+            return list(range(step + _FULL, (n + 1) * step, step))
+        m = max(n, min(_PROGRESSION_CAP, 2 * len(p) if p else 1024))
+        p = _PROGRESSIONS[step] = list(range(step + _FULL, (m + 1) * step, step))
+    return p
 
 
 def has_partial(sources: list[dict[Any, int]], h: Any, end: int) -> bool:

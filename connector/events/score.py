@@ -17,14 +17,19 @@ Rules it keeps (docs/daemon.md, "POST /score"):
   the media weighted above it: each cached token counts once, at the best tier holding it.
   Engines rank by score, then cached tokens, then name.
 
-Pure functions over a :class:`~connector.events.index.KVIndex`; not thread-safe (the
-caller holds the index's lock while :func:`prefixes` walks it).
+Functions over a :class:`~connector.events.index.KVIndex`; not thread-safe (the caller holds
+the index's lock while :func:`prefixes` walks it). What a walk needs per engine and changes
+only with the index's shape (groups, block sizes, unit, the entry dicts per medium) is kept on
+the index (``KVIndex.plans``) until that shape changes, so a query is the walks themselves:
+one dict look-up for an engine that lacks the first block, whole chunks of the chain at C
+speed for one that holds it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from connector.events.index import (
@@ -66,6 +71,7 @@ class Prefix(NamedTuple):
 
 _NONE = Prefix(0, False)
 _MEDIA: tuple[str, ...] = tuple(str(m) for m in Medium)
+_NO_MEDIA: dict[str, Prefix] = dict.fromkeys(_MEDIA, _NONE)
 
 
 class EngineScore(NamedTuple):
@@ -80,7 +86,7 @@ class EngineScore(NamedTuple):
 
     @property
     def cached_tokens(self) -> int:
-        return max((p.tokens for p in self.media.values()), default=0)
+        return max(self.media.values(), default=_NONE).tokens  # Prefix orders by tokens
 
     def as_dict(self) -> dict[str, Any]:
         return {"publisher": self.publisher, "score": round(self.score, 6),
@@ -119,13 +125,26 @@ def weights_from(given: Mapping[str, Any] | None) -> dict[str, float]:
 
 def weighted(media: Mapping[str, Prefix], weights: Mapping[str, float]) -> float:
     """Each cached token once, at the best-weighted medium whose prefix holds it."""
+    return _weighted(media, _by_weight(media, weights))
+
+
+_ORDERS: dict[tuple[tuple[str, float], ...], list[tuple[str, float]]] = {}
+
+
+def _by_weight(media: Iterable[str], weights: Mapping[str, float]) -> list[tuple[str, float]]:
+    """``(medium, weight)`` best weight first (ties by name)."""
+    return [(m, weights.get(m, 0.0))
+            for m in sorted(media, key=lambda m: (-weights.get(m, 0.0), m))]
+
+
+def _weighted(media: Mapping[str, Prefix], order: list[tuple[str, float]]) -> float:
     covered = 0
     total = 0.0
-    for m in sorted(media, key=lambda m: (-weights.get(m, 0.0), m)):
-        t = media[m].tokens
-        if t > covered:
-            total += weights.get(m, 0.0) * (t - covered)
-            covered = t
+    for m, w in order:
+        p = media.get(m)
+        if p is not None and p.tokens > covered:
+            total += w * (p.tokens - covered)
+            covered = p.tokens
     return total
 
 
@@ -163,12 +182,22 @@ def _servable(chain: Sequence[Any], e: int, u: int, g: _Group, k: int,
     return e < (k + 1) * b and has_partial(sources, h, e)
 
 
+def _attention_prefix(chain: Sequence[Any], u: int, b: int, srcs: list[dict[Any, int]]) -> Prefix:
+    """One attention group: the run of whole blocks, then a partial inside the next block."""
+    k = full_run(chain, srcs, u, b)
+    top = min(len(chain) * u, (k + 1) * b - u)
+    for e in range(top, k * b, -u):  # a partial inside block k ends the prefix there
+        if has_partial(srcs, chain[e // u - 1], e):
+            return Prefix(e, True)
+    return Prefix(k * b, False) if k else _NONE
+
+
 def _medium_prefix(chain: Sequence[Any], u: int, groups: list[_Group],
-                   views: list[dict[str, list[dict[Any, int]]]], medium: str) -> Prefix:
-    """The longest end every group restores from ``medium``."""
-    srcs = [v.get(medium, []) for v in views]
-    if not all(srcs):
-        return _NONE
+                   srcs: list[list[dict[Any, int]]]) -> Prefix:
+    """The longest end every group restores from one medium (``srcs``: its entry dicts, per
+    group)."""
+    if len(groups) == 1 and not groups[0].state:
+        return _attention_prefix(chain, u, groups[0].block_size, srcs[0])
     horizon = len(chain) * u
     runs = []
     for g, s in zip(groups, srcs, strict=True):
@@ -183,6 +212,57 @@ def _medium_prefix(chain: Sequence[Any], u: int, groups: list[_Group],
     return _NONE
 
 
+class _Plan(NamedTuple):
+    """What walking one engine needs that changes only with the index's shape: its groups,
+    unit and note, and per medium each group's entry dicts (empty ones too: emptiness is
+    checked per query)."""
+
+    publisher: Publisher
+    groups: list[_Group]
+    group_ids: list[int]
+    unit: int
+    note: str | None
+    walks: list[tuple[str, list[list[dict[Any, int]]]]]  # medium, per group: its dicts
+    extra: list[tuple[str, list[dict[Any, int]]]]  # media past GPU/CPU/STORAGE: their dicts
+    attention: int  # the block size when the engine has one group, an attention group; or 0
+
+
+_PLANS_MAX = 64  # cached (unit, groups, publishers) combinations per index shape
+
+
+def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
+           publishers: Iterable[Publisher]) -> list[_Plan]:
+    """Every engine's :class:`_Plan`, by name; cached on the index until its shape (keys,
+    group kinds, learned block sizes) changes."""
+    pubs = frozenset(publishers)
+    token = (index.shape, getattr(index.sizes.learned, "version", None), len(index.sizes.learned))
+    cache = index.plans
+    if cache.get(None) != token or len(cache) > _PLANS_MAX:
+        cache.clear()
+        cache[None] = token
+    ck = (unit, None if groups is None else tuple(groups), pubs)
+    cached: list[_Plan] | None = cache.get(ck)
+    if cached is not None:
+        return cached
+    known = index.groups_by_publisher()
+    for pub in pubs:
+        known.setdefault(pub, [])
+    plans = []
+    for pub in sorted(known):
+        gs, note = _groups(index, pub, groups if groups is not None else known[pub])
+        u, bad = _unit(gs, unit) if gs else (0, None)
+        note = note or bad or (None if gs else "no KV-cache group announced yet")
+        views = [index.media_view((pub, g.group), empty=True) for g in gs]
+        extra = sorted({m for v in views for m in v}.difference(_MEDIA))
+        walks = [(m, [v[m] for v in views]) for m in views[0]
+                 if all(m in v for v in views)] if gs and u > 0 and note is None else []
+        plans.append(_Plan(pub, gs, [g.group for g in gs], u, note, walks,
+                           [(m, [d for v in views for d in v.get(m, ())]) for m in extra],
+                           gs[0].block_size if len(gs) == 1 and not gs[0].state else 0))
+    cache[ck] = plans
+    return plans
+
+
 def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
              groups: Sequence[int] | None = None,
              publishers: Iterable[Publisher] = ()) -> dict[Publisher, Found]:
@@ -191,27 +271,52 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     ``chain`` holds one hash per ``unit`` tokens (default: the gcd of the engine's block
     sizes). ``groups``: the groups every engine must restore (default: each engine's
     announced groups). ``publishers`` are listed even if the index holds nothing of them.
+    Only media where every group holds entries are walked (elsewhere nothing is restorable).
     """
     out: dict[Publisher, Found] = {}
-    for pub in sorted({*index.publishers(), *publishers}):
-        gs, note = _groups(index, pub, groups)
-        u, bad = _unit(gs, unit) if gs else (0, None)
-        note = note or bad or (None if gs else "no KV-cache group announced yet")
-        views = [index.media_view((pub, g.group)) for g in gs]
-        seen = {m for v in views for m in v}
-        walk = bool(gs) and u > 0 and note is None
-        media = {m: _medium_prefix(chain, u, gs, views, m) if walk else _NONE
-                 for m in (*_MEDIA, *sorted(seen.difference(_MEDIA)))}
-        out[pub] = Found(media, [g.group for g in gs], note)
+    for pub, gs, group_ids, u, note, walks, extra, b in _plans(index, unit, groups, publishers):
+        media = dict(_NO_MEDIA)
+        for m, ds in extra:  # listed where entries are, in name order after the three
+            if any(ds):
+                media[m] = _NONE
+        for m, per_group in walks:
+            if b:  # one attention group (the common case): no per-group lists
+                ds = per_group[0]
+                if len(ds) != 1:
+                    ds = [d for d in ds if d]
+                if ds and ds[0]:
+                    media[m] = _attention_prefix(chain, u, b, ds)
+                continue
+            srcs = [[d for d in ds if d] for ds in per_group]
+            if all(srcs):
+                media[m] = _medium_prefix(chain, u, gs, srcs)
+        out[pub] = Found(media, list(group_ids), note)
     return out
 
 
 def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list[EngineScore]:
     """Engines with their weighted scores, best first (score, cached tokens, then name)."""
-    scores = [EngineScore(pub, weighted(media, weights), media, gs, note)
-              for pub, (media, gs, note) in found.items()]
-    scores.sort(key=lambda s: (-s.score, -s.cached_tokens, s.publisher))
-    return scores
+    extra = [f.media for f in found.values() if len(f.media) > len(_MEDIA)]
+    if extra:
+        order = _by_weight(set(_MEDIA).union(*extra), weights)
+    else:  # the three media: their order per weights, kept (a few weightings in use)
+        wk = tuple(weights.items())
+        order = _ORDERS.get(wk) or _ORDERS.setdefault(wk, _by_weight(_MEDIA, weights))
+        if len(_ORDERS) > 256:
+            _ORDERS.clear()
+    keyed = []
+    for pub, (media, gs, note) in found.items():
+        covered = 0  # _weighted, inline: this loop runs once per engine per request
+        total = 0.0
+        for m, w in order:
+            p = media.get(m)
+            if p is not None and p[0] > covered:
+                total += w * (p[0] - covered)
+                covered = p[0]
+        keyed.append(((-total, -max(media.values(), default=_NONE)[0], pub),
+                      EngineScore(pub, total, media, gs, note)))
+    keyed.sort(key=itemgetter(0))
+    return [s for _k, s in keyed]
 
 
 def score_engines(index: KVIndex, chain: Sequence[Any], unit: int | None = None,

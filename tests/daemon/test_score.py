@@ -381,3 +381,32 @@ def test_bad_bodies_get_400_naming_the_field(engines: Engines) -> None:
         status, out = d.post("/score", body)
         assert status == 400 and field in out["error"], (body, out)
     assert engines.score({"block_hashes": [1, 2]})["engines"][0]["tokens"]["GPU"] == 32
+
+
+def test_score_follows_the_index_between_calls() -> None:
+    """What scoring caches per engine (groups, block sizes, entry dicts) follows the index: a
+    block size learned later, a new medium, a dict emptied and refilled, a cleared engine."""
+    from connector.events.index import STORE, KVIndex, Run
+    from connector.events.score import score_engines
+    from offload_tiers.keys import BlockKind
+
+    idx = KVIndex()
+    gpu, cpu = ("e#dp0", "GPU", 0, None), ("e#dp0", "CPU", 0, None)
+    chain = [11, 12, 13, 14]
+
+    def tokens() -> dict[str, int]:
+        (s,) = score_engines(idx, chain, unit=16)
+        return {m: p.tokens for m, p in s.media.items() if p.tokens}
+
+    idx.store(Run(STORE, gpu, chain[:2], None, 16, 16, BlockKind.FULL))
+    assert score_engines(idx, chain, unit=16)[0].note == "block size of group 0 not known yet"
+    idx.sizes.learned[("e#dp0", 0)] = 32
+    assert tokens() == {"GPU": 32}
+    idx.store(Run(STORE, cpu, chain, None, 16, 16, BlockKind.FULL))
+    assert tokens() == {"GPU": 32, "CPU": 64}
+    idx.remove(gpu, chain[:2])
+    assert tokens() == {"CPU": 64}
+    idx.store(Run(STORE, gpu, chain[:2], None, 16, 16, BlockKind.FULL))
+    assert tokens() == {"GPU": 32, "CPU": 64}
+    idx.clear("e#dp0", ["CPU"])
+    assert tokens() == {"GPU": 32}
