@@ -48,4 +48,6 @@ bench: bootstrap
 	$(VENV)/python benchmarks/bench_stall.py --quick --json $(R)/stall.json && $(FIG) stamp $(R)/stall.json -- bench_stall.py --quick
 	$(VENV)/python benchmarks/bench_e2e.py --json $(R)/e2e.json && $(FIG) stamp $(R)/e2e.json -- bench_e2e.py
 	$(VENV)/python benchmarks/bench_ttft.py --quick --json $(R)/ttft.json && $(FIG) stamp $(R)/ttft.json -- bench_ttft.py --quick
+	$(VENV)/python benchmarks/bench_index.py --json $(R)/index.json && $(FIG) stamp $(R)/index.json -- bench_index.py
+	$(VENV)/python benchmarks/route_demo.py --json $(R)/route.json && $(FIG) stamp $(R)/route.json -- route_demo.py
 	$(FIG) render

@@ -189,6 +189,33 @@ def ttft(d: dict[str, Any]) -> str:
             f"redis-benchmark GET ({when(d)})")
 
 
+def index(d: dict[str, Any]) -> str:
+    r, k, dyn, http = d["ratios"], d["kvtier"]["query"], d["dynamo"]["query"], d["http"]
+    agree = d["dynamo"].get("full_block_agreement", {})
+    return (f"ingest {x(r['ingest_vs_dynamo'])} Dynamo's RadixTree per CPU-second "
+            f"({d['dynamo'].get('package', 'ai-dynamo-runtime')}); /score of a 4k-token request "
+            f"against a 1M-block index p50 {k['p50_us']:.0f} µs / p99 {k['p99_us']:.0f} µs vs "
+            f"Dynamo's {dyn['p50_us']:.0f} / {dyn['p99_us']:.0f} µs "
+            f"(p99 {x(r['query_p99_vs_dynamo'])}); HTTP /score "
+            f"{r['score_http_requests_per_s']:,.0f} requests/s, p99 "
+            f"{r['score_http_p99_ms']:.1f} ms while "
+            f"{http['applied_updates_per_s'] / 1e3:,.0f}k hash updates/s are ingested; full "
+            f"blocks: {agree.get('agree', '?')} of {agree.get('compared', '?')} answers equal "
+            f"Dynamo's ({when(d)})")
+
+
+def route(d: dict[str, Any]) -> str:
+    pol = d["policies"]
+    rr, sc = pol["round_robin"], pol["score"]
+    return (f"{d['workload']['conversations']} conversations × {d['workload']['turns']} turns "
+            f"on two OpenAI servers: round robin {rr['cached_tokens']:,} of "
+            f"{rr['prompt_tokens']:,} prompt tokens cached ({rr['hit_rate'] * 100:.1f} %), "
+            f"routed by /score {sc['cached_tokens']:,} ({sc['hit_rate'] * 100:.1f} %): "
+            f"{x(d['ratios']['cached_tokens_score_vs_round_robin'])}; /score's cached tokens for "
+            f"the chosen engine equalled vLLM's in {sc['predicted_exact']} of "
+            f"{sc['predicted_of']} requests ({when(d)})")
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -202,6 +229,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "stall": (("stall.json",), stall),
     "native": (("native.json",), native),
     "ttft": (("ttft.json",), ttft),
+    "index": (("index.json",), index),
+    "route": (("route.json",), route),
 }
 
 
