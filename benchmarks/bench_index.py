@@ -1,8 +1,9 @@
 """The daemon as a routing index: ingest rate, /score latency, side by side with Dynamo's indexer.
 
     python benchmarks/bench_index.py [--quick] [--json PATH] [--peer-venv DIR | --no-peer]
+                                     [--no-agreement | --agreement-only] [--re-record]
 
-Three measurements, each printed as a table row and written to JSON (``ratios`` included):
+Four measurements, each printed and written to JSON (``ratios`` and ``agreement`` included):
 
 1. **ingest** (one process): the same full-attention event stream (stores of 16-64 hashes
    chained on live requests, removals of old ones; block size 16) applied by kvtier's ingest
@@ -18,6 +19,10 @@ Three measurements, each printed as a table row and written to JSON (``ratios`` 
 3. **HTTP** (real ``kvtier daemon`` process): ``POST /score`` (256 hashes) on one keep-alive
    connection, closed loop, while another process publishes events over ZMQ at
    ``--rate`` hash updates/s; requests/s, p50/p99, and the ingest rate the daemon reached.
+4. **agreement** (:mod:`index_agreement`): real vLLM event streams (tiny Llama; tiny hybrid
+   with PARTIAL entries), recorded once under ``.kvtier/index-agreement/`` (two small
+   in-process CPU engines, one at a time; ``--re-record`` to record again), fed to both
+   indexes; per request kvtier's and Dynamo's answer against vLLM's ``num_cached_tokens``.
 
 The peer (``ai-dynamo-runtime``, PyPI) lives in its own venv (default
 ``.kvtier/venv-bench-dynamo``, git-ignored), installed on first use with a time limit; it is
@@ -172,9 +177,9 @@ def peer_worker(spec_path: str, out_path: str) -> int:
     return 0
 
 
-def run_peer(venv: Path, install: bool, spec: dict[str, Any]) -> dict[str, Any]:
-    """Install the peer if needed (bounded), run :func:`peer_worker` there; ``{"error": why}``
-    when it cannot."""
+def peer_python(venv: Path, install: bool) -> Path | dict[str, str]:
+    """The peer venv's Python, installing the peer first if needed (bounded);
+    ``{"error": why}`` when it cannot."""
     py = venv / "bin" / "python"
     probe = "import dynamo.llm as l; assert hasattr(l, 'RadixTree')"
     ok = py.exists() and subprocess.run([py, "-c", probe], capture_output=True).returncode == 0
@@ -193,6 +198,11 @@ def run_peer(venv: Path, install: bool, spec: dict[str, Any]) -> dict[str, Any]:
         ok = subprocess.run([py, "-c", probe], capture_output=True).returncode == 0
     if not ok:
         return {"error": f"{py} has no dynamo.llm.RadixTree (installed: {install})"}
+    return py
+
+
+def run_peer(py: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run :func:`peer_worker` under the peer's Python; ``{"error": why}`` when it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         sp, op = Path(tmp, "spec.json"), Path(tmp, "out.json")
         sp.write_text(json.dumps(spec))
@@ -423,6 +433,21 @@ def report(res: dict[str, Any]) -> None:
     print("ratios:", json.dumps({n: round(v, 3) for n, v in res["ratios"].items()}))
 
 
+def agreement_stage(py: Path | dict[str, str] | None, again: bool) -> dict[str, Any]:
+    """Stage 4 (:mod:`benchmarks.index_agreement`): vLLM's own recorded streams (tiny Llama,
+    tiny hybrid) fed to both indexes, each answer against vLLM's ``num_cached_tokens``;
+    prints the tables and returns them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import index_agreement
+
+    res = index_agreement.agreement(py if isinstance(py, Path) else None, again=again)
+    if isinstance(py, dict):
+        for r in res.values():
+            r.setdefault("dynamo", {}).update(py)
+    index_agreement.report(res)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller run (smoke)")
@@ -432,11 +457,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
     ap.add_argument("--no-peer", action="store_true", help="skip Dynamo's indexer")
     ap.add_argument("--no-peer-install", action="store_true", help="never pip install")
+    ap.add_argument("--no-agreement", action="store_true",
+                    help="skip the agreement stage (it runs two tiny vLLM engines)")
+    ap.add_argument("--agreement-only", action="store_true",
+                    help="only the agreement stage: vLLM's recorded streams, both indexes")
+    ap.add_argument("--re-record", action="store_true",
+                    help="record the vLLM event streams again (default: reuse them)")
     ap.add_argument("--peer-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.peer_worker:
         return peer_worker(*args.peer_worker)
     sys.path.insert(0, str(ROOT))
+    py = (None if args.no_peer
+          else peer_python(args.peer_venv, not args.no_peer_install))
+    if args.agreement_only:
+        res = {"agreement": agreement_stage(py, args.re_record)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
     spec = {"n_batches": 300 if args.quick else 3000, "reps": 3 if args.quick else 5,
             "index_blocks": 100_000 if args.quick else 1_000_000,
             "query_rounds": 3 if args.quick else 5}
@@ -446,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     kv = kvtier_ingest(batches, spec["reps"])
     kv["query"], ours = kvtier_query(spec["index_blocks"], spec["query_rounds"])
     res["kvtier"] = kv
-    peer = ({"error": "skipped (--no-peer)"} if args.no_peer
-            else run_peer(args.peer_venv, not args.no_peer_install, spec))
+    peer = (py if isinstance(py, dict) else {"error": "skipped (--no-peer)"} if py is None
+            else run_peer(py, spec))
     res["dynamo"] = {k: v for k, v in peer.items() if k != "answers"}
     res["http"] = http_under_ingest(args.rate, 3.0 if args.quick else args.seconds)
     h = res["http"]
@@ -461,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         res["dynamo"]["full_block_agreement"] = agreement(ours, peer["answers"])
     res["ratios"] = ratios
     report(res)
+    if not args.no_agreement:
+        res["agreement"] = agreement_stage(py, args.re_record)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
