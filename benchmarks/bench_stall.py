@@ -606,7 +606,8 @@ def main(argv: list[str]) -> int:
         print("kvtier counters over the measured rounds: " + ", ".join(
             f"{k.removeprefix('vllm:kvtier_')}={v:g}" for k, v in sorted(c.items())
             if any(w in k for w in ("hit_tokens", "written_redis", "drops", "errors",
-                                    "failed", "blocks_saved", "misses"))))
+                                    "failed", "blocks_saved", "misses", "probe_waits",
+                                    "presence_known_absent", "presence_not_ready"))))
     print("ratios (kvtier; native_*: native)")
     for key, value in ratios.items():
         print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")
@@ -617,6 +618,8 @@ def main(argv: list[str]) -> int:
                               for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,
                "elapsed_s": time.monotonic() - t0}
+        if "kvtier" in runs:  # what the connector counted over the measured rounds
+            out["kvtier_counters"] = runs["kvtier"]["kvtier_counters"]
         if args.json_runs:  # every token's arrival time: large
             out["runs"] = runs
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
