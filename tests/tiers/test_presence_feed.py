@@ -131,6 +131,7 @@ def test_acl_refusing_the_stream_turns_the_feed_off_with_a_clear_secret_free_war
         assert not a.synced and "XADD" in a.disabled
         text = caplog.text + a.disabled
         assert "presence feed off" in caplog.text and SECRET not in text
+        assert sum("presence feed off" in r.getMessage() for r in caplog.records) == 1
     finally:
         server.stop()
 
