@@ -45,12 +45,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     path = config.stash.get(_STARTS_KEY, None)
     if path is None:
         return
-    total, by_kind = engine_starts.summary(path)
+    total, by_kind, by_file = engine_starts.summary(path)
     terminalreporter.write_sep("=", f"engine starts: {total}")
     for label, count in sorted(by_kind.items(), key=lambda kv: (-kv[1], kv[0])):
         terminalreporter.write_line(f"{count:4d}  {label}")
+    terminalreporter.write_sep("-", "engine starts by test file")
+    for test_file, count in sorted(by_file.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{count:4d}  {test_file}")
     path.unlink(missing_ok=True)
-
 
 
 @pytest.fixture(scope="session")

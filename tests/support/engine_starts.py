@@ -35,15 +35,18 @@ def record(kind: str, spec: dict[str, Any] | None = None, count: int = 1) -> Non
     if not path:
         return
     label = f"{kind}: {describe(spec)}" if spec is not None else kind
+    test_file = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::", 1)[0]
     with open(path, "a", encoding="utf-8") as fh:  # one short line per write: O_APPEND
-        fh.write(f"{count}\t{label}\n")
+        fh.write(f"{count}\t{label}\t{test_file}\n")
 
 
-def summary(path: Path) -> tuple[int, Counter[str]]:
-    """Total engine starts and starts by kind, from the session's file."""
+def summary(path: Path) -> tuple[int, Counter[str], Counter[str]]:
+    """Total engine starts, starts by kind and starts by test file, from the session's file."""
     by_kind: Counter[str] = Counter()
+    by_file: Counter[str] = Counter()
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
-            count, _, label = line.partition("\t")
+            count, label, test_file = (line.split("\t") + ["?"])[:3]
             by_kind[label] += int(count)
-    return sum(by_kind.values()), by_kind
+            by_file[test_file] += int(count)
+    return sum(by_kind.values()), by_kind, by_file
