@@ -31,13 +31,36 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_STARTS_KEY] = Path(path)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` a module's tests stay on one worker (its module-scoped
-    engines start once), unless the module names a group of its own: modules of one group
-    run on one worker, so the engine host's kept baseline engines serve them all."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+#: Test files that run on one pytest worker together (the engine host's kept baseline engine
+#: of that worker serves them all); every other file is a group of its own.
+SHARED_WORKER = {
+    "tests/e2e/test_connector_llama.py": "llama-baseline",
+    "tests/e2e/test_connector_faults.py": "llama-baseline",
+}
+
+
+def test_file_group(nodeid: str) -> str:
+    """The scheduling group of a test: its file, or the group its file shares."""
+    test_file = nodeid.split("::", 1)[0]
+    return SHARED_WORKER.get(test_file, test_file)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: every test file on one worker (its module-scoped engines start
+    once), files of one :data:`SHARED_WORKER` group on the same worker.
+
+    Not xdist's own loadgroup: it appends ``@group`` to ``item._nodeid``, which pytest 9.2
+    no longer reads (``Node.nodeid`` comes from ``_id``), so every file's tests were spread
+    over both workers and each worker started the file's engines."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_file_group(nodeid)
+
+    return FileGroupScheduling(config, log)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

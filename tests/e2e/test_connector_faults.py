@@ -11,9 +11,10 @@ Engine processes (each reused by several assertions; ~10-25 s each):
   each other's blocks.
 * ``other_model``: the same Redis with another ``model_id``: no block is shared.
 * ``tls_acl``: ``rediss://`` with an ACL user, server verified with a generated CA
-  (``redis_ssl_ca_certs``); ``wrong_password``: the same with a wrong password: the engine
-  starts and serves from the CPU tier; the error is clear and the password is in no log line
-  or stat.
+  (``redis_ssl_ca_certs``), a CPU tier small enough that later prompts evict the first one,
+  which then comes back from Redis over TLS; ``wrong_password``: the same with a wrong
+  password: the engine starts and serves from the CPU tier; the error is clear and the
+  password is in no log line or stat.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from tests.support.redis_server import RedisServer
 from tests.support.redis_tls import start_tls_acl_server, tls_url
 from tests.support.tls_certs import TlsFiles, make_tls_files
 
-# One worker for the modules whose baseline is vLLM's default llama engine (started once).
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama-baseline")]
+# On one pytest worker with the other llama-baseline file (tests/conftest.py SHARED_WORKER):
+# vLLM's default llama engine, the baseline, is started once for both.
+pytestmark = pytest.mark.e2e
 
 P1 = prompt_words(31, 140)
 P1B = P1 + " " + prompt_words(32, 20)
@@ -42,6 +44,7 @@ P4 = prompt_words(35, 140)
 PT = prompt_words(36, 140)  # the tenants' prompt: identical tokens for alice and bob
 ACL_USER, ACL_PASSWORD, WRONG_PASSWORD = "kvt", "Acl-Pw-7f3e9d", "Wrong-Pw-1c2b8a"
 EXTRA = {"cpu_bytes": 64 << 20, "redis_timeout_s": 0.2, "redis_prefix": "kvf"}
+TIGHT_CPU_BYTES = 1 << 20  # the connector's minimum: ~30 blocks of the tiny Llama
 
 
 def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -205,21 +208,24 @@ def _tls_url(port: int, password: str) -> str:
 
 def test_tls_with_acl_user_stores_and_serves(
         baseline: dict[str, dict[str, Any]], tls: TlsFiles, tls_srv: Any) -> None:
+    """Stores over TLS as the ACL user; once later prompts evicted P1 from its smallest
+    CPU tier, the engine restores P1 from Redis over TLS."""
     server, port = tls_srv
     # The URL (password included) from the environment: vLLM prints the config it is given,
     # and the whole output of the engine's processes is checked below.
-    extra = dict(EXTRA, redis_url_env=URL_ENV, redis_ssl_ca_certs=str(tls.ca_cert))
+    extra = dict(EXTRA, redis_url_env=URL_ENV, redis_ssl_ca_certs=str(tls.ca_cert),
+                 cpu_bytes=TIGHT_CPU_BYTES)
     env = {URL_ENV: _tls_url(port, ACL_PASSWORD)}
-    result = run_in_subprocess({"model": "llama", "extra": extra, "log_info": True,
-                                "steps": [["generate", "P1", P1], ["generate", "P2", P2]]},
-                               env=env)
+    pressure = [["generate", f"E{i}", prompt_words(120 + i, 140)] for i in range(10)]
+    result = run_in_subprocess({"model": "llama", "extra": extra, "log_info": True, "steps": [
+        ["generate", "P1", P1], ["generate", "P2", P2], *pressure, ["reset"],
+        ["generate", "P1-again", P1]]}, env=env)
     assert result["stats"]["redis_available"] == 1
     assert result["stats"]["blocks_written_redis"] > 0
     assert server.client().dbsize() > 0  # the blocks really landed, over TLS, as the ACL user
-    # A second engine (fresh CPU tier) reads them back over TLS.
-    again = by_name(run_in_subprocess({"model": "llama", "extra": extra,
-                                       "steps": [["generate", "P1", P1]]}, env=env))["P1"]
-    assert hits(again)[1] > 0 and again["token_ids"] == baseline["P1"]["token_ids"]
+    assert result["cpu_tier"]["evictions"] > 0
+    again = by_name(result)["P1-again"]
+    assert hits(again) == (0, 128) and again["token_ids"] == baseline["P1"]["token_ids"]
     assert ACL_PASSWORD not in result["log"] + json.dumps(result["stats"])
     assert ACL_PASSWORD not in json.dumps(result["redis_tier"])
 

@@ -18,8 +18,9 @@ from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
-# One worker for the modules whose baseline is vLLM's default llama engine (started once).
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("llama-baseline")]
+# On one pytest worker with the other llama-baseline file (tests/conftest.py SHARED_WORKER):
+# vLLM's default llama engine, the baseline, is started once for both.
+pytestmark = pytest.mark.e2e
 
 PROMPT_A = prompt_words(11, 150)
 PROMPT_B = prompt_words(12, 150)

@@ -1,15 +1,25 @@
 """kvtier inside vLLM's OpenAI-compatible server (a subprocess), driven over HTTP by the
-``openai`` client: streamed and non-streamed completions, identical to the server without
-kvtier; after ``/reset_prefix_cache`` the prefix comes from kvtier's CPU tier, after a
-server restart from Redis (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``).
+``openai`` client. Three servers, each started once and reused by every test:
+
+* ``baseline``: vLLM alone, every prompt below (the outputs to compare with);
+* ``A``: kvtier, the Redis URL from ``redis_url_env``. Streamed and non-streamed
+  completions identical to the baseline; after ``/reset_prefix_cache`` the prefix comes
+  from kvtier's CPU tier (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``);
+* ``B``: kvtier at ``--data-parallel-size 2`` (two engine cores, each with its own kvtier
+  scheduler and worker), started after A stored its prompts and running beside A; its
+  credentials in a plain ``redis_url`` + ``redis_username`` + ``redis_password_file``.
+  As a restarted server would, it restores A's prompts from Redis (its start walk found
+  them); it restores a prefix A stored while both ran (learned from A's announcement, issue
+  19); a prompt nobody stored is answered without a Redis probe; after a reset its own
+  prompts come back from its CPU tiers.
 
 The Redis requires a password (an ACL user): the servers get it as users should give it,
-outside vLLM's printed config (``redis_url_env``; ``redis_password_file``), and it never
-appears in a server's log or ``/metrics``."""
+outside vLLM's printed config, and it never appears in a server's log or ``/metrics``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +35,11 @@ pytestmark = pytest.mark.e2e
 
 PROMPT = prompt_words(31, 200)  # 200 tokens: 6 full blocks of 32 and a partial tail
 STREAMED = prompt_words(32, 170)
-PROMPT_BLOCKS, STREAMED_BLOCKS = 6, 5  # what the restarted server restores from Redis
+PROMPT_BLOCKS, STREAMED_BLOCKS = 6, 5  # what the new server restores from Redis
+SHARED = prompt_words(41, 200)  # stored by A while B runs: 6 full blocks
+NOVEL = prompt_words(42, 150)  # stored by nobody
+DP_PROMPTS = [prompt_words(90 + i, 150) for i in range(4)]
+DEADLINE_S = 300.0  # ends a hang only; every wait below is for an event
 
 
 def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
@@ -70,16 +84,93 @@ def session(server: OpenAIServer, reset_first: bool) -> dict[str, Any]:
 URL_ENV = "KVTIER_TEST_SECRET_REDIS_URL"
 
 
+def until(server: OpenAIServer, done: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """Step the server with a prompt shorter than a block (kvtier neither looks it up nor
+    stores it; reports and metrics flow) until its ``vllm:kvtier_*`` metrics satisfy
+    ``done``; those metrics."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        complete(server, "hi")
+        metrics = server.metrics()
+        if done(metrics):
+            return metrics
+        assert time.monotonic() < deadline, f"never reached; last metrics {metrics}"
+
+
+def count(metrics: dict[str, float], name: str) -> float:
+    return metrics.get(f"vllm:kvtier_{name}", 0)
+
+
 @pytest.fixture(scope="module")
 def prefix(secret_redis: SecretRedis) -> Iterator[str]:
     with scratch_prefix(secret_redis.admin_url) as name:
         yield name
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
-         tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    logs = tmp_path_factory.mktemp("servers")
+def _start(name: str, logs: Path, model_dir: Path, config: dict[str, Any] | None,
+           env: dict[str, str | None], extra_args: list[str] | None = None) -> OpenAIServer:
+    return OpenAIServer(model_dir, logs / f"{name}.log", kv_transfer_config=config, env=env,
+                        extra_args=extra_args).start(timeout_s=600)
+
+
+def _baseline(server: OpenAIServer) -> dict[str, Any]:
+    out = session(server, reset_first=False)
+    out["SHARED"] = complete(server, SHARED)
+    out["NOVEL"] = complete(server, NOVEL)
+    out["DP"] = [complete(server, p) for p in DP_PROMPTS]
+    return out
+
+
+def _a_first_request(a: OpenAIServer) -> dict[str, Any]:
+    """A's very first request, once its summary of the empty prefix is synced: answered
+    from the summary, without a probe."""
+    until(a, lambda m: count(m, "presence_synced") == 1)
+    first = complete(a, PROMPT)
+    return {"P1": first, "metrics": until(a, lambda m: count(m, "lookups") >= 1)}
+
+
+def _b_learns_and_restores(a: OpenAIServer, b: OpenAIServer) -> dict[str, Any]:
+    """Both servers up; B's summaries synced. A stores SHARED; B learns it from A's
+    announcement (both engine cores) and restores it; then NOVEL, stored by nobody."""
+    synced = until(b, lambda m: count(m, "presence_synced") == 2)
+    out: dict[str, Any] = {"synced": synced}
+    out["A-SHARED"] = complete(a, SHARED)
+    out["A-written"] = until(a, lambda m: count(m, "blocks_written_redis")
+                             >= PROMPT_BLOCKS + STREAMED_BLOCKS + 6)
+    learned = count(synced, "presence_learned")
+    out["learned"] = until(b, lambda m: count(m, "presence_learned") >= learned + 2 * 6)
+    out["B-SHARED"] = complete(b, SHARED)
+    out["after-shared"] = until(b, lambda m: count(m, "hit_tokens_redis")
+                                > count(out["learned"], "hit_tokens_redis"))
+    out["B-NOVEL"] = complete(b, NOVEL)
+    out["after-novel"] = until(b, lambda m: count(m, "lookups")
+                               > count(out["after-shared"], "lookups"))
+    return out
+
+
+def _b_restores_a_prompts(b: OpenAIServer, before: dict[str, float]) -> dict[str, Any]:
+    """The restart case: PROMPT and STREAMED, which A stored before B started."""
+    out = {"P1": complete(b, PROMPT), "S1": complete(b, STREAMED, stream=True)}
+    out["metrics"] = until(b, lambda m: count(m, "lookups") >= count(before, "lookups") + 2)
+    return out
+
+
+def _b_data_parallel(b: OpenAIServer) -> dict[str, Any]:
+    """Four new prompts, vLLM's prefix caches emptied, the four again."""
+    out: dict[str, Any] = {"first": [complete(b, p) for p in DP_PROMPTS]}
+    assert b.post("/reset_prefix_cache")["success"] is not False
+    before = until(b, lambda m: True)
+    out["second"] = [complete(b, p) for p in DP_PROMPTS]
+
+    def restored(m: dict[str, float]) -> float:
+        return count(m, "hit_tokens_cpu") + count(m, "hit_tokens_redis")
+
+    out["metrics"] = (before, until(b, lambda m: restored(m) >= restored(before) + 4 * 128))
+    return out
+
+
+def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix: str,
+                 started: list[OpenAIServer]) -> dict[str, Any]:
     password_file = logs / "redis-password"
     password_file.write_text(secret_redis.user_password + "\n")
     password_file.chmod(0o600)
@@ -89,88 +180,124 @@ def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
     by_file = kvtier_transfer_config({**common, "redis_url": plain_url,
                                       "redis_username": "kvtier",
                                       "redis_password_file": str(password_file)})
-    env = {URL_ENV: secret_redis.user_url}
-    out: dict[str, dict[str, Any]] = {}
-    for name, config in (("baseline", None), ("kvtier", by_env), ("restarted", by_file)):
-        server = OpenAIServer(tiny_llama_dir, logs / f"{name}.log", kv_transfer_config=config,
-                              env=env).start()
-        try:
-            out[name] = session(server, reset_first=False)
-            if name == "kvtier":  # its Redis writes land in the background: wait for them
-                wait_for_keys(secret_redis.admin_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS)
-        except Exception:
+    out: dict[str, Any] = {}
+    base = _start("baseline", logs, model_dir, None, {})
+    started.append(base)
+    out["baseline"] = _baseline(base)
+    base.stop()
+    a = _start("A", logs, model_dir, by_env, {URL_ENV: secret_redis.user_url})
+    started.append(a)
+    out["A-first"] = _a_first_request(a)
+    out["A"] = session(a, reset_first=True)
+    # A's Redis writes land in the background: B starts once they are there.
+    wait_for_keys(secret_redis.admin_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS)
+    b = _start("B", logs, model_dir, by_file, {URL_ENV: None}, ["--data-parallel-size", "2"])
+    started.append(b)
+    out["presence"] = _b_learns_and_restores(a, b)
+    out["B"] = _b_restores_a_prompts(b, out["presence"]["after-novel"])
+    out["DP"] = _b_data_parallel(b)
+    out["B"]["metrics_text"] = b.metrics_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    logs = tmp_path_factory.mktemp("servers")
+    started: list[OpenAIServer] = []
+    try:
+        out = _run_servers(tiny_llama_dir, logs, secret_redis, prefix, started)
+    except Exception:
+        for server in started:
             print(server.log_tail())
-            raise
-        finally:
+        raise
+    finally:
+        for server in started:
             server.stop()
-        out[name]["log"] = server.log_path.read_text(errors="replace")
+    out["logs"] = {s.log_path.stem: s.log_path.read_text(errors="replace") for s in started}
     return out
 
 
 def test_outputs_identical_to_the_server_without_kvtier(runs: dict[str, Any]) -> None:
     base = runs["baseline"]
-    for name in ("kvtier", "restarted"):
-        for request in ("P1", "S1", "P2", "S2"):
-            assert runs[name][request]["text"] == base[request]["text"], (name, request)
+    for request in ("P1", "S1", "P2", "S2"):
+        assert runs["A"][request]["text"] == base[request]["text"], request
+    for request in ("P1", "S1"):
+        assert runs["B"][request]["text"] == base[request]["text"], request
+    assert runs["A-first"]["P1"]["text"] == base["P1"]["text"]
     assert base["P2"]["cached"] == 0 and base["S2"]["cached"] == 0  # the reset emptied vLLM
 
 
 def test_cpu_tier_serves_the_prefix_after_vllm_forgets_it(runs: dict[str, Any]) -> None:
-    kv = runs["kvtier"]
-    assert kv["P1"]["cached"] == 0
+    kv = runs["A"]
+    assert runs["A-first"]["P1"]["cached"] == 0
+    # After each reset: PROMPT (stored by A's first request), then PROMPT and STREAMED.
+    assert kv["P1"]["cached"] == 192 and kv["S1"]["cached"] == 0
     assert kv["P2"]["cached"] == 192 and kv["S2"]["cached"] == 160
     metrics = kv["metrics"]
-    assert metrics["vllm:kvtier_hit_tokens_cpu"] == 192 + 160
+    assert metrics["vllm:kvtier_hit_tokens_cpu"] == 192 + 192 + 160
     assert metrics["vllm:kvtier_load_errors"] == 0
 
 
-def test_restarted_server_restores_from_redis(runs: dict[str, Any]) -> None:
-    again = runs["restarted"]
+def test_new_server_restores_from_redis(runs: dict[str, Any]) -> None:
+    """B started after A stored PROMPT and STREAMED (the restart case: a new server, an
+    empty CPU tier): both restored from Redis."""
+    again = runs["B"]
     assert again["P1"]["cached"] == 192 and again["S1"]["cached"] == 160
     metrics = again["metrics"]
-    assert metrics["vllm:kvtier_hit_tokens_redis"] == 192 + 160
-    assert metrics["vllm:kvtier_redis_available"] == 1
-    assert metrics["vllm:kvtier_failed_restores"] == 0
+    before = runs["presence"]["after-novel"]
+    assert count(metrics, "hit_tokens_redis") - count(before, "hit_tokens_redis") == 192 + 160
+    assert count(metrics, "hit_tokens_cpu") == 0
+    assert count(metrics, "redis_available") == 2  # both engine cores' workers
+    assert count(metrics, "failed_restores") == 0
+
+
+def test_b_restores_what_a_stored_and_a_novel_prompt_waits_for_no_probe(
+        runs: dict[str, Any]) -> None:
+    """Issue 19: B learned of A's SHARED blocks from A's announcement (its summaries were
+    synced before A stored them) and restored them; NOVEL was answered in the lookup it
+    arrived with, without a Redis probe (counters, not time)."""
+    first = runs["A-first"]["metrics"]
+    # A's very first request came before any feed learned a key: answered at once.
+    assert count(first, "presence_known_absent") == 1 and count(first, "probe_waits") == 0
+    p = runs["presence"]
+    assert count(p["A-written"], "probe_waits") == 0
+    assert p["B-SHARED"]["cached"] == 192 and p["B-SHARED"]["text"] == p["A-SHARED"]["text"]
+    assert count(p["after-shared"], "hit_tokens_redis") \
+        - count(p["learned"], "hit_tokens_redis") == 192
+    assert count(p["after-shared"], "failed_restores") == 0
+    assert p["B-NOVEL"]["cached"] == 0
+    assert p["B-NOVEL"]["text"] == runs["baseline"]["NOVEL"]["text"]
+    delta = {k: count(p["after-novel"], k) - count(p["after-shared"], k)
+             for k in ("presence_known_absent", "probe_waits", "lookups")}
+    assert delta == {"presence_known_absent": 1, "probe_waits": 0, "lookups": 1}
+
+
+def test_data_parallel_engines_each_restore_from_their_cpu_tier(runs: dict[str, Any]) -> None:
+    """``--data-parallel-size 2``: requests are spread by vLLM; after
+    ``/reset_prefix_cache`` every one of them is restored by kvtier, from the CPU tier of
+    the engine core that computed it, with the output of the pass that computed it."""
+    first, second = runs["DP"]["first"], runs["DP"]["second"]
+    before, after = runs["DP"]["metrics"]
+    print("KVTIER-DP", {"cpu": count(after, "hit_tokens_cpu") - count(before, "hit_tokens_cpu"),
+                        "redis": count(after, "hit_tokens_redis")
+                        - count(before, "hit_tokens_redis")})
+    assert [r["cached"] for r in first] == [0, 0, 0, 0]
+    assert [r["cached"] for r in second] == [128, 128, 128, 128]
+    assert [r["text"] for r in second] == [r["text"] for r in first]
+    assert [r["text"] for r in first] == [r["text"] for r in runs["baseline"]["DP"]]
+    assert count(after, "hit_tokens_cpu") - count(before, "hit_tokens_cpu") == 4 * 128
+    assert count(after, "load_errors") == 0
 
 
 def test_the_password_is_in_no_log_and_no_metric(runs: dict[str, Any],
                                                 secret_redis: SecretRedis) -> None:
     """The servers stored to and restored from the password-protected Redis (above), and
     neither password appears in a server's log or ``/metrics``."""
-    assert runs["restarted"]["metrics"]["vllm:kvtier_hit_tokens_redis"] > 0
-    for name in ("kvtier", "restarted"):
-        assert runs[name]["log"], name
-        assert secret_redis.found_in(runs[name]["log"]) == [], name
+    assert count(runs["B"]["metrics"], "hit_tokens_redis") > 0
+    for name in ("A", "B"):
+        assert runs["logs"][name], name
+        assert secret_redis.found_in(runs["logs"][name]) == [], name
         assert secret_redis.found_in(runs[name]["metrics_text"]) == [], name
-    assert URL_ENV in runs["kvtier"]["log"]  # vLLM printed the config: it names the variable
-
-
-def test_data_parallel_engines_each_restore_from_their_cpu_tier(
-        tiny_llama_dir: Path, tmp_path: Path, secret_redis: SecretRedis, prefix: str) -> None:
-    """``--data-parallel-size 2``: two engine cores, each with its own kvtier scheduler and
-    worker. Requests spread over both; after ``/reset_prefix_cache`` every one of them is
-    restored by kvtier, with the output of the pass that computed everything. The Redis URL
-    (password included) reaches both engine cores' processes by ``redis_url_env``."""
-    prompts = [prompt_words(90 + i, 150) for i in range(4)]
-    config = kvtier_transfer_config({"cpu_bytes": 64 << 20, "redis_url_env": URL_ENV,
-                                     "redis_prefix": prefix, "redis_timeout_s": 2.0})
-    server = OpenAIServer(tiny_llama_dir, tmp_path / "dp2.log", kv_transfer_config=config,
-                          env={URL_ENV: secret_redis.user_url},
-                          extra_args=["--data-parallel-size", "2"]).start(timeout_s=600)
-    try:
-        first = [complete(server, p) for p in prompts]
-        assert server.post("/reset_prefix_cache")["success"] is not False
-        second = [complete(server, p) for p in prompts]
-        metrics = server.metrics()
-    except Exception:
-        print(server.log_tail())
-        raise
-    finally:
-        server.stop()
-    assert [r["cached"] for r in first] == [0, 0, 0, 0]
-    assert [r["cached"] for r in second] == [128, 128, 128, 128]
-    assert [r["text"] for r in second] == [r["text"] for r in first]
-    assert metrics["vllm:kvtier_hit_tokens_cpu"] == 4 * 128
-    assert metrics["vllm:kvtier_load_errors"] == 0
-    assert metrics["vllm:kvtier_redis_available"] == 2  # both engine cores' workers
-    assert secret_redis.found_in(server.log_path.read_text(errors="replace")) == []
+    assert secret_redis.found_in(runs["logs"]["baseline"]) == []
+    assert URL_ENV in runs["logs"]["A"]  # vLLM printed the config: it names the variable
