@@ -6,9 +6,9 @@ look up, load and save in the same step, and prompts of one batch share prefixes
 different lengths (block-aligned or not). Engines (one process each, reused by the tests):
 
 * ``baseline``: vLLM alone;
-* ``roomy``: CPU tier of 64 MiB, no Redis;
 * ``tight``: CPU tier of 1 MiB (the connector's minimum; ~30 slots of one 32-token block),
-  no Redis: the workload evicts from the CPU tier mid-run;
+  no Redis: the first two batches fit in it (nothing evicted: a roomy tier's case), the
+  pressure batches that follow evict from it mid-run;
 * ``tight_redis``: the same tiny CPU tier with Redis behind it: evicted blocks come back
   from Redis.
 """
@@ -63,11 +63,6 @@ def baseline(tiny_llama_dir: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def roomy(tiny_llama_dir: Any) -> dict[str, Any]:
-    return run({"cpu_bytes": 64 << 20})
-
-
-@pytest.fixture(scope="module")
 def tight(tiny_llama_dir: Any) -> dict[str, Any]:
     return run({"cpu_bytes": TIGHT_CPU_BYTES})
 
@@ -85,21 +80,21 @@ def tight_redis(tiny_llama_dir: Any, redis_url: str, redis_prefix: str) -> dict[
 
 
 def test_batched_requests_hit_the_cpu_tier_with_identical_output(
-        baseline: dict[str, Any], roomy: dict[str, Any]) -> None:
-    assert_identical(roomy, baseline, "warm", len(WARM))
-    assert_identical(roomy, baseline, "hit", len(HIT))
-    hit = roomy["runs"]["hit"]["delta"]
-    cached = [roomy["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
+        baseline: dict[str, Any], tight: dict[str, Any]) -> None:
+    """The first two batches (warm, then hit after a reset) fit in the CPU tier: nothing is
+    evicted before the pressure batches."""
+    assert_identical(tight, baseline, "warm", len(WARM))
+    assert_identical(tight, baseline, "hit", len(HIT))
+    warm, hit = tight["runs"]["warm"]["delta"], tight["runs"]["hit"]["delta"]
+    cached = [tight["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
     base_cached = [baseline["runs"][f"hit/{i}"]["num_cached_tokens"] for i in range(len(HIT))]
     print("KVTIER-BATCH", {"hit_delta": hit, "num_cached": cached, "baseline": base_cached})
+    assert warm.get("cpu_evictions", 0) == 0 and hit.get("cpu_evictions", 0) == 0
     assert hit.get("hit_tokens_cpu", 0) > 0
     assert hit.get("hit_requests", 0) >= 4  # several requests restored in one generate()
     assert sum(cached) > sum(base_cached)
-    # every prompt of the batch came back from kvtier or from what kvtier restored
     assert all(c >= BLOCK for c in cached), cached
-    assert roomy["stats"]["load_errors"] == 0
-    assert roomy["cpu_tier"]["pinned"] == 0
-    assert roomy["cpu_tier"]["evictions"] == 0
+    assert hit.get("load_errors", 0) == 0
 
 
 def test_full_cpu_tier_evicts_and_keeps_output_identical(

@@ -42,7 +42,7 @@ MARKER = list(range(300, 370))  # token ids no other prompt starts with (a full 
 
 
 # Scenarios of their own (each test's steps); one engine without kvtier runs them all, and
-# one kvtier engine (CPU tier only) runs RESTORED_STEPS and SHARED_STEPS: vLLM's prefix
+# the first Redis engine runs RESTORED_STEPS and SHARED_STEPS after its own: vLLM's prefix
 # cache is reset between scenarios and their prompts share no block, so each scenario sees
 # what a fresh engine would.
 TURN1 = prompt_words(41, 240)
@@ -85,30 +85,30 @@ def baseline(base_runs: dict[str, dict[str, Any]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cpu_runs(tiny_hybrid_dir: Path) -> dict[str, dict[str, Any]]:
-    """kvtier with its CPU tier alone: the restored-state, shared-partial and batch
-    scenarios; the counters of the engine at rest are under ``"at_rest"``."""
-    result = run_in_subprocess({"model": "hybrid", "extra": {"cpu_bytes": 64 << 20},
-                                "engine": ENGINE, "steps": [
-                                    *RESTORED_STEPS, ["reset"], *SHARED_STEPS, ["reset"],
-                                    *BATCH_STEPS]})
-    return {**by_name(result), "at_rest": result}
-
-
-@pytest.fixture(scope="module")
 def redis_runs(tiny_hybrid_dir: Path, redis_url: str) -> Iterator[list[dict[str, Any]]]:
-    """Two kvtier engines on one Redis prefix, one after the other: the first stores a
-    3-turn conversation and FAILED; the second (fresh CPU tier) restores the conversation
-    from Redis, then every value is flipped and it asks for FAILED."""
+    """Two kvtier engines on one Redis prefix, one after the other. The first stores a
+    3-turn conversation and FAILED, then runs the restored-state, shared-partial and batch
+    scenarios (served by its CPU tier, which holds everything it stored); the second (fresh
+    CPU tier) restores the conversation from Redis, then every value is flipped and it asks
+    for FAILED."""
     with scratch_prefix(redis_url) as prefix:
         extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
                  "redis_timeout_s": 2.0}
         conversation = ["multi_turn", FIRST_PROMPT, 3]
-        first = run_in_subprocess({"model": "hybrid", "extra": extra,
-                                   "steps": [conversation, FAILED_STEPS[0]]})
+        first = run_in_subprocess({"model": "hybrid", "extra": extra, "engine": ENGINE,
+                                   "steps": [conversation, FAILED_STEPS[0], ["reset"],
+                                             *RESTORED_STEPS, ["reset"], *SHARED_STEPS,
+                                             ["reset"], *BATCH_STEPS]})
         second = run_in_subprocess({"model": "hybrid", "extra": extra, "steps": [
             conversation, ["damage_rank", redis_url, prefix, "flip"], *FAILED_STEPS]})
         yield [first, second]
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(redis_runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The first Redis engine's scenarios after its conversation, by name; the counters of
+    the engine at rest under ``"at_rest"``."""
+    return {**by_name(redis_runs[0]), "at_rest": redis_runs[0]}
 
 
 class EventSink:

@@ -10,7 +10,9 @@ out), a request ``B``, sent after that, has finished, and ``D`` has received 5 t
 ``B``'s prompt is shorter than a block: kvtier has nothing to ask Redis for it (a longer
 prompt would wait for its own probe, by design). An engine step that waited on Redis would
 stall ``B`` and ``D`` until the test's deadline (far below the Redis timeout) and fail.
-Outputs equal the server without kvtier.
+Outputs equal those of a first server that computed every token (it had nothing to
+restore) and stored ``LONG`` (``D``'s and ``B``'s prompts are shorter than a block: nothing
+of theirs is stored, they stay misses).
 """
 
 from __future__ import annotations
@@ -127,12 +129,6 @@ async def probe_waits(server: OpenAIServer) -> float:
     return metrics.get("vllm:kvtier_probe_waits", 0.0)
 
 
-async def warm_up(server: OpenAIServer) -> None:
-    """Only LONG is stored (D and B must stay misses in the race)."""
-    async with httpx.AsyncClient() as client:
-        await Stream(client, server, LONG, 4).finished()
-
-
 async def race(server: OpenAIServer, proxy: TcpProxy | None = None) -> dict[str, Any]:
     """D streams; A is sent; then B. With ``proxy`` (kvtier's way to Redis), Redis is held
     from before A until B has finished and D got more tokens, then released."""
@@ -179,22 +175,21 @@ def prefix(redis_url: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def runs(tiny_llama_dir: Path, redis_srv: Any, prefix: str,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two kvtier servers on one Redis. ``first`` runs the race with nothing to restore
+    (every token computed by vLLM: the reference outputs) and stores LONG; ``slow``, a new
+    server whose way to Redis is the held proxy, runs it again and restores LONG."""
     logs = tmp_path_factory.mktemp("stall")
     out: dict[str, Any] = {}
-    base = OpenAIServer(tiny_llama_dir, logs / "baseline.log").start()
-    try:
-        out["baseline"] = asyncio.run(race(base))
-    finally:
-        base.stop()
     extra = {"cpu_bytes": 64 << 20, "redis_prefix": prefix,
              "redis_timeout_s": REDIS_TIMEOUT_S}
-    warm = OpenAIServer(tiny_llama_dir, logs / "warm.log", kv_transfer_config=(
+    first = OpenAIServer(tiny_llama_dir, logs / "first.log", kv_transfer_config=(
         kvtier_transfer_config(dict(extra, redis_url=redis_srv.url)))).start()
     try:
-        asyncio.run(warm_up(warm))
+        out["first"] = asyncio.run(race(first))
+        out["first_metrics"] = first.metrics()
         wait_for_keys(redis_srv.url, prefix, LONG_BLOCKS)  # written in the background
     finally:
-        warm.stop()
+        first.stop()
     proxy = TcpProxy("127.0.0.1", redis_srv.port).start()
     slow = OpenAIServer(tiny_llama_dir, logs / "slow.log", kv_transfer_config=(
         kvtier_transfer_config(dict(extra, redis_url=f"redis://127.0.0.1:{proxy.port}/0"))))
@@ -209,8 +204,12 @@ def runs(tiny_llama_dir: Path, redis_srv: Any, prefix: str,
 
 
 def test_outputs_identical_with_slow_redis(runs: dict[str, Any]) -> None:
+    """Equal to the first server's outputs, which vLLM computed whole (nothing restored)."""
+    first = runs["first_metrics"]
+    assert first.get("vllm:kvtier_hit_tokens_cpu", 0) == 0
+    assert first.get("vllm:kvtier_hit_tokens_redis", 0) == 0
     for name in ("D", "A", "B"):
-        assert runs["slow"][name]["text"] == runs["baseline"][name]["text"], name
+        assert runs["slow"][name]["text"] == runs["first"][name]["text"], name
 
 
 def test_restore_came_from_redis(runs: dict[str, Any]) -> None:
