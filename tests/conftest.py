@@ -45,6 +45,13 @@ def test_file_group(nodeid: str) -> str:
     return SHARED_WORKER.get(test_file, test_file)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-engine tests first (stable otherwise): the scheduler hands out test files in
+    this order, so the long files start early and the short ones fill the end, instead of
+    one worker finishing a long engine file alone."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup``: every test file on one worker (its module-scoped engines start
     once), files of one :data:`SHARED_WORKER` group on the same worker.
