@@ -45,7 +45,10 @@ def prefix(redis_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def extra(redis_url: str, prefix: str) -> dict[str, Any]:
-    return {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix}
+    # A generous Redis timeout: a reply a loaded machine delays past the 0.25 s default
+    # would mark Redis down (a correct miss, but not what these tests are about).
+    return {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
+            "redis_timeout_s": 10.0}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +66,8 @@ def first(tiny_llama_dir: Any, extra: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def second(first: dict[str, Any], extra: dict[str, Any], redis_url: str,
            prefix: str) -> dict[str, Any]:
-    steps = [["generate", "A2", A2], ["corrupt_redis", redis_url, prefix],
-             ["generate", "B2", B2]]
+    steps = [["wait_redis", 1, 300.0], ["generate", "A2", A2],
+             ["corrupt_redis", redis_url, prefix], ["generate", "B2", B2]]
     return run_in_subprocess({"model": "llama", "extra": extra, "steps": steps})
 
 
