@@ -39,7 +39,7 @@ SHARED_WORKER = {
 }
 
 
-def test_file_group(nodeid: str) -> str:
+def scheduling_group(nodeid: str) -> str:
     """The scheduling group of a test: its file, or the group its file shares."""
     test_file = nodeid.split("::", 1)[0]
     return SHARED_WORKER.get(test_file, test_file)
@@ -65,7 +65,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class FileGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_file_group(nodeid)
+            return scheduling_group(nodeid)
 
     return FileGroupScheduling(config, log)
 
