@@ -9,7 +9,7 @@ on the same Redis, and engines with test-only switches, each in its own process:
                   ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
                   ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
                   ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s]],
-        "max_tokens": 8, "proxy_to": redis port (optional), "log_info": bool,
+        "max_tokens": 8, "logprobs": bool, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
 ``["batch", ...]`` submits every prompt in ONE ``llm.generate`` call (vLLM batches them in
@@ -252,7 +252,8 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
     """Run ``spec``'s steps on ``llm``; outputs and kvtier's counters."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0)
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0,
+                            logprobs=1 if spec.get("logprobs") else None)
 
     def stats() -> dict[str, Any]:
         flat = {k: int(v) if float(v).is_integer() else v for k, v in kvtier_stats(llm).items()}
@@ -292,6 +293,11 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
                         "token_ids": list(out.outputs[0].token_ids),
                         "num_cached_tokens": out.num_cached_tokens,
                         "prompt_tokens": len(out.prompt_token_ids or ()), "delta": delta})
+        if spec.get("logprobs"):
+            completion = out.outputs[0]
+            outputs[-1]["logprobs"] = [step[token].logprob for step, token in
+                                       zip(completion.logprobs or (), completion.token_ids,
+                                           strict=True)]
         return out.outputs[0].text
 
     def batch(name: str, prompts: list[str | list[int]]) -> None:

@@ -1,0 +1,38 @@
+"""The engine host's fork server starts engines that compute what spawned ones compute.
+
+The suite starts most engines' processes from a preloaded fork server
+(:mod:`tests.support.fast_start`) instead of spawning them as vLLM's CPU platform does.
+vLLM configures a CPU worker's OpenMP runtime through environment variables read when the
+library loads; a worker forked from a server that loaded it with other settings would
+compute with another thread set-up (seen: logprobs differing in the 7th digit). This test
+pins the fidelity the suite depends on: the same prompts, through an engine of each kind
+(the host's, and one in a process of its own that vLLM spawns as users run it), give the
+same tokens and bit-identical logprobs, for the tiny Llama and the hybrid (Mamba) model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.support.connector_runner import run_in_subprocess
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [list(range(3, 3 + n)) for n in (40, 100, 300)]
+
+
+def _outputs(model: str, fresh_process: bool) -> list[tuple[list[int], list[float]]]:
+    steps = [["generate", f"p{i}", prompt] for i, prompt in enumerate(PROMPTS)]
+    result: dict[str, Any] = run_in_subprocess(
+        {"model": model, "extra": None, "steps": steps, "logprobs": True},
+        fresh_process=fresh_process)
+    return [(o["token_ids"], o["logprobs"]) for o in result["outputs"]]
+
+
+@pytest.mark.parametrize("model", ["llama", "hybrid"])
+def test_fork_server_engine_computes_what_a_spawned_engine_computes(model: str) -> None:
+    forked, spawned = _outputs(model, fresh_process=False), _outputs(model, fresh_process=True)
+    assert len(forked) == len(PROMPTS) and all(len(lp) == len(t) > 0 for t, lp in forked)
+    assert forked == spawned  # tokens and float logprobs, exactly
