@@ -45,11 +45,31 @@ def scheduling_group(nodeid: str) -> str:
     return SHARED_WORKER.get(test_file, test_file)
 
 
+#: The longest test files (own-process engines: the demo's, the OpenAI servers, the stall
+#: benchmark's servers), longest first: handed out before the rest so they overlap each
+#: other, not the tail (a worker queues two files at a time).
+LONGEST_FIRST = (
+    "tests/e2e/test_demo.py",
+    "tests/e2e/test_openai_server.py",
+    "tests/e2e/test_connector_stall.py",
+    "tests/e2e/test_connector_hybrid.py",
+    "tests/native/test_native_tier_e2e.py",
+    "tests/e2e/test_fast_start.py",
+    "tests/e2e/test_connector_tp.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Real-engine tests first (stable otherwise): the scheduler hands out test files in
-    this order, so the long files start early and the short ones fill the end, instead of
-    one worker finishing a long engine file alone."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+    """The longest files first, then the other real-engine tests, then the rest (stable
+    otherwise): the scheduler hands out test files in this order, so the long files start
+    early and the short ones fill the end, instead of one worker finishing a long engine
+    file alone."""
+    def cost_rank(item: pytest.Item) -> tuple[bool, int]:
+        test_file = item.nodeid.split("::", 1)[0]
+        rank = LONGEST_FIRST.index(test_file) if test_file in LONGEST_FIRST else len(LONGEST_FIRST)
+        return item.get_closest_marker("e2e") is None, rank
+
+    items.sort(key=cost_rank)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

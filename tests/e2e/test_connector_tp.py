@@ -54,11 +54,7 @@ def run_tp(spec: dict[str, Any], redis_url: str) -> dict[str, Any]:
     steps start once kvtier reports Redis up on every rank (a lookup while it is not is a
     correct miss, but not what these tests are about: seen once in CI under load)."""
     steps = [["wait_redis", 1, 300.0], *spec["steps"]]
-    # Each in a process of its own: in two CI runs with the engine host the last engine
-    # (then "rehit") missed B, which passes alone under the host and always passed this way; not
-    # understood yet (issue 18's closing note).
-    return run_in_subprocess({**spec, "steps": steps, "engine": TP2}, env={URL_ENV: redis_url},
-                             fresh_process=True)
+    return run_in_subprocess({**spec, "steps": steps, "engine": TP2}, env={URL_ENV: redis_url})
 
 
 @pytest.fixture(scope="module")

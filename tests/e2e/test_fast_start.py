@@ -6,7 +6,7 @@ vLLM configures a CPU worker's OpenMP runtime through environment variables read
 library loads; a worker forked from a server that loaded it with other settings would
 compute with another thread set-up (seen: logprobs differing in the 7th digit). This test
 pins the fidelity the suite depends on: the same prompts, through an engine of each kind
-(the host's, and one in a process of its own that vLLM spawns as users run it), give the
+(from the fork server, and one whose processes vLLM spawns, as users run it), give the
 same tokens and bit-identical logprobs, for the tiny Llama and the hybrid (Mamba) model.
 """
 
@@ -23,16 +23,17 @@ pytestmark = pytest.mark.e2e
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 100, 300)]
 
 
-def _outputs(model: str, fresh_process: bool) -> list[tuple[list[int], list[float]]]:
+def _outputs(model: str, spawned: bool) -> list[tuple[list[int], list[float]]]:
     steps = [["generate", f"p{i}", prompt] for i, prompt in enumerate(PROMPTS)]
     result: dict[str, Any] = run_in_subprocess(
         {"model": model, "extra": None, "steps": steps, "logprobs": True},
-        fresh_process=fresh_process)
+        env={"KVTIER_TEST_SPAWN": "1"} if spawned else None)
+    assert result["engine_core_process"] == ("SpawnProcess" if spawned else "FastProcess")
     return [(o["token_ids"], o["logprobs"]) for o in result["outputs"]]
 
 
 @pytest.mark.parametrize("model", ["llama", "hybrid"])
 def test_fork_server_engine_computes_what_a_spawned_engine_computes(model: str) -> None:
-    forked, spawned = _outputs(model, fresh_process=False), _outputs(model, fresh_process=True)
+    forked, spawned = _outputs(model, spawned=False), _outputs(model, spawned=True)
     assert len(forked) == len(PROMPTS) and all(len(lp) == len(t) > 0 for t, lp in forked)
     assert forked == spawned  # tokens and float logprobs, exactly

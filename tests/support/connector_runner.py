@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from connector.demo.presets import TP2_ENV
-from tests.support import engine_host, engine_starts, worker_probe
+from tests.support import engine_host, worker_probe
 from tests.support.redis_keys import block_names
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
@@ -209,12 +209,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         _keep_baseline(shared, llm)
     try:
         return {**drive(llm, spec, extra, proxy), "engine_reused": reused,
+                "engine_core_process": _engine_core_process_kind(llm),
                 "kv_transfer_config": overrides.get("kv_transfer_config")}
     finally:
         if proxy is not None:
             proxy.stop()
         if shared is None:
             engine_host.defer_shutdown(llm)
+
+
+def _engine_core_process_kind(llm: Any) -> str:
+    """How the engine core was started: ``SpawnProcess`` as vLLM's CPU platform does, or
+    ``FastProcess`` from the engine host's fork server."""
+    manager = getattr(llm.llm_engine.engine_core.resources, "engine_manager", None)
+    processes = list(getattr(manager, "processes", ()))
+    return type(processes[0]).__name__ if processes else "none"
 
 
 #: Baseline engines (vLLM without kvtier) kept by the engine host for later specs, by
@@ -230,7 +239,8 @@ def shared_baseline_key(spec: dict[str, Any], overrides: dict[str, Any]) -> str 
     as it was (no weight updates): their outputs are a function of the prompt alone, and a
     prefix-cache reset makes them as fresh as a new engine."""
     if spec.get("extra") is not None or spec.get("proxy_to") \
-            or os.environ.get("KVTIER_ENGINE_HOST") != "1":
+            or os.environ.get("KVTIER_ENGINE_HOST") != "1" \
+            or os.environ.get("KVTIER_TEST_SPAWN") == "1":  # spawned on purpose: its own
         return None
     if int(overrides.get("tensor_parallel_size", 1)) > 1:
         return None
@@ -452,34 +462,11 @@ def wait_writes(gen: Any, stats: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900,
-                      env: dict[str, str] | None = None,
-                      fresh_process: bool = False) -> dict[str, Any]:
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``spec`` with its own engine (fresh engine core and workers, vLLM's default
     executors) in this test process's engine host, ``env`` set for it (its engine's
-    processes inherit it); the parsed result, ``log`` included. ``fresh_process``: in a
-    Python process of its own instead (see test_connector_tp.py)."""
-    if fresh_process:
-        return _run_fresh(spec, timeout, env or {})
+    processes inherit it); the parsed result, ``log`` included."""
     return engine_host.run_spec("tests.support.connector_runner:run", spec, timeout, env)
-
-
-def _run_fresh(spec: dict[str, Any], timeout: float, env: dict[str, str]) -> dict[str, Any]:
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    child_env = {**os.environ, **env}
-    child_env["PYTHONPATH"] = str(repo) + os.pathsep + child_env.get("PYTHONPATH", "")
-    engine_starts.record("connector_runner (own process)", spec)
-    proc = subprocess.run([sys.executable, "-m", "tests.support.connector_runner",
-                           json.dumps(spec)], cwd=repo, env=child_env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[len("RESULT "):])
-            result["log"] = proc.stderr
-            return result
-    raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ gets and a forked one would not, each process here gets too:
 * the same server for its own children (the engine core's workers come from it too).
 
 Only the host installs this; the demo, the OpenAI-server tests and the benchmarks start
-vLLM as users do (``spawn``). ``KVTIER_TEST_SPAWN=1`` turns it off for the host too.
+vLLM as users do (``spawn``). ``KVTIER_TEST_SPAWN=1`` turns it off for the host, or for
+one spec's engine (set in that spec's environment).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ STARTED_LOG_ENV = "KVTIER_FAST_START_LOG"
 
 
 def enabled() -> bool:
-    """Whether the host should install the fork server (not with KVTIER_TEST_SPAWN=1)."""
+    """Whether engine processes start from the fork server: not while
+    ``KVTIER_TEST_SPAWN=1`` (for the whole host, or for one spec's engine)."""
     return os.environ.get("KVTIER_TEST_SPAWN") != "1"
 
 
@@ -55,7 +57,7 @@ def install(preload: list[str] | None = None) -> int:
 
 
 def _get_context(method: str | None = None) -> Any:
-    return _FAST if method == "spawn" else _original_get_context(method)
+    return _FAST if method == "spawn" and enabled() else _original_get_context(method)
 
 
 class _Stdio:

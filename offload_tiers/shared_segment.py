@@ -1,0 +1,482 @@
+"""A shared-memory slot arena: fixed-size slots in one file under ``/dev/shm``.
+
+The storage under a host-wide CPU tier that many processes map at once and that outlives
+them. It knows nothing of keys' meaning, of placement or of vLLM: a slot directory owned by
+one process (which slot holds what, which slot a writer may take) lives elsewhere. This
+module only makes every read *verifiable*: a reader names the slot and the (key digest,
+save id) it expects, and gets the bytes of exactly that save or a miss, never a torn,
+stale or reused slot's bytes.
+
+Segment layout (little-endian, one file, ``mmap``'ed ``MAP_SHARED``)::
+
+    [0, 4096)                      segment header (``_SEG``): magic, layout version,
+                                   header sizes, num_slots, slot_bytes, slot_stride, size
+    slot i at 4096 + i*slot_stride:
+        [+0,  +64)                 slot header (``_SLOT_DTYPE``), one cache line:
+            +0   seq      u64      seqlock counter: 0 never written, odd being written
+            +8   save_id  u64      the writer's unique id for this save
+            +16  key      16 B     the caller's key digest (e.g. blake2b-128 of its key)
+            +32  length   u64      payload bytes in use (<= slot_bytes)
+            +40  checksum u64      crc32 of payload[:length] + key + save_id + length
+            +48  flags    u32      1 = holds a committed save, 0 = empty or invalidated
+            +52  reserved
+        [+64, +64 + slot_bytes)    payload, 64-byte aligned; slot_stride =
+                                   64 + slot_bytes rounded up to 64
+
+Write protocol (one writer per slot at a time, which the slot directory guarantees):
+``seq`` to odd, payload and fields, checksum, ``seq`` to even. Read protocol: ``seq``
+even and non-zero, fields match, copy the payload out, ``seq`` unchanged, checksum of the
+*copied* bytes matches. A writer killed mid-write leaves ``seq`` odd (a miss until the
+slot is written again or invalidated).
+
+Ordering: x86-64 keeps stores in program order and loads in program order (TSO), and each
+field is one aligned 8-byte access, so the seqlock alone is sound there. Python cannot
+issue memory fences, so on weakly ordered CPUs (aarch64) a reader might see the new ``seq``
+before all new payload bytes; the checksum, computed over the copied bytes, is the
+backstop there: a torn read then passes only on a crc32 collision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import re
+import stat
+import struct
+import zlib
+from dataclasses import asdict, dataclass
+from types import TracebackType
+
+import numpy as np
+
+from offload_tiers._types import BytesLike
+
+MAGIC = b"KVTSHSEG"
+LAYOUT_VERSION = 1
+SEGMENT_HEADER_BYTES = 4096  # one page: slot 0 starts page-aligned
+SLOT_HEADER_BYTES = 64
+ALIGN = 64
+DIGEST_BYTES = 16
+_VALID = 1
+
+#: magic, version, segment header bytes, slot header bytes, alignment, num_slots,
+#: slot_bytes, slot_stride, total file size
+_SEG = struct.Struct("<8sIIIIQQQQ")
+
+_SLOT_DTYPE = np.dtype({
+    "names": ["seq", "save_id", "key", "length", "checksum", "flags"],
+    "formats": ["<u8", "<u8", ("u1", DIGEST_BYTES), "<u8", "<u8", "<u4"],
+    "offsets": [0, 8, 16, 32, 40, 48],
+    "itemsize": SLOT_HEADER_BYTES,
+})
+_META = struct.Struct("<QQ")  # save_id, length: bound into the checksum with the key
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+_U64 = 1 << 64
+
+
+def default_path(name: str) -> str:
+    """``/dev/shm/kvtier-<name>``; ``name`` is letters, digits, ``.``, ``_`` and ``-``."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"segment name {name!r} must match {_NAME.pattern}")
+    return f"/dev/shm/kvtier-{name}"
+
+
+def digest(key: bytes) -> bytes:
+    """A 16-byte key digest (blake2b-128), for callers without one of their own."""
+    return hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def _odd_after(seq: int) -> int:
+    """The odd seq a write or invalidation moves ``seq`` to (an orphaned odd one skips on)."""
+    return (seq + 1 if seq % 2 == 0 else seq + 2) % _U64
+
+
+def _even_after(odd: int) -> int:
+    """The even seq that publishes; never 0, which means "never written"."""
+    return (odd + 1) % _U64 or 2
+
+
+def _layout(num_slots: int, slot_bytes: int) -> tuple[int, int]:
+    """(slot_stride, total file size)."""
+    stride = SLOT_HEADER_BYTES + _round_up(slot_bytes, ALIGN)
+    return stride, SEGMENT_HEADER_BYTES + num_slots * stride
+
+
+def _checksum(payload: BytesLike, key: bytes, save_id: int, length: int) -> int:
+    """crc32 of the payload, continued over the key, save id and length.
+
+    crc32 rather than a cryptographic hash: the file is private to its user (0600), so the
+    threat is torn, stale or corrupted bytes, not an adversary; crc32 catches every burst
+    of up to 32 bits and any other corruption with probability 1 - 2**-32, and zlib's
+    crc32 runs ~3x faster than blake2b-64 here (it sits on every save and every load).
+    Binding the fields means a payload read with another save's fields is caught too.
+    """
+    crc = zlib.crc32(payload)
+    crc = zlib.crc32(key, crc)
+    return zlib.crc32(_META.pack(save_id, length), crc)
+
+
+@dataclass(slots=True)
+class ReadCounters:
+    """Outcomes of this handle's reads (per process, not shared through the segment)."""
+
+    hits: int = 0
+    empty: int = 0  # never written or invalidated
+    torn: int = 0  # being written, writer died mid-write, or rewritten during the copy
+    key_mismatch: int = 0  # slot reused by another key
+    save_mismatch: int = 0  # same key, another save
+    length: int = 0  # stored length out of range or not the caller's buffer size
+    checksum: int = 0  # bytes do not match the committed checksum
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    """A snapshot of one slot header (unsynchronised: for inspection, not for reads)."""
+
+    seq: int
+    save_id: int
+    key: bytes
+    length: int
+    checksum: int
+    flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTicket:
+    """What :meth:`SharedSegment.begin_read` saw; :meth:`SharedSegment.end_read` checks it."""
+
+    slot: int
+    seq: int
+    key: bytes
+    save_id: int
+    length: int
+    checksum: int
+
+
+class SharedSegment:
+    """A mapped shared-memory segment of ``num_slots`` slots of ``slot_bytes`` each.
+
+    Readers are lock-free and may run in any number of processes. Writers must be one per
+    slot at a time (the slot directory hands slots out); a write begun in one process and
+    never committed leaves the slot a miss until it is written again or invalidated.
+    """
+
+    def __init__(self, path: str, mm: mmap.mmap, num_slots: int, slot_bytes: int) -> None:
+        self.path = path
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.slot_stride, self.size = _layout(num_slots, slot_bytes)
+        self.counters = ReadCounters()
+        self._mm: mmap.mmap | None = mm
+        hdr = np.ndarray((num_slots,), dtype=_SLOT_DTYPE, buffer=mm,
+                         offset=SEGMENT_HEADER_BYTES, strides=(self.slot_stride,))
+        self._seq = hdr["seq"]
+        self._save = hdr["save_id"]
+        self._key = hdr["key"]
+        self._len = hdr["length"]
+        self._crc = hdr["checksum"]
+        self._flags = hdr["flags"]
+        #: every slot's payload area: shape (num_slots, slot_bytes), strides
+        #: (slot_stride, 1), so slot i's payload starts at byte
+        #: ``payload_offset(i)`` of the file, 64-byte aligned; rows are contiguous, the
+        #: array as a whole is not. Fancy indexing gathers (``payloads[idx]``) and
+        #: scatters (``payloads[idx] = src``) many slots in one call; writes through it
+        #: must sit between begin_write and commit_write, reads between begin_read and
+        #: end_read. On CUDA a caller can register the whole mapping as pinned host
+        #: memory (cudaHostRegister on its base address and ``size``) so device copies
+        #: go straight to and from it; this module does not.
+        self.payloads = np.ndarray((num_slots, slot_bytes), dtype=np.uint8, buffer=mm,
+                                   offset=SEGMENT_HEADER_BYTES + SLOT_HEADER_BYTES,
+                                   strides=(self.slot_stride, 1))
+        self._rows = list(self.payloads)
+        self._pending: dict[int, int] = {}  # slot -> odd seq of this handle's open write
+
+    # ---------------------------------------------------------------- open / close
+    @classmethod
+    def create(cls, path: str, num_slots: int, slot_bytes: int, *,
+               mode: int = 0o600) -> SharedSegment:
+        """Create a new segment file at ``path`` (which must not exist) and map it.
+
+        The file gets exactly ``mode`` (0600 by default: only this user can attach),
+        whatever the umask. Its memory is reserved up front (``posix_fallocate``), so a
+        full ``/dev/shm`` fails here with ``OSError`` rather than with SIGBUS later.
+        """
+        if num_slots < 1 or slot_bytes < 1:
+            raise ValueError(f"need num_slots >= 1 and slot_bytes >= 1, got "
+                             f"{num_slots} and {slot_bytes}")
+        stride, size = _layout(num_slots, slot_bytes)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     mode)
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        # the magic goes in last: an attach racing the creation sees a foreign file
+        _SEG.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, SEGMENT_HEADER_BYTES,
+                       SLOT_HEADER_BYTES, ALIGN, num_slots, slot_bytes, stride, size)
+        mm[0:8] = MAGIC
+        return cls(path, mm, num_slots, slot_bytes)
+
+    @classmethod
+    def attach(cls, path: str) -> SharedSegment:
+        """Map an existing segment; ``ValueError`` naming the problem when it is not one
+        this code can read (foreign file, other layout version, truncated file)."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{path}: not a regular file")
+            if st.st_size < _SEG.size:
+                raise ValueError(f"{path}: truncated: {st.st_size} bytes, smaller than the "
+                                 f"segment header ({_SEG.size} bytes)")
+            raw = os.pread(fd, _SEG.size, 0)
+            (magic, version, seg_hdr, slot_hdr, align, num_slots, slot_bytes, stride,
+             size) = _SEG.unpack(raw)
+            if magic != MAGIC:
+                raise ValueError(f"{path}: not a kvtier shared segment (magic {magic!r}, "
+                                 f"expected {MAGIC!r})")
+            if version != LAYOUT_VERSION:
+                raise ValueError(f"{path}: layout version {version}, this kvtier reads "
+                                 f"version {LAYOUT_VERSION}")
+            if (seg_hdr, slot_hdr, align) != (SEGMENT_HEADER_BYTES, SLOT_HEADER_BYTES, ALIGN):
+                raise ValueError(f"{path}: header sizes/alignment {(seg_hdr, slot_hdr, align)}"
+                                 f", expected {(SEGMENT_HEADER_BYTES, SLOT_HEADER_BYTES, ALIGN)}")
+            if num_slots < 1 or slot_bytes < 1 or (stride, size) != _layout(num_slots,
+                                                                             slot_bytes):
+                raise ValueError(f"{path}: inconsistent header (num_slots={num_slots}, "
+                                 f"slot_bytes={slot_bytes}, stride={stride}, size={size})")
+            if st.st_size < size:
+                raise ValueError(f"{path}: truncated: {st.st_size} bytes, the layout needs "
+                                 f"{size}")
+            if st.st_size != size:
+                raise ValueError(f"{path}: {st.st_size} bytes, the layout says {size}")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, mm, num_slots, slot_bytes)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def close(self) -> None:
+        """Unmap (idempotent). Views handed out (``payloads``, ``begin_write``'s) keep the
+        mapping alive until they are dropped; do not use them after close."""
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        del self._seq, self._save, self._key, self._len, self._crc, self._flags
+        del self.payloads, self._rows
+        with contextlib.suppress(BufferError):  # outside views still hold it
+            mm.close()
+
+    def unlink(self) -> None:
+        """Remove the file's name (attached processes keep their mapping); no-op when gone."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> SharedSegment:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- layout
+    def header_offset(self, slot: int) -> int:
+        """Byte offset of ``slot``'s header in the file."""
+        self._check_slot(slot)
+        return SEGMENT_HEADER_BYTES + slot * self.slot_stride
+
+    def payload_offset(self, slot: int) -> int:
+        """Byte offset of ``slot``'s payload in the file (a multiple of 64)."""
+        return self.header_offset(slot) + SLOT_HEADER_BYTES
+
+    def header(self, slot: int) -> SlotHeader:
+        self._check_slot(slot)
+        return SlotHeader(int(self._seq[slot]), int(self._save[slot]),
+                          self._key[slot].tobytes(), int(self._len[slot]),
+                          int(self._crc[slot]), int(self._flags[slot]))
+
+    def _check_slot(self, slot: int) -> None:
+        if self._mm is None:
+            raise ValueError(f"{self.path}: segment is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    # ---------------------------------------------------------------- writer
+    def begin_write(self, slot: int) -> np.ndarray:
+        """Mark ``slot`` as being written (readers miss it from now on) and return its
+        whole payload area (``slot_bytes`` uint8, writable); then ``commit_write``."""
+        self._check_slot(slot)
+        odd = _odd_after(int(self._seq[slot]))
+        self._seq[slot] = odd
+        self._pending[slot] = odd
+        return self._rows[slot]
+
+    def commit_write(self, slot: int, key_digest: bytes, save_id: int, length: int) -> None:
+        """Publish the first ``length`` payload bytes as save ``save_id`` of ``key_digest``."""
+        self._check_slot(slot)
+        key = _check_digest(key_digest)
+        _check_save_id(save_id)
+        if not 0 <= length <= self.slot_bytes:
+            raise ValueError(f"length {length} out of range [0, {self.slot_bytes}]")
+        odd = self._pending.get(slot)
+        if odd is None:
+            raise RuntimeError(f"slot {slot}: commit_write without begin_write")
+        if int(self._seq[slot]) != odd:
+            del self._pending[slot]
+            raise RuntimeError(f"slot {slot}: another writer took the slot during this write")
+        crc = _checksum(self._rows[slot][:length], key, save_id, length)
+        self._save[slot] = save_id
+        self._key[slot] = np.frombuffer(key, dtype=np.uint8)
+        self._len[slot] = length
+        self._flags[slot] = _VALID
+        self._crc[slot] = crc
+        self._seq[slot] = _even_after(odd)
+        del self._pending[slot]
+
+    def write(self, slot: int, key_digest: bytes, save_id: int, payload: BytesLike) -> None:
+        """One-shot ``begin_write``, copy, ``commit_write``."""
+        src = _as_u8(payload)
+        if src.nbytes > self.slot_bytes:
+            raise ValueError(f"{src.nbytes} bytes do not fit a slot of {self.slot_bytes}")
+        _check_digest(key_digest)
+        _check_save_id(save_id)
+        row = self.begin_write(slot)
+        try:
+            row[: src.nbytes] = src
+        except BaseException:
+            self.invalidate(slot)
+            raise
+        self.commit_write(slot, key_digest, save_id, src.nbytes)
+
+    def invalidate(self, slot: int) -> None:
+        """Empty ``slot`` (also ends a write begun and never committed)."""
+        self._check_slot(slot)
+        odd = _odd_after(int(self._seq[slot]))
+        self._seq[slot] = odd
+        self._flags[slot] = 0
+        self._save[slot] = 0
+        self._key[slot] = 0
+        self._len[slot] = 0
+        self._crc[slot] = 0
+        self._seq[slot] = _even_after(odd)
+        self._pending.pop(slot, None)
+
+    # ---------------------------------------------------------------- reader
+    def begin_read(self, slot: int, key_digest: bytes, save_id: int) -> ReadTicket | None:
+        """Check that ``slot`` holds save ``save_id`` of ``key_digest`` right now; None (a
+        counted miss) otherwise. Copy ``payloads[slot, :ticket.length]`` out, then call
+        ``end_read`` on the copy: only then are the bytes known good."""
+        self._check_slot(slot)
+        c = self.counters
+        seq = int(self._seq[slot])
+        if seq % 2:
+            c.torn += 1
+            return None
+        flags = int(self._flags[slot])
+        key = self._key[slot].tobytes()
+        saved = int(self._save[slot])
+        length = int(self._len[slot])
+        crc = int(self._crc[slot])
+        if int(self._seq[slot]) != seq:
+            c.torn += 1
+            return None
+        if seq == 0 or flags != _VALID:
+            c.empty += 1
+            return None
+        if key != key_digest:
+            c.key_mismatch += 1
+            return None
+        if saved != save_id:
+            c.save_mismatch += 1
+            return None
+        if length > self.slot_bytes:
+            c.length += 1
+            return None
+        return ReadTicket(slot, seq, key, saved, length, crc)
+
+    def end_read(self, ticket: ReadTicket, copied: BytesLike) -> bool:
+        """True when ``copied`` (the bytes copied out after ``begin_read``) are exactly
+        the save the ticket names: no write touched the slot meanwhile, checksum equal."""
+        self._check_slot(ticket.slot)
+        c = self.counters
+        if int(self._seq[ticket.slot]) != ticket.seq:
+            c.torn += 1
+            return False
+        data = _as_u8(copied)
+        if data.nbytes != ticket.length:
+            c.length += 1
+            return False
+        if _checksum(data, ticket.key, ticket.save_id, ticket.length) != ticket.checksum:
+            c.checksum += 1
+            return False
+        c.hits += 1
+        return True
+
+    def read_into(self, slot: int, key_digest: bytes, save_id: int, out: BytesLike) -> bool:
+        """Copy the save into ``out``, whose size must equal the stored length; False (a
+        counted miss, ``out`` contents unspecified) for anything but that exact save."""
+        if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+            raise ValueError("out must be a contiguous buffer")
+        dst = _as_u8(out)
+        if not dst.flags.writeable:
+            raise ValueError("out must be writable")
+        ticket = self.begin_read(slot, key_digest, save_id)
+        if ticket is None:
+            return False
+        if ticket.length != dst.nbytes:
+            self.counters.length += 1
+            return False
+        np.copyto(dst, self._rows[slot][: ticket.length])
+        return self.end_read(ticket, dst)
+
+    def read(self, slot: int, key_digest: bytes, save_id: int) -> bytes | None:
+        """A copy of the save's bytes, or None (a counted miss)."""
+        ticket = self.begin_read(slot, key_digest, save_id)
+        if ticket is None:
+            return None
+        data = self._rows[slot][: ticket.length].tobytes()
+        return data if self.end_read(ticket, data) else None
+
+
+def _check_digest(key_digest: bytes) -> bytes:
+    key = bytes(key_digest)
+    if len(key) != DIGEST_BYTES:
+        raise ValueError(f"key digest must be {DIGEST_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _check_save_id(save_id: int) -> None:
+    if not 0 <= save_id < _U64:
+        raise ValueError(f"save_id {save_id} is not a uint64")
+
+
+def _as_u8(data: BytesLike) -> np.ndarray:
+    """A flat uint8 view of ``data`` (no copy when it is contiguous; writable if it is)."""
+    if isinstance(data, np.ndarray):
+        if data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous:
+            return data
+        if data.flags.c_contiguous:
+            return data.reshape(-1).view(np.uint8)
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
