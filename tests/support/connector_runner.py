@@ -445,18 +445,24 @@ def fault_step(step: list[Any], proxy: Any, stats: Any, poke: Any,
 
 
 def wait_writes(gen: Any, stats: Any, timeout_s: float) -> dict[str, Any]:
-    """Run fresh 2-block prompts (token ids no other step uses) until one of them has
-    blocks written to Redis: the link is healed and kvtier uses it again. After faults the
-    availability gauge can still read 1 from before a failure kvtier has not met yet; a
-    write that lands cannot. The deadline only ends a hung wait."""
+    """Run fresh 2-block prompts (token ids no other step uses) until one of them has every
+    block it saved written to Redis (acknowledged): the link is healed and kvtier uses it
+    again. After faults the availability gauge can still read 1 from before a failure
+    kvtier has not met yet; a write that lands cannot. The result names that prompt (for
+    another engine to read back). The deadline only ends a hung wait."""
     deadline = time.monotonic() + timeout_s
     tries = 0
     while True:
         tries += 1
-        before = stats().get("blocks_written_redis", 0)
-        gen(f"wait_writes-{tries}", [4 + (tries * 7919 + i * 104729) % 500 for i in range(64)])
-        if stats().get("blocks_written_redis", 0) > before:
-            return {"name": "wait_writes", "reached": True, "tries": tries}
+        before = stats()
+        prompt = [4 + (tries * 7919 + i * 104729) % 500 for i in range(64)]
+        gen(f"wait_writes-{tries}", prompt)
+        after = stats()
+        saved, written = (after.get(k, 0) - before.get(k, 0)
+                          for k in ("blocks_saved", "blocks_written_redis"))
+        if written > 0 and written == saved:
+            return {"name": "wait_writes", "reached": True, "tries": tries, "prompt": prompt,
+                    "blocks_written": written}
         if time.monotonic() > deadline:
             return {"name": "wait_writes", "reached": False, "tries": tries}
 
