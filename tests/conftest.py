@@ -54,8 +54,10 @@ LONGEST_FIRST = (
     "tests/e2e/test_connector_stall.py",
     "tests/e2e/test_connector_hybrid.py",
     "tests/native/test_native_tier_e2e.py",
-    "tests/e2e/test_fast_start.py",
     "tests/e2e/test_connector_tp.py",
+    "tests/e2e/test_fast_start.py",
+    "tests/e2e/test_connector_faults.py",
+    "tests/native/test_native_tier_tp_e2e.py",
 )
 
 
@@ -82,6 +84,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    # Hand files out in collection order (pytest_collection_modifyitems: longest first),
+    # not xdist's default of the files with the most tests first.
+    config.option.loadscopereorder = False
 
     class FileGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
