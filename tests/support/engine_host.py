@@ -9,8 +9,6 @@ but the imports need not be repeated: this host imports vLLM once and runs every
 preloaded fork server (:mod:`tests.support.fast_start`: the same processes, environment
 and OpenMP set-up as spawned ones, ~3 s instead of ~20 s). Per spec it
 
-Per spec it
-
 * restores ``os.environ`` and the logging handlers afterwards (a spec's settings never
   leak into the next one),
 * sends everything written to file descriptors 1 and 2 during the spec (its own and its
