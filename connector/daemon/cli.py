@@ -71,7 +71,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a pass after this many keys, resume there next time (0 = all)")
     j.add_argument("--janitor-dry-run", action="store_true", default=None,
                    dest="janitor_dry_run", help="count what would be deleted, delete nothing")
+    h = p.add_argument_group("host tier (off unless --cpu-bytes or cpu_bytes is given)")
+    h.add_argument("--cpu-bytes", type=_size, dest="cpu_bytes",
+                   help="bytes of shared memory for the host's CPU tier (e.g. 8G)")
+    h.add_argument("--slot-bytes", type=_size, dest="slot_bytes",
+                   help="bytes per slot: at least one engine rank's block (default 2M)")
+    h.add_argument("--host-tier-socket", dest="host_tier_socket",
+                   help="Unix socket engines connect to (default "
+                        "$XDG_RUNTIME_DIR/kvtier/host.sock)")
+    h.add_argument("--host-tier-name", dest="host_tier_name",
+                   help="names the segment /dev/shm/kvtier-NAME (default host-<uid>)")
+    h.add_argument("--host-tier-group", dest="host_tier_group",
+                   help="group allowed to attach (segment and socket 0660); default: only "
+                        "this user (0600)")
     return p
+
+
+def _size(text: str) -> int:
+    """``8G``, ``512M``, ``64k`` or plain bytes (powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = units.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in units else t
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8G, 512M, 65536)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    return value
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,6 +115,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "janitor_max_keys_per_s": args.janitor_max_keys_per_s,
         "janitor_max_keys_per_pass": args.janitor_max_keys_per_pass,
         "janitor_dry_run": args.janitor_dry_run,
+        "cpu_bytes": args.cpu_bytes, "slot_bytes": args.slot_bytes,
+        "host_tier_socket": args.host_tier_socket, "host_tier_name": args.host_tier_name,
+        "host_tier_group": args.host_tier_group,
     }
     if args.endpoint:
         pubs = []
@@ -129,6 +160,9 @@ async def _serve(cfg: DaemonConfig) -> int:
     except zmq.ZMQError as exc:
         print(f"kvtier daemon: cannot open publisher sockets: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:
+        print(f"kvtier daemon: {exc}", file=sys.stderr)
+        return 2
     runner = web.AppRunner(make_app(daemon), access_log=None)
     await runner.setup()
     try:
@@ -139,13 +173,23 @@ async def _serve(cfg: DaemonConfig) -> int:
         await runner.cleanup()
         daemon.subscriber.close()
         return 1
-    daemon.start()
+    try:
+        daemon.start()
+    except OSError as exc:  # /dev/shm full, socket path taken, ...
+        print(f"kvtier daemon: cannot start the host tier: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        daemon.stop()
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     bound = site._server.sockets[0].getsockname() if site._server else cfg.http  # type: ignore
     log.info("kvtier daemon: %d source(s); HTTP on %s", len(daemon.subscriber.sources), bound)
+    if daemon.host_tier is not None:
+        print(f"kvtier host tier: {daemon.host_tier.num_slots} slots of "
+              f"{daemon.host_tier.slot_bytes} bytes on {daemon.host_tier.socket_path}",
+              flush=True)
     print(f"kvtier daemon listening on http://{bound[0]}:{bound[1]}", flush=True)
     await stop.wait()
     log.info("kvtier daemon: shutting down")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -144,7 +145,7 @@ class DaemonConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    publishers: list[PublisherConfig] = Field(min_length=1)
+    publishers: list[PublisherConfig] = Field(default_factory=list)
     http: str = "127.0.0.1:9400"
     connect_host: str = "127.0.0.1"
     replay_on_start: bool = True
@@ -180,6 +181,16 @@ class DaemonConfig(BaseModel):
     janitor_max_keys_per_pass: int = Field(default=0, ge=0)
     janitor_allowed_fingerprints: list[str] | None = None
     janitor_dry_run: bool = False
+    # The host tier (off unless cpu_bytes is set): one CPU tier in shared memory for every
+    # engine on this host; see offload_tiers/host_tier/
+    cpu_bytes: int | None = Field(default=None, gt=0)
+    slot_bytes: int = Field(default=2 * 1024 * 1024, gt=0, le=1 << 30)
+    host_tier_socket: str | None = None  # default: $XDG_RUNTIME_DIR or /tmp, see property
+    # /dev/shm/kvtier-<name>: one per user by default
+    host_tier_name: str = Field(default_factory=lambda: f"host-{os.getuid()}",
+                                pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+    host_tier_max_clients: int = Field(default=256, ge=1, le=65536)
+    host_tier_group: str | None = None  # share segment and socket with this group (0660)
     _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @property
@@ -221,6 +232,24 @@ class DaemonConfig(BaseModel):
         if self.redis_url is None and self.janitor_allowed_fingerprints is not None:
             raise ValueError("janitor_allowed_fingerprints needs redis_url")
         return self
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> DaemonConfig:
+        if not self.publishers and self.cpu_bytes is None:
+            raise ValueError("give publishers (engines' KV-event endpoints) or cpu_bytes "
+                             "(the host tier), or both")
+        if self.cpu_bytes is not None and self.cpu_bytes < self.slot_bytes:
+            raise ValueError(f"cpu_bytes {self.cpu_bytes} is less than one slot "
+                             f"(slot_bytes {self.slot_bytes})")
+        return self
+
+    @property
+    def host_tier_socket_path(self) -> str:
+        """The host tier's Unix socket: ``host_tier_socket``, else
+        ``$XDG_RUNTIME_DIR/kvtier/<name>.sock`` (or ``/tmp/kvtier-<uid>/<name>.sock``)."""
+        if self.host_tier_socket:
+            return self.host_tier_socket
+        return default_host_tier_socket(self.host_tier_name)
 
     @field_validator("http")
     @classmethod
@@ -270,6 +299,13 @@ class DaemonConfig(BaseModel):
     @property
     def http_port(self) -> int:
         return int(self.http.rpartition(":")[2])
+
+
+def default_host_tier_socket(name: str) -> str:
+    """Where an engine finds the host tier ``name`` when it is given no socket path."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "kvtier" if runtime else Path(f"/tmp/kvtier-{os.getuid()}")
+    return str(base / f"{name}.sock")
 
 
 def _format_errors(exc: ValidationError) -> str:

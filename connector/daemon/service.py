@@ -41,6 +41,7 @@ class Daemon:
         self.token_hasher = (TokenHasher(th.algo, th.hash_block_size, th.seed)
                              if th is not None else None)
         self.janitor = _make_janitor(cfg)
+        self.host_tier = _make_host_tier(cfg)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_DaemonCollector(self))
         if self.janitor is not None:
@@ -49,6 +50,8 @@ class Daemon:
             self.registry.register(JanitorCollector(self.janitor))
 
     def start(self) -> None:
+        if self.host_tier is not None:
+            self.host_tier.start()
         self.subscriber.start()
         if self.janitor is not None:
             self.janitor.start()
@@ -57,6 +60,8 @@ class Daemon:
         if self.janitor is not None:
             self.janitor.stop()
         self.subscriber.stop()
+        if self.host_tier is not None:
+            self.host_tier.stop()
 
     def lookup(self, req: LookupRequest) -> dict[str, Any]:
         with self.lock:
@@ -128,6 +133,8 @@ class Daemon:
                "index": index, "publishers": pubs, "sources": sources}
         if self.janitor is not None:
             out["janitor"] = self.janitor.stats()
+        if self.host_tier is not None:
+            out["host_tier"] = self.host_tier.stats()
         return out
 
     def metrics_text(self) -> bytes:
@@ -156,6 +163,27 @@ def _make_janitor(cfg: DaemonConfig) -> Any:
         max_keys_per_pass=cfg.janitor_max_keys_per_pass,
         allowed_fingerprints=cfg.janitor_allowed_fingerprints, dry_run=cfg.janitor_dry_run,
         redis_timeout_s=cfg.redis_timeout_s, ssl_ca_certs=cfg.redis_ssl_ca_certs)
+
+
+def _make_host_tier(cfg: DaemonConfig) -> Any:
+    """The host tier's server when ``cpu_bytes`` is configured (started by ``start``)."""
+    if cfg.cpu_bytes is None:
+        return None
+    from offload_tiers.host_tier.server import HostTierServer
+
+    group = None
+    if cfg.host_tier_group is not None:
+        import grp
+
+        try:
+            group = grp.getgrnam(cfg.host_tier_group).gr_gid
+        except KeyError:
+            raise ValueError(f"host_tier_group {cfg.host_tier_group!r} is not a group on "
+                             "this host") from None
+    return HostTierServer(name=cfg.host_tier_name, cpu_bytes=cfg.cpu_bytes,
+                          slot_bytes=cfg.slot_bytes, socket_path=cfg.host_tier_socket_path,
+                          max_clients=cfg.host_tier_max_clients,
+                          mode=0o600 if group is None else 0o660, group=group)
 
 
 def _rss_bytes() -> int:
@@ -243,4 +271,25 @@ class _DaemonCollector(Collector):
         rss = GaugeMetricFamily("kvtier_daemon_rss_bytes", "Resident set size")
         rss.add_metric([], _rss_bytes())
         yield from (ev, batches, lag, max_lag, reann, hashes, total, entries, rss,
-                    *fams.values())
+                    *fams.values(), *_host_tier_metrics(d.host_tier))
+
+
+#: host tier stats exported as counters (the rest of its numeric stats are gauges)
+_HOST_TIER_COUNTERS = ("leased", "lease_shortfall", "commits", "duplicates_dropped",
+                       "commits_rejected", "evictions", "evicted_while_pinned",
+                       "clients_attached", "clients_released", "leases_reclaimed",
+                       "pins_reclaimed", "protocol_errors", "refused")
+
+
+def _host_tier_metrics(host_tier: Any) -> Iterator[Any]:
+    if host_tier is None:
+        return
+    for name, value in host_tier.stats().items():
+        if not isinstance(value, int):
+            continue
+        if name in _HOST_TIER_COUNTERS:
+            fam: Any = CounterMetricFamily(f"kvtier_host_tier_{name}", f"host tier {name}")
+        else:
+            fam = GaugeMetricFamily(f"kvtier_host_tier_{name}", f"host tier {name}")
+        fam.add_metric([], value)
+        yield fam

@@ -1,0 +1,325 @@
+"""An engine process's side of the host tier: look-ups from a local mirror, bytes in shm.
+
+Nothing a caller does here waits on the daemon. Look-ups read ``mirror`` (a dict the
+reader thread keeps equal to the daemon's directory, a message behind); pins are counter
+writes in shared memory; slots to write come from a pool leased ahead of need; commits,
+lease requests and touches go to a writer thread's queue. A daemon that is gone makes
+every look-up a miss and every save a skipped one until a later connection is welcomed
+(the thread retries every ``retry_s``); a new daemon run means a new segment and an empty
+mirror.
+
+A mirror entry can be stale (evicted or reused since): every read is checked against the
+slot's own header and checksum (:meth:`SharedSegment.read_into`), so a stale entry is a
+failed read, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from offload_tiers._types import BytesLike
+from offload_tiers.host_tier.directory import Location
+from offload_tiers.host_tier.pins import PinTable
+from offload_tiers.host_tier.protocol import (
+    PROTOCOL_VERSION,
+    Changes,
+    Commit,
+    Committed,
+    Hello,
+    Lease,
+    Leased,
+    ProtocolError,
+    Refused,
+    ToDaemon,
+    Touch,
+    Welcome,
+    decode_to_client,
+    frame,
+    split_frames,
+)
+from offload_tiers.shared_segment import SharedSegment
+
+log = logging.getLogger("kvtier.host_tier")
+
+
+@dataclass(slots=True)
+class ClientCounters:
+    connects: int = 0
+    disconnects: int = 0
+    refusals: int = 0
+    slots_leased: int = 0
+    slots_short: int = 0  # asked for by take_slots and not in the pool
+    commits_sent: int = 0
+    commits_kept: int = 0
+    commits_dropped: int = 0
+    reads_ok: int = 0
+    reads_failed: int = 0  # a mirror entry the slot no longer held
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """Pins taken by :meth:`HostTierClient.pin`; valid for the connection that took them."""
+
+    table: PinTable
+    row: int
+    slots: tuple[int, ...]
+
+
+class _Attached:
+    """One welcomed connection's daemon run: its segment, pin table and row."""
+
+    def __init__(self, welcome: Welcome) -> None:
+        self.instance = welcome.instance
+        self.segment = SharedSegment.attach(welcome.segment_path)
+        self.pins = PinTable.attach(welcome.pins_path)
+        self.row = welcome.row
+        if (self.segment.num_slots, self.segment.slot_bytes) != (welcome.num_slots,
+                                                                 welcome.slot_bytes):
+            raise ProtocolError(f"segment {welcome.segment_path} does not match the welcome")
+
+
+class HostTierClient:
+    """A connection to ``kvtier daemon``'s host tier at ``socket_path``."""
+
+    def __init__(self, socket_path: str, *, label: str = "", subscribe: bool = False,
+                 lease_batch: int = 64, retry_s: float = 1.0) -> None:
+        self.socket_path = socket_path
+        self.label = label
+        self.subscribe = subscribe
+        self.lease_batch = lease_batch
+        self.retry_s = retry_s
+        self.counters = ClientCounters()
+        self.mirror: dict[bytes, Location] = {}
+        self.last_error = ""
+        self._attached: _Attached | None = None
+        self._pool: deque[int] = deque()
+        self._lease_pending = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> HostTierClient:
+        self._thread = threading.Thread(target=self._run, name="kvtier-host-tier-client",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def available(self) -> bool:
+        return self._attached is not None
+
+    @property
+    def segment(self) -> SharedSegment | None:
+        attached = self._attached
+        return attached.segment if attached else None
+
+    @property
+    def instance(self) -> str | None:
+        attached = self._attached
+        return attached.instance if attached else None
+
+    def wait_until(self, predicate: Callable[[HostTierClient], bool],
+                   timeout: float | None = None) -> bool:
+        """Block until ``predicate(self)`` holds after some message (or now); False on
+        timeout. For callers that must act on an event (tests, start-up), never in a step."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self), timeout)
+
+    # ------------------------------------------------------------ reads
+    def lookup(self, digest: bytes) -> Location | None:
+        return self.mirror.get(digest) if self._attached is not None else None
+
+    def pin(self, slots: Iterable[int]) -> Pins | None:
+        """Pin ``slots`` in this connection's row (None when not connected)."""
+        attached = self._attached
+        if attached is None:
+            return None
+        pins = Pins(attached.pins, attached.row, tuple(slots))
+        pins.table.pin(pins.row, pins.slots)
+        return pins
+
+    @staticmethod
+    def unpin(pins: Pins | None) -> None:
+        if pins is not None:
+            pins.table.unpin(pins.row, pins.slots)
+
+    def read_into(self, digest: bytes, where: Location, out: BytesLike) -> bool:
+        """Copy the save ``where`` names into ``out``; False (counted) unless the slot
+        still holds exactly that save of ``digest``."""
+        segment = self.segment
+        ok = segment is not None and segment.read_into(where.slot, digest, where.save_id, out)
+        if ok:
+            self.counters.reads_ok += 1
+        else:
+            self.counters.reads_failed += 1
+        return ok
+
+    def touch(self, digests: list[bytes]) -> None:
+        if digests and self._attached is not None:
+            self._send(Touch(digests))
+
+    # ------------------------------------------------------------ writes
+    def take_slots(self, n: int) -> list[int]:
+        """Up to ``n`` leased slots to write now (fewer when the pool is short: counted);
+        asks the daemon for more in the background."""
+        taken: list[int] = []
+        with self._cond:
+            if self._attached is not None:
+                while self._pool and len(taken) < n:
+                    taken.append(self._pool.popleft())
+                short = n - len(taken)
+                if len(self._pool) < self.lease_batch // 2 and not self._lease_pending:
+                    self._lease_pending = True
+                    self._send(Lease(self.lease_batch + short))
+            self.counters.slots_short += n - len(taken)
+        return taken
+
+    def commit(self, saves: list[tuple[bytes, int, int, int]]) -> None:
+        """Tell the daemon these (digest, slot, save id, length) saves are written and
+        committed in their slots (``SharedSegment.commit_write`` done)."""
+        if saves and self._attached is not None:
+            self.counters.commits_sent += len(saves)
+            self._send(Commit(saves))
+
+    def write(self, digest: bytes, payload: BytesLike) -> bool:
+        """One save of ``payload`` under ``digest`` in a leased slot; False when no slot
+        was at hand or it does not fit."""
+        attached = self._attached
+        slots = self.take_slots(1)
+        if attached is None or not slots:
+            return False
+        save_id = new_save_id()
+        attached.segment.write(slots[0], digest, save_id, payload)
+        self.commit([(digest, slots[0], save_id, memoryview(payload).nbytes)])
+        return True
+
+    # ------------------------------------------------------------ connection
+    def _send(self, message: ToDaemon) -> None:
+        self._outbox.put(frame(message))
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self._serve_once()
+            except (OSError, ProtocolError, ValueError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            self._closed.wait(self.retry_s)
+
+    def _serve_once(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        writer: threading.Thread | None = None
+        self._outbox = queue.SimpleQueue()
+        try:
+            sock.connect(self.socket_path)
+            self._sock = sock
+            sock.sendall(frame(Hello(PROTOCOL_VERSION, os.getpid(), self.label,
+                                     self.subscribe)))
+            inbox = bytearray()
+            while not self._attached:
+                if not self._receive(sock, inbox):
+                    return
+            writer = threading.Thread(target=self._write_loop, args=(sock, self._outbox),
+                                      name="kvtier-host-tier-send", daemon=True)
+            writer.start()
+            self._send(Lease(self.lease_batch))
+            with self._cond:
+                self._lease_pending = True
+            while self._receive(sock, inbox):
+                pass
+        finally:
+            self._sock = None
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            if writer is not None:
+                self._outbox.put(None)
+                writer.join()
+            self._detach()
+
+    def _receive(self, sock: socket.socket, inbox: bytearray) -> bool:
+        data = sock.recv(1 << 20)
+        if not data:
+            return False
+        inbox += data
+        messages = [decode_to_client(body) for body in split_frames(inbox)]
+        with self._cond:
+            for message in messages:
+                self._apply(message)
+            self._cond.notify_all()
+        return True
+
+    def _apply(self, message: Any) -> None:
+        if isinstance(message, Welcome):
+            if message.version != PROTOCOL_VERSION:
+                raise ProtocolError(f"daemon speaks protocol {message.version}, this client "
+                                    f"{PROTOCOL_VERSION}")
+            self.mirror = {d: Location(slot, save_id, length)
+                           for d, slot, save_id, length in message.entries}
+            self._attached = _Attached(message)
+            self.counters.connects += 1
+            self.last_error = ""
+        elif isinstance(message, Changes):
+            for digest in message.removed:
+                self.mirror.pop(digest, None)
+            for digest, slot, save_id, length in message.added:
+                self.mirror[digest] = Location(slot, save_id, length)
+        elif isinstance(message, Leased):
+            self._pool.extend(message.slots)
+            self._lease_pending = False
+            self.counters.slots_leased += len(message.slots)
+        elif isinstance(message, Committed):
+            self.counters.commits_kept += len(message.kept)
+            self.counters.commits_dropped += len(message.dropped)
+        elif isinstance(message, Refused):
+            self.counters.refusals += 1
+            raise ProtocolError(f"the daemon refused this client: {message.reason}")
+
+    def _detach(self) -> None:
+        with self._cond:
+            if self._attached is not None:
+                self.counters.disconnects += 1
+            # leased slots stay the old connection's: the daemon frees them when this
+            # process exits; a new connection leases its own
+            self._attached = None
+            self.mirror = {}
+            self._pool.clear()
+            self._lease_pending = False
+            self._cond.notify_all()
+
+    @staticmethod
+    def _write_loop(sock: socket.socket, outbox: queue.SimpleQueue[bytes | None]) -> None:
+        while (data := outbox.get()) is not None:
+            try:
+                sock.sendall(data)
+            except OSError:
+                return
+
+
+def new_save_id() -> int:
+    """A random 64-bit save id (non-zero)."""
+    return int.from_bytes(os.urandom(8), "little") or 1

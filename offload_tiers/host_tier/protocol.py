@@ -1,0 +1,120 @@
+"""Messages on the host tier's Unix socket: msgpack (msgspec), one length-prefixed frame each.
+
+Client to daemon: ``Hello`` (first, once), ``Lease``, ``Commit``, ``Touch``.
+Daemon to client: ``Welcome`` (answers Hello, with the directory's snapshot when the
+client subscribes), ``Leased``, ``Committed``, ``Changes`` (a subscriber's mirror updates,
+in the order they happened), ``Refused`` (then the daemon closes the connection).
+
+A frame is a 4-byte big-endian length and that many bytes; anything else (a frame over
+:data:`MAX_FRAME`, bytes that do not decode to one of these messages) is a protocol error
+that closes the connection. Nothing here is pickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 256 * 1024 * 1024
+_LEN = struct.Struct(">I")
+
+#: (key digest, slot, save id, length) of one committed save
+EntryTuple = tuple[bytes, int, int, int]
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    version: int
+    pid: int
+    label: str
+    subscribe: bool = False
+
+
+class Lease(msgspec.Struct, tag="lease"):
+    n: int
+
+
+class Commit(msgspec.Struct, tag="commit"):
+    saves: list[EntryTuple]
+
+
+class Touch(msgspec.Struct, tag="touch"):
+    digests: list[bytes]
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    version: int
+    instance: str  # this daemon run's id: a new one means a new directory
+    segment_path: str
+    pins_path: str
+    row: int
+    num_slots: int
+    slot_bytes: int
+    entries: list[EntryTuple] = []
+
+
+class Leased(msgspec.Struct, tag="leased"):
+    slots: list[int]
+
+
+class Committed(msgspec.Struct, tag="committed"):
+    kept: list[int]
+    dropped: list[int]
+
+
+class Changes(msgspec.Struct, tag="changes"):
+    added: list[EntryTuple]
+    removed: list[bytes]
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    reason: str
+
+
+ToDaemon = Hello | Lease | Commit | Touch
+ToClient = Welcome | Leased | Committed | Changes | Refused
+
+_encoder = msgspec.msgpack.Encoder()
+_to_daemon = msgspec.msgpack.Decoder(ToDaemon)
+_to_client = msgspec.msgpack.Decoder(ToClient)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a message of this protocol."""
+
+
+def frame(message: ToDaemon | ToClient) -> bytes:
+    body = _encoder.encode(message)
+    return _LEN.pack(len(body)) + body
+
+
+def split_frames(buffer: bytearray) -> list[bytes]:
+    """Remove every complete frame from the front of ``buffer``; return their bodies."""
+    bodies: list[bytes] = []
+    pos = 0
+    while len(buffer) - pos >= _LEN.size:
+        (size,) = _LEN.unpack_from(buffer, pos)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+        if len(buffer) - pos - _LEN.size < size:
+            break
+        start = pos + _LEN.size
+        bodies.append(bytes(buffer[start:start + size]))
+        pos = start + size
+    del buffer[:pos]
+    return bodies
+
+
+def decode_to_daemon(body: bytes) -> ToDaemon:
+    try:
+        return _to_daemon.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"not a host-tier request: {exc}") from None
+
+
+def decode_to_client(body: bytes) -> ToClient:
+    try:
+        return _to_client.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"not a host-tier reply: {exc}") from None

@@ -1,0 +1,420 @@
+"""The daemon's side of the host tier: the segment, the directory, and a Unix socket.
+
+One thread runs a ``selectors`` loop over the listening socket and every client
+connection; it alone touches the directory (under ``lock``, which ``stats`` also takes).
+
+A client's leases and pins are released when its *process* is gone, not when its
+connection is: the daemon opens a pidfd for the peer (``SO_PEERCRED``) at accept, and a
+closed connection whose process still runs keeps its leased slots and pins quarantined
+until that process exits. A live process may still be copying into a slot it leased, and
+a slot re-leased under it could be committed with its bytes mixed in (with a checksum
+over the mix). A killed engine's half-written slots are invalidated once it is gone:
+never served; its pins never hold a slot forever.
+
+The segment, the pin table and the socket are created with ``mode`` (0600: only the
+daemon's user; 0660 with ``group`` for a group). A file of the same name left by an
+earlier run is replaced: a new run starts with an empty tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import selectors
+import socket
+import stat
+import struct
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from offload_tiers.host_tier.directory import HostDirectory
+from offload_tiers.host_tier.pins import PinTable
+from offload_tiers.host_tier.protocol import (
+    PROTOCOL_VERSION,
+    Changes,
+    Commit,
+    Committed,
+    Hello,
+    Lease,
+    Leased,
+    ProtocolError,
+    Refused,
+    ToClient,
+    Touch,
+    Welcome,
+    decode_to_daemon,
+    frame,
+    split_frames,
+)
+from offload_tiers.shared_segment import SharedSegment, default_path
+
+log = logging.getLogger("kvtier.host_tier")
+
+#: Most slots one Lease may ask for.
+MAX_LEASE = 4096
+#: A client whose unread replies exceed this is disconnected (it reconnects and resyncs).
+MAX_BACKLOG = 64 * 1024 * 1024
+_RECV = 1 << 20
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    pid: int
+    pidfd: int | None  # None: the peer could not be watched (then it is never released)
+    row: int | None = None
+    label: str = ""
+    subscribed: bool = False
+    refused: bool = False
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytearray = field(default_factory=bytearray)
+
+
+class HostTierServer:
+    """The host's shared CPU tier: ``cpu_bytes`` of ``slot_bytes`` slots, served on
+    ``socket_path``."""
+
+    def __init__(self, *, name: str, cpu_bytes: int, slot_bytes: int, socket_path: str,
+                 max_clients: int = 256, mode: int = 0o600, group: int | None = None) -> None:
+        if slot_bytes < 1:
+            raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
+        num_slots = cpu_bytes // slot_bytes
+        if num_slots < 1:
+            raise ValueError(f"cpu_bytes {cpu_bytes} holds no slot of {slot_bytes} bytes")
+        self.name = name
+        self.segment_path = default_path(name)
+        self.pins_path = default_path(f"{name}.pins")
+        self.socket_path = socket_path
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.max_clients = max_clients
+        self.mode = mode
+        self.group = group
+        self.instance = uuid.uuid4().hex
+        self.lock = threading.RLock()
+        self.directory: HostDirectory | None = None
+        self.protocol_errors = 0
+        self.refused = 0
+        self._conns: dict[int, _Conn] = {}
+        self._waiting_exit: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, row)
+        self.quarantined_rows = 0
+        self._listener: socket.socket | None = None
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for path in (self.segment_path, self.pins_path):
+            _remove_stale(path)
+        segment = SharedSegment.create(self.segment_path, self.num_slots, self.slot_bytes,
+                                       mode=self.mode)
+        pins = PinTable.create(self.pins_path, self.max_clients, self.num_slots,
+                               mode=self.mode)
+        for path in (self.segment_path, self.pins_path):
+            self._chown(path)
+        self.directory = HostDirectory(segment, pins)
+        self._listener = self._listen()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name="kvtier-host-tier", daemon=True)
+        self._thread.start()
+        log.info("host tier: %d slots of %d bytes in %s, serving %s", self.num_slots,
+                 self.slot_bytes, self.segment_path, self.socket_path)
+
+    def stop(self) -> None:
+        """Stop serving; remove the socket, the segment and the pin table."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        self._thread = None
+        assert self._selector is not None and self._listener is not None
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+            if conn.pidfd is not None:
+                os.close(conn.pidfd)
+        self._conns.clear()
+        for pidfd in self._waiting_exit:
+            os.close(pidfd)
+        self._waiting_exit.clear()
+        self._selector.close()
+        self._listener.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        if self.directory is not None:
+            for table in (self.directory.segment, self.directory.pins):
+                table.unlink()
+                table.close()
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            base = self.directory.stats() if self.directory else {}
+            return {**base, "connections": len(self._conns),
+                    "quarantined_clients": self.quarantined_rows,
+                    "protocol_errors": self.protocol_errors, "refused": self.refused,
+                    "segment_path": self.segment_path, "socket_path": self.socket_path}
+
+    # ------------------------------------------------------------ setup
+    def _chown(self, path: str) -> None:
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+
+    def _listen(self) -> socket.socket:
+        parent = Path(self.socket_path).parent
+        if not parent.exists():
+            parent.mkdir(mode=0o700, parents=True)
+        _remove_stale(self.socket_path, socket_only=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # bound with a umask that leaves nothing to others, then set to exactly mode
+            old = os.umask(0o177)
+            try:
+                listener.bind(self.socket_path)
+            finally:
+                os.umask(old)
+            os.chmod(self.socket_path, self.mode)
+            self._chown(self.socket_path)
+            listener.listen(64)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    # ------------------------------------------------------------ loop
+    def _run(self) -> None:
+        assert self._selector is not None
+        while not self._stopping:
+            for key, events in self._selector.select():
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 64)
+                elif isinstance(key.fileobj, int) and key.fileobj in self._waiting_exit:
+                    self._process_exited(key.fileobj)
+                else:
+                    conn = key.data
+                    if events & selectors.EVENT_READ:
+                        self._read(conn)
+                    if events & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns:
+                        self._flush(conn)
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._selector is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, _uid, _gid = struct.unpack("3i", creds)
+        try:
+            pidfd: int | None = os.pidfd_open(pid)
+        except OSError as exc:
+            log.warning("host tier: cannot watch client pid %d (%s): its slots are "
+                        "never released", pid, exc)
+            pidfd = None
+        conn = _Conn(sock, pid, pidfd)
+        self._conns[sock.fileno()] = conn
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        conn.inbox += data
+        try:
+            bodies = split_frames(conn.inbox)
+            with self.lock:
+                for body in bodies:
+                    if conn.refused:
+                        break
+                    self._handle(conn, decode_to_daemon(body))
+                self._broadcast()
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            log.warning("host tier: closing client pid %d (%s): %s", conn.pid, conn.label, exc)
+            self._close(conn)
+            return
+        if conn.refused:  # the reason first, then the close
+            with contextlib.suppress(OSError):
+                conn.sock.setblocking(True)
+                conn.sock.sendall(bytes(conn.outbox))
+            self._close(conn)
+            return
+        self._flush(conn)
+
+    def _handle(self, conn: _Conn, msg: Any) -> None:
+        directory = self.directory
+        assert directory is not None
+        if isinstance(msg, Hello):
+            if conn.row is not None:
+                raise ProtocolError("second hello")
+            if msg.version != PROTOCOL_VERSION:
+                self._refuse(conn, f"protocol version {msg.version}; this daemon speaks "
+                                   f"{PROTOCOL_VERSION}")
+                return
+            row = directory.attach_client()
+            if row is None:
+                self._refuse(conn, f"all {self.max_clients} client rows are taken")
+                return
+            conn.row, conn.label, conn.subscribed = row, msg.label[:200], msg.subscribe
+            entries = ([(d, w.slot, w.save_id, w.length) for d, w in directory.entries.items()]
+                       if msg.subscribe else [])
+            self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
+                                     self.pins_path, row, self.num_slots, self.slot_bytes,
+                                     entries))
+            return
+        if conn.row is None:
+            raise ProtocolError(f"{type(msg).__name__} before hello")
+        if isinstance(msg, Lease):
+            n = max(0, min(msg.n, MAX_LEASE))
+            self._send(conn, Leased(directory.lease(conn.row, n)))
+        elif isinstance(msg, Commit):
+            kept: list[int] = []
+            dropped: list[int] = []
+            for digest, slot, save_id, length in msg.saves:
+                ok = directory.commit(conn.row, slot, digest, save_id, length)
+                (kept if ok else dropped).append(slot)
+            self._send(conn, Committed(kept, dropped))
+        elif isinstance(msg, Touch):
+            directory.touch(msg.digests)
+
+    def _refuse(self, conn: _Conn, reason: str) -> None:
+        self.refused += 1
+        log.warning("host tier: refusing client pid %d: %s", conn.pid, reason)
+        self._send(conn, Refused(reason))
+        conn.refused = True
+
+    def _broadcast(self) -> None:
+        assert self.directory is not None
+        events = self.directory.drain_events()
+        if not events:
+            return
+        added = [(d, w.slot, w.save_id, w.length) for d, w in events if w is not None]
+        removed = [d for d, w in events if w is None]
+        # a client applies ``removed`` before ``added``: right unless a digest was added
+        # and then removed in this batch, which is then sent event by event
+        message = Changes(added, removed) if not _reordered(events) else None
+        for conn in list(self._conns.values()):
+            if not conn.subscribed:
+                continue
+            if message is not None:
+                self._send(conn, message)
+            else:
+                for digest, where in events:
+                    self._send(conn, Changes(
+                        [(digest, where.slot, where.save_id, where.length)] if where else [],
+                        [] if where else [digest]))
+            self._flush(conn)
+
+    def _send(self, conn: _Conn, message: ToClient) -> None:
+        conn.outbox += frame(message)
+
+    def _flush(self, conn: _Conn) -> None:
+        assert self._selector is not None
+        if conn.outbox:
+            try:
+                sent = conn.sock.send(conn.outbox)
+                del conn.outbox[:sent]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self._close(conn)
+                return
+        if len(conn.outbox) > MAX_BACKLOG:
+            log.warning("host tier: client pid %d (%s) is %d bytes behind; disconnecting",
+                        conn.pid, conn.label, len(conn.outbox))
+            self._close(conn)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        self._selector.modify(conn.sock, want, conn)
+
+    def _close(self, conn: _Conn) -> None:
+        assert self._selector is not None
+        if self._conns.pop(conn.sock.fileno(), None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        conn.sock.close()
+        if conn.pidfd is None:
+            if conn.row is not None:
+                self.quarantined_rows += 1
+            return
+        if conn.row is None:
+            os.close(conn.pidfd)
+        elif _exited(conn.pidfd):
+            os.close(conn.pidfd)
+            self._release(conn.row)
+        else:
+            self._waiting_exit[conn.pidfd] = (conn.pid, conn.row)
+            self.quarantined_rows += 1
+            self._selector.register(conn.pidfd, selectors.EVENT_READ, None)
+
+    def _process_exited(self, pidfd: int) -> None:
+        assert self._selector is not None
+        _pid, row = self._waiting_exit.pop(pidfd)
+        self._selector.unregister(pidfd)
+        os.close(pidfd)
+        self.quarantined_rows -= 1
+        self._release(row)
+
+    def _release(self, row: int) -> None:
+        with self.lock:
+            assert self.directory is not None
+            self.directory.release_client(row)
+            self._broadcast()
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has exited (the pidfd polls readable)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _reordered(events: list[tuple[bytes, Any]]) -> bool:
+    """Whether applying all removals before all additions would differ from the order."""
+    added_first: set[bytes] = set()
+    for digest, where in events:
+        if where is not None:
+            added_first.add(digest)
+        elif digest in added_first:
+            return True
+    return False
+
+
+def _remove_stale(path: str, *, socket_only: bool = False) -> None:
+    """Remove a file an earlier run left; refuse to remove anything unexpected."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if socket_only and not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(f"{path} exists and is not a socket")
+    if not socket_only and not stat.S_ISREG(st.st_mode):
+        raise FileExistsError(f"{path} exists and is not a regular file")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not this user")
+    os.unlink(path)
