@@ -49,6 +49,8 @@ _FIXES: dict[str, str] = {
                          "integer >= 1024 (default 1048576: 2.9 MB)",
     "presence_scan_keys_per_s": "give a number > 0: key names read per second when the "
                                 "summary walks Redis at start (default 200000)",
+    "host_tier_socket": "give the Unix socket of `kvtier daemon --cpu-bytes N` (it prints "
+                        "it at start), or null for this engine's own CPU tier only",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
 
@@ -92,6 +94,8 @@ class TieredConfig(BaseModel):
     presence: bool = True
     presence_capacity: int = Field(default=1 << 20, ge=1024)
     presence_scan_keys_per_s: float = Field(default=200_000.0, gt=0)
+    # The host's shared CPU tier (kvtier daemon --cpu-bytes): its Unix socket. None: off.
+    host_tier_socket: str | None = None
     _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")

@@ -22,6 +22,7 @@ import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -49,6 +50,8 @@ from connector.vllm_connector.config import (
     load_config,
 )
 from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
+from connector.vllm_connector.host import SchedulerHost
+from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.jobs import TierChange
 from connector.vllm_connector.namespace import (
     BoundedCache,
@@ -104,6 +107,14 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, TieredWorkerMetadata)
         self.report.merge(other.report)
         return self
+
+
+class TieredHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler half once, at start: its tensors' layout (the
+    storage names' rank fingerprints depend on it), before the first request."""
+
+    def __init__(self, layout: str) -> None:
+        self.layout = layout
 
 
 class TieredConnectorStats(KVConnectorStats):
@@ -221,7 +232,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler = TieredScheduler(
             self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
             int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block,
-            presence=RedisPresence.from_config)
+            presence=RedisPresence.from_config,
+            host=SchedulerHost(host_connect(self.config.host_tier_socket, "scheduler",
+                                            subscribe=True), int(parallel.world_size))
+            if self.config.host_tier_socket else None)
         log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
                  "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
                  hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())
@@ -237,8 +251,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         redis = make_redis_tier(self.config) if self.config.redis_url else None
-        self.worker = TieredWorker(self.config, int(get_tensor_model_parallel_rank()),
-                                   self.tp_size, num_slots, redis)
+        rank = int(get_tensor_model_parallel_rank())
+        host = host_connect(self.config.host_tier_socket, f"worker rank {rank}",
+                            subscribe=False) if self.config.host_tier_socket else None
+        self.worker = TieredWorker(self.config, rank, self.tp_size, num_slots, redis, host)
 
     # ================================================================ helpers
     def _fingerprint(self, tenant: str) -> str:
@@ -277,6 +293,13 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("kvtier worker (TP rank %d/%d): %d slots of %d bytes, layout %s",
                  self.worker.tp_rank, self.tp_size, self.worker.num_slots, layout.slot_bytes,
                  layout.descriptor())
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This rank's layout, for the scheduler half (vLLM collects it after
+        ``register_kv_caches`` and hands it to ``set_xfer_handshake_metadata``)."""
+        if self.worker is None or self.worker.layout is None:
+            return None
+        return TieredHandshake(self.worker.layout.descriptor())
 
     def _plan(self) -> StepPlan | None:
         if self.worker is None or not self.has_connector_metadata():
@@ -333,6 +356,13 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._block_pool = gpu_block_pool
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        """Rank 0's layout before the first request (else it comes with the first report)."""
+        rank0 = metadata.get(0)
+        if self.scheduler is not None and isinstance(rank0, TieredHandshake):
+            self.scheduler.on_report(WorkerReport(rank0_layout=rank0.layout))
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
@@ -350,8 +380,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             return {}
         tiers = self.scheduler.hit_tiers(request.request_id)
         out: dict[CacheHitSource, int] = {}
-        if tiers.get(Tier.CPU):
-            out[CacheHitSource.HOST] = tiers[Tier.CPU]
+        if tiers.get(Tier.CPU) or tiers.get(Tier.HOST):
+            out[CacheHitSource.HOST] = tiers.get(Tier.CPU, 0) + tiers.get(Tier.HOST, 0)
         if tiers.get(Tier.REDIS):
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tiers[Tier.REDIS]
         if sum(out.values()) != num_external_tokens:

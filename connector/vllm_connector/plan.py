@@ -32,11 +32,13 @@ class LoadOp:
     slot: int
     key: BlockKey
     after_fetch: bool = False
+    from_host: bool = False  # the fetch reads the host tier (else Redis)
 
 
 @dataclass(frozen=True, slots=True)
 class FetchOp:
-    """Read ``key`` from Redis into CPU-tier ``slot`` (in the background), then validate."""
+    """Read ``key`` from Redis -- or, with ``host``, from the host tier -- into CPU-tier
+    ``slot`` (in the background), then validate."""
 
     job: int
     req_id: str
@@ -45,6 +47,8 @@ class FetchOp:
     # The save every rank must read (the probe's answer): with TP, shards of other saves
     # (another engine's, or one a failed load left half-written) fail the fetch.
     save_id: int | None = None
+    # From the host tier: (slot, save id, length) of every rank's shard, by rank.
+    host: tuple[tuple[int, int, int], ...] | None = None
 
 
 #: The slot of a save that found no CPU-tier slot: the worker copies the block into a buffer
@@ -68,6 +72,7 @@ class SaveOp:
     key: BlockKey
     to_redis: bool
     save_id: int = 0  # written into every rank's value header (one save, one id)
+    to_host: bool = False  # also into a slot of the host tier (connector/vllm_connector/host.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from connector.events.wire import Medium
 from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.jobs import JobBook, TierChange
 from connector.vllm_connector.plan import (
     OVERFLOW_SLOT,
@@ -45,6 +46,8 @@ from connector.vllm_connector.presence import RedisPresence
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.codec import new_save_id
 from offload_tiers.cpu_tier import CpuTier
+from offload_tiers.host_tier.client import Pins
+from offload_tiers.host_tier.directory import Location
 from offload_tiers.keys import BlockKey, BlockKind, kind_for
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ class Tier(enum.StrEnum):
 
     CPU = "cpu"
     REDIS = "redis"
+    HOST = "host"  # the host's shared CPU tier (connector/vllm_connector/host.py)
 
 
 _EVENT_INFO_MAX = 1 << 16
@@ -114,6 +118,8 @@ class _Lookup:
     offered: int  # tokens offered to vLLM: end - start, or one less for a whole-prompt hit
     load_async: bool
     save_ids: dict[BlockKey, int]  # the save every rank must read, for each Redis key
+    host_where: dict[BlockKey, tuple[Location, ...]]  # every rank's shard, host keys
+    host_pins: dict[BlockKey, Pins | None]  # held until the key's host fetch is back
 
 
 @dataclass(slots=True)
@@ -154,7 +160,8 @@ class TieredScheduler:
                  fingerprint: Callable[[str], str],
                  blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
                  pool_block: Callable[[int], BlockLike],
-                 presence: Callable[..., RedisPresence | None] | None = None) -> None:
+                 presence: Callable[..., RedisPresence | None] | None = None,
+                 host: SchedulerHost | None = None) -> None:
         self.config = config
         self.groups = groups
         self.hash_unit = hash_unit
@@ -210,11 +217,16 @@ class TieredScheduler:
         # Which keys Redis may hold, known without waiting (None: every miss is probed).
         self.presence = presence(config, world_size, self.counters) \
             if presence is not None and self.redis_configured else None
+        # The host's shared CPU tier, between this engine's CPU tier and Redis (or None).
+        self.host = host
+        self._host_fetches: dict[int, Pins | None] = {}  # fetch job -> its shards' pins
 
     def close(self) -> None:
-        """Stop the presence summary's feed thread (idempotent)."""
+        """Stop the presence summary's feed thread and the host tier's client (idempotent)."""
         if self.presence is not None:
             self.presence.close()
+        if self.host is not None:
+            self.host.close()
 
     def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
         self.outbox.append(TierChange(key, Medium.CPU, stored=False))
@@ -232,6 +244,9 @@ class TieredScheduler:
                             ("cpu_tier_pinned", st["pinned"]),
                             ("cpu_tier_reserved", st["reserved"])):
             self.counters.set_gauge(name, int(value))
+        if self.host is not None:
+            self.counters.set_gauge("host_tier_available", int(self.host.client.available))
+            self.counters.set_gauge("host_tier_entries", len(self.host.client.mirror))
 
     # ------------------------------------------------------------------ keys
     def tenant(self, request: RequestLike) -> str:
@@ -273,6 +288,7 @@ class TieredScheduler:
         tiers = dict.fromkeys(
             (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
              if ok), Tier.CPU)
+        host_where = self._in_host(ordered, tiers)
         missing = tuple(k for k in ordered if k not in tiers and not self._is_bad(k))
         if missing:
             missing = self._worth_asking(request.request_id, missing, ends, prefix, ending,
@@ -282,7 +298,23 @@ class TieredScheduler:
             return None, False
         self.counters.add("lookups")
         self.counters.add("lookup_tokens", request.num_tokens - num_computed)
-        return self._choose(request, num_computed, ends, prefix, ending, tiers, save_ids)
+        return self._choose(request, num_computed, ends, prefix, ending, tiers, save_ids,
+                            host_where)
+
+    def _in_host(self, ordered: list[BlockKey], tiers: dict[BlockKey, str]
+                 ) -> dict[BlockKey, tuple[Location, ...]]:
+        """Mark the keys the host tier holds for every rank (not in this engine's CPU tier)
+        as :attr:`Tier.HOST` in ``tiers``; their shards' locations."""
+        where: dict[BlockKey, tuple[Location, ...]] = {}
+        if self.host is None or not self.host.ready:
+            return where
+        for key in ordered:
+            if key not in tiers:
+                found = self.host.locate(key)
+                if found is not None:
+                    tiers[key] = Tier.HOST
+                    where[key] = found
+        return where
 
     def _candidates(self, request: RequestLike, fp: str, ends: list[int]
                     ) -> tuple[dict[int, list[_Need]], dict[int, list[_Need]]]:
@@ -373,7 +405,8 @@ class TieredScheduler:
 
     def _choose(self, request: RequestLike, num_computed: int, ends: list[int],
                 prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
-                tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int]) -> tuple[int, bool]:
+                tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int],
+                host_where: dict[BlockKey, tuple[Location, ...]]) -> tuple[int, bool]:
         for _attempt in range(3):
             best, needs, present = self._best(ends, prefix, ending, tiers)
             if best == 0:
@@ -385,15 +418,17 @@ class TieredScheduler:
                 self.counters.add("rounded_down_tokens", max(present, best) - num_computed)
                 self.counters.add("hybrid_hits_withheld", best - num_computed)
                 return 0, False
-            slots = self._hold_hit(needs, tiers)
+            host_pins: dict[BlockKey, Pins | None] = {}
+            slots = self._hold_hit(needs, tiers, host_where, host_pins)
             if slots is None:
                 continue  # a key found no slot: a miss now; choose a shorter end
             if present > best:
                 self.counters.add("rounded_down_tokens", present - best)
-            load_async = self.hybrid or any(tiers[n.key] == Tier.REDIS for n in needs)
+            load_async = self.hybrid or any(tiers[n.key] != Tier.CPU for n in needs)
             offered = whole_prompt_offer(best, request.num_tokens) - num_computed
             self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers,
-                                                        slots, offered, load_async, save_ids)
+                                                        slots, offered, load_async, save_ids,
+                                                        host_where, host_pins)
             return offered, load_async
         return 0, False
 
@@ -415,9 +450,11 @@ class TieredScheduler:
                 needs = chain + ending[end]
         return best, list(needs), present
 
-    def _hold_hit(self, needs: list[_Need], tiers: dict[BlockKey, str]
-                  ) -> dict[BlockKey, int] | None:
-        """Pin every CPU key of a hit and reserve a slot for every Redis key (all or none).
+    def _hold_hit(self, needs: list[_Need], tiers: dict[BlockKey, str],
+                  host_where: dict[BlockKey, tuple[Location, ...]],
+                  host_pins: dict[BlockKey, Pins | None]) -> dict[BlockKey, int] | None:
+        """Pin every CPU key of a hit and reserve a slot for every Redis or host key (and
+        pin a host key's shards in the host tier): all or none.
 
         Keys are held in hit order, so holding one never evicts an earlier key of the same
         hit. On failure everything is let go, the failed key leaves ``tiers`` (the next
@@ -435,22 +472,29 @@ class TieredScheduler:
                     self.counters.add("store_drops")  # every slot pinned or being written
             if slot is None:
                 tiers.pop(need.key, None)
-                self._let_go(held, tiers)
+                self._let_go(held, tiers, host_pins)
                 return None
             held[need.key] = slot
+            if tiers[need.key] == Tier.HOST and self.host is not None:
+                host_pins[need.key] = self.host.pin(host_where[need.key])
         return held
 
-    def _let_go(self, held: dict[BlockKey, int], tiers: dict[BlockKey, str]) -> None:
+    def _let_go(self, held: dict[BlockKey, int], tiers: dict[BlockKey, str],
+                host_pins: dict[BlockKey, Pins | None]) -> None:
         for key in held:
-            if tiers.get(key, Tier.CPU) == Tier.REDIS:
+            if tiers.get(key, Tier.CPU) != Tier.CPU:
                 self.directory.abort(key)
             else:
                 self._unpin(key)
+        if self.host is not None:
+            for pins in host_pins.values():
+                self.host.unpin(pins)
+        host_pins.clear()
 
     def _drop_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
-            self._let_go(pending.slots, pending.tiers)
+            self._let_go(pending.slots, pending.tiers, pending.host_pins)
 
     def _unpin(self, key: BlockKey) -> None:
         try:
@@ -474,9 +518,9 @@ class TieredScheduler:
                 log.warning("kvtier: vLLM accepted %d external tokens for %s, offered %d; "
                             "not loading", num_external, req_id, pending.offered)
                 self.counters.add("refused_loads")
-            self._let_go(pending.slots, pending.tiers)
+            self._let_go(pending.slots, pending.tiers, pending.host_pins)
             return
-        per_tier = {Tier.CPU: 0, Tier.REDIS: 0}
+        per_tier = {Tier.CPU: 0, Tier.REDIS: 0, Tier.HOST: 0}
         lead = self.attention[0]
         fetched: dict[BlockKey, int] = {}
         for need in pending.needs:
@@ -489,12 +533,18 @@ class TieredScheduler:
                     f"{need.block_index} of {req_id}; refusing a partial restore")
             tier = pending.tiers[need.key]
             slot = pending.slots[need.key]
-            if tier == Tier.REDIS and need.key not in fetched:
-                fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
-                self._plan.fetches.append(FetchOp(fetched[need.key], req_id, slot, need.key,
-                                                  pending.save_ids.get(need.key)))
+            if tier != Tier.CPU and need.key not in fetched:
+                job = fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
+                host = None
+                if tier == Tier.HOST:
+                    host = tuple((w.slot, w.save_id, w.length)
+                                 for w in pending.host_where[need.key])
+                    self._host_fetches[job] = pending.host_pins.pop(need.key, None)
+                self._plan.fetches.append(FetchOp(job, req_id, slot, need.key,
+                                                  pending.save_ids.get(need.key), host))
             self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, slot, need.key,
-                                           after_fetch=tier == Tier.REDIS))
+                                           after_fetch=tier != Tier.CPU,
+                                           from_host=tier == Tier.HOST))
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)
@@ -507,7 +557,10 @@ class TieredScheduler:
         if pending.load_async:
             self._plan.async_reqs.append(req_id)
         cpu_tokens = min(per_tier[Tier.CPU], num_external)
-        split = {Tier.CPU: cpu_tokens, Tier.REDIS: num_external - cpu_tokens}
+        host_tokens = min(per_tier[Tier.HOST], num_external - cpu_tokens)
+        split = {Tier.CPU: cpu_tokens, Tier.REDIS: num_external - cpu_tokens - host_tokens}
+        if self.host is not None:
+            split[Tier.HOST] = host_tokens
         self._hit_tiers[req_id] = split
         if fetched:
             # Counted once every fetch is back and valid (a bad value is no hit).
@@ -519,6 +572,7 @@ class TieredScheduler:
         self.counters.add("hit_requests")
         self.counters.add("hit_tokens_cpu", split[Tier.CPU])
         self.counters.add("hit_tokens_redis", split[Tier.REDIS])
+        self.counters.add("hit_tokens_host", split.get(Tier.HOST, 0))
 
     def _restore_progress(self, req_id: str, job: int, ok: bool) -> None:
         entry = self._restoring.get(req_id)
@@ -554,9 +608,13 @@ class TieredScheduler:
         ``gone``: requests finished or preempted this step (their hand-offs are dropped).
         """
         plan, self._plan = self._plan, StepPlan()
+        known: list[bool] = []
         if self.presence is not None:
             self.presence.refresh()
-            plan.layout_known = self.presence.layout is not None
+            known.append(self.presence.layout is not None)
+        if self.host is not None:
+            known.append(self.host.layout is not None)
+        plan.layout_known = bool(known) and all(known)
         if not self.supported:
             return plan
         for req_id, done in computed_after.items():
@@ -664,8 +722,9 @@ class TieredScheduler:
         elif self.redis_configured:
             self.counters.add("redis_unavailable_saves")
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
+        to_host = self.host is not None and self.host.ready and not self.host.holds(key)
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
-                                 to_redis, new_save_id() if to_redis else 0))
+                                 to_redis, new_save_id() if to_redis else 0, to_host))
         self.outbox.append(TierChange(key, Medium.CPU, stored=True))
         self._remember(request, key, g)
 
@@ -692,6 +751,8 @@ class TieredScheduler:
         """Apply what the workers finished: saves, fetches, probes, Redis health."""
         if report.rank0_layout and self.presence is not None:
             self.presence.set_layout(report.rank0_layout)
+        if report.rank0_layout and self.host is not None:
+            self.host.set_layout(report.rank0_layout)
         if report.redis_up >= 0:
             self.redis_up = bool(report.redis_up)
             self.counters.set_gauge("redis_available", report.redis_up)
@@ -735,12 +796,19 @@ class TieredScheduler:
     def _fetch_done(self, job: int, info: Any, all_ok: bool) -> None:
         key = info.key
         self._restore_progress(info.req_id, job, all_ok)
+        from_host = job in self._host_fetches
+        if from_host and self.host is not None:
+            self.host.unpin(self._host_fetches.pop(job))
         if all_ok:
             self.directory.commit(key)
             self.outbox.append(TierChange(key, Medium.CPU, stored=True))
             self._bad.pop(key, None)
             return
         self.directory.abort(key)
+        if from_host:
+            # the slot was evicted or reused since the look-up: the mirror catches up
+            self.counters.add("host_misses_at_fetch")
+            return
         self.counters.add("redis_misses_at_fetch")
         self._bad[key] = time.monotonic() + self.bad_key_ttl_s
         self._bad.move_to_end(key)

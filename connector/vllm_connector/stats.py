@@ -55,12 +55,18 @@ COUNTER_NAMES: tuple[str, ...] = (
     "presence_keys_skipped",  # missing keys not probed (not announced, or past a gap)
     "presence_not_ready",  # lookups probed in full: the presence summary was not synced
     "presence_learned",  # key names learned from Redis (walk + other engines' announcements)
+    "hit_tokens_host",  # tokens served from the host tier (kvtier daemon --cpu-bytes)
+    "blocks_loaded_host",
+    "blocks_written_host",  # blocks copied into the host tier
+    "host_store_drops",  # saves the host tier did not take (no leased slot at hand)
+    "host_misses_at_fetch",  # the mirror said present, the slot held something else
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).
 GAUGE_NAMES: tuple[str, ...] = (
     "redis_available", "redis_configured", "cpu_tier_slots", "cpu_tier_entries",
     "cpu_tier_pinned", "cpu_tier_reserved", "presence_synced", "presence_memory_bytes",
+    "host_tier_available", "host_tier_entries",
 )
 
 

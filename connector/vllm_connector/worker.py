@@ -20,6 +20,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.plan import (
@@ -41,6 +43,9 @@ from connector.vllm_connector.plan import (
 from connector.vllm_connector.stats import ConnectorCounters
 from connector.vllm_connector.transfer import BlockTransfer
 from offload_tiers.cpu_tier import allocate_slab
+from offload_tiers.host_tier.client import HostTierClient
+from offload_tiers.host_tier.client import new_save_id as new_host_save_id
+from offload_tiers.host_tier.directory import Location
 from offload_tiers.keys import BlockKey, BlockKind
 
 log = logging.getLogger(__name__)
@@ -71,13 +76,15 @@ class TieredWorker:
     """One rank's slab, transfers and Redis I/O."""
 
     def __init__(self, config: TieredConfig, tp_rank: int, tp_size: int, num_slots: int,
-                 redis: Any = None) -> None:
+                 redis: Any = None, host: HostTierClient | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.num_slots = num_slots
         self.counters = ConnectorCounters()
         self.redis = redis
+        self.host = host  # the host's shared CPU tier (connector/vllm_connector/host.py)
+        self._host_commits: set[futures.Future[None]] = set()
         if redis is not None:
             self.counters.set_gauge("redis_configured", 1)
         self.layout: KVLayout | None = None
@@ -102,7 +109,8 @@ class TieredWorker:
         self._redis_seen: dict[str, int] = {}
         # Rank 0 tells the scheduler its layout (the presence summary's key names) until a
         # plan says it arrived.
-        self._send_layout = redis is not None and config.presence and tp_rank == 0
+        self._send_layout = tp_rank == 0 and (
+            (redis is not None and config.presence) or host is not None)
         self.closed = False
 
     # ------------------------------------------------------------------ setup
@@ -180,7 +188,9 @@ class TieredWorker:
                 continue
             self.counters.add("bytes_loaded", moved)
             self.counters.add("blocks_loaded_cpu", sum(not o.after_fetch for o in good))
-            self.counters.add("blocks_loaded_redis", sum(o.after_fetch for o in good))
+            self.counters.add("blocks_loaded_redis",
+                              sum(o.after_fetch and not o.from_host for o in good))
+            self.counters.add("blocks_loaded_host", sum(o.from_host for o in good))
 
     def _fail_load(self, op: LoadOp, why: str) -> None:
         """An asynchronous load fails its request (``failed_recving``: hybrid models have no
@@ -213,16 +223,41 @@ class TieredWorker:
         self._done.append(("probe", (probe.job, [i or 0 for i in ids])))
 
     def _fetch(self, req_id: str, ops: list[FetchOp]) -> None:
-        """Read values from Redis straight into their slots, validated (I/O thread)."""
-        oks = [False] * len(ops)
+        """Read values from Redis or the host tier straight into their slots, validated (I/O
+        thread)."""
+        from_redis = [op for op in ops if op.host is None]
+        oks = dict.fromkeys((op.job for op in ops), False)
         try:
-            if self.redis is not None:
-                dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in ops]
-                oks = self.redis.get_many_into([self.storage_key(op.key) for op in ops], dests,
-                                               save_ids=[op.save_id for op in ops])
+            if self.redis is not None and from_redis:
+                dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in from_redis]
+                got = self.redis.get_many_into([self.storage_key(op.key) for op in from_redis],
+                                               dests, save_ids=[op.save_id for op in from_redis])
+                oks.update(zip((op.job for op in from_redis), got, strict=True))
         except Exception:
             log.exception("kvtier: fetching from Redis failed")
-        self._done.append(("fetch", (req_id, ops, oks)))
+        for op in ops:
+            if op.host is not None:
+                oks[op.job] = self._read_host(op)
+        self._done.append(("fetch", (req_id, ops, [oks[op.job] for op in ops])))
+
+    def _read_host(self, op: FetchOp) -> bool:
+        """This rank's shard of ``op``'s key from the host tier into its slot (I/O thread):
+        only the exact save the scheduler found, checked against the slot's header and
+        checksum."""
+        assert op.host is not None
+        if self.host is None:
+            return False
+        slot, save_id, length = op.host[self.tp_rank]
+        nbytes = self._nbytes(op.key.group)
+        if length != nbytes:
+            return False
+        try:
+            return self.host.read_into(host_digest(self.storage_key(op.key)),
+                                       Location(slot, save_id, length),
+                                       self.slab[op.slot, :nbytes])
+        except Exception:
+            log.exception("kvtier: reading the host tier failed")
+            return False
 
     def _on_written(self, job: int, nbytes: int) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
@@ -301,6 +336,7 @@ class TieredWorker:
             if slotted and self._gather(group, slotted, None):
                 for op in slotted:
                     self.holds[op.slot] = op.key
+                self._to_host(group, [op for op in slotted if op.to_host])
                 self._to_redis([(op, memoryview(self.slab[op.slot, :self._nbytes(group)]))
                                 for op in slotted])
             overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
@@ -330,6 +366,49 @@ class TieredWorker:
         self.counters.add("partial_blocks_saved",
                           sum(op.key.kind is BlockKind.PARTIAL for op in ops))
         return True
+
+    def _to_host(self, group: int, ops: list[SaveOp]) -> None:
+        """Copy saved blocks from their CPU-tier slots into leased host-tier slots (in the
+        step: the slot may be reused by a later step); the checksums and the commit run on
+        an I/O thread. A save with no leased slot at hand is not offered (counted)."""
+        if not ops or self.host is None:
+            return
+        segment = self.host.segment
+        nbytes = self._nbytes(group)
+        slots = self.host.take_slots(len(ops)) if segment is not None \
+            and nbytes <= segment.slot_bytes else []
+        self.counters.add("host_store_drops", len(ops) - len(slots))
+        if not slots or segment is None:
+            return
+        ops = ops[:len(slots)]
+        for slot in slots:
+            segment.begin_write(slot)
+        segment.payloads[slots, :nbytes] = self.slab[[op.slot for op in ops], :nbytes]
+        future = self._io.submit(self._commit_host, segment, ops, slots, nbytes)
+        self._host_commits.add(future)
+        future.add_done_callback(self._host_commits.discard)
+
+    def flush_host(self, timeout_s: float) -> bool:
+        """Wait until every host-tier write begun so far is committed (and its commit
+        queued to the daemon); False on timeout."""
+        _, not_done = futures.wait(list(self._host_commits), timeout=timeout_s)
+        return not not_done
+
+    def _commit_host(self, segment: Any, ops: list[SaveOp], slots: list[int],
+                     nbytes: int) -> None:
+        """Checksum and publish host-tier writes begun in the step (I/O thread)."""
+        assert self.host is not None
+        saves = []
+        try:
+            for op, slot in zip(ops, slots, strict=True):
+                d = host_digest(self.storage_key(op.key))
+                save_id = new_host_save_id()
+                segment.commit_write(slot, d, save_id, nbytes)
+                saves.append((d, slot, save_id, nbytes))
+        except Exception:
+            log.exception("kvtier: committing host-tier writes failed")
+        self.host.commit(saves)
+        self.counters.add("blocks_written_host", len(saves))
 
     def _to_redis(self, items: list[tuple[SaveOp, memoryview]]) -> None:
         for op, _ in items:
@@ -379,6 +458,8 @@ class TieredWorker:
         report, self._report = self._report, WorkerReport()
         if self._send_layout and self.layout is not None:
             report.rank0_layout = self.layout.descriptor()
+        if self.host is not None:
+            self.counters.set_gauge("host_tier_available", int(self.host.available))
         if self.redis is not None:
             report.redis_up = int(bool(self.redis.available))
             self.counters.set_gauge("redis_available", report.redis_up)
@@ -407,6 +488,8 @@ class TieredWorker:
         self._io.shutdown(wait=True, cancel_futures=True)
         if self.redis is not None:
             self.redis.close(timeout=2.0)
+        if self.host is not None:
+            self.host.close()
         self.transfer = None
         self.slab = self._slab_owner = None
 

@@ -110,6 +110,7 @@ class HostTierClient:
         self._cond = threading.Condition()
         self._closed = threading.Event()
         self._sock: socket.socket | None = None
+        self._writer: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -120,7 +121,12 @@ class HostTierClient:
         return self
 
     def close(self) -> None:
+        """Send what is queued (commits of finished saves), then disconnect."""
         self._closed.set()
+        writer = self._writer
+        if writer is not None:
+            self._outbox.put(None)
+            writer.join()
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -246,6 +252,7 @@ class HostTierClient:
             writer = threading.Thread(target=self._write_loop, args=(sock, self._outbox),
                                       name="kvtier-host-tier-send", daemon=True)
             writer.start()
+            self._writer = writer
             self._send(Lease(self.lease_batch))
             with self._cond:
                 self._lease_pending = True
@@ -259,6 +266,7 @@ class HostTierClient:
             if writer is not None:
                 self._outbox.put(None)
                 writer.join()
+                self._writer = None
             self._detach()
 
     def _receive(self, sock: socket.socket, inbox: bytearray) -> bool:

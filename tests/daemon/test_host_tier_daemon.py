@@ -24,21 +24,10 @@ import pytest
 
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.shared_segment import digest
-from tests.support.daemon_proc import REPO, DaemonProcess
+from tests.support.daemon_proc import REPO, HostTierDaemon
 
 SLOT = 4096
 WAIT_S = 60  # bounds a hung wait only; nothing is ordered by it
-
-
-class HostTierDaemon(DaemonProcess):
-    def __init__(self, sock: Path, name: str) -> None:
-        super().__init__("--cpu-bytes", str(8 * SLOT), "--slot-bytes", str(SLOT),
-                         "--host-tier-socket", str(sock), "--host-tier-name", name)
-        self.sock = sock
-        self.name = name
-
-    def tier(self) -> dict[str, Any]:
-        return self.stats()["host_tier"]
 
 
 @pytest.fixture
@@ -48,13 +37,12 @@ def sock_path(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def daemon(sock_path: Path) -> Iterator[HostTierDaemon]:
-    proc = HostTierDaemon(sock_path, f"test-{uuid.uuid4().hex[:12]}").start()
+    proc = HostTierDaemon(sock_path, f"test-{uuid.uuid4().hex[:12]}", slot_bytes=SLOT).start()
     try:
         yield proc
     finally:
         proc.kill()
-        for suffix in ("", ".pins"):  # a killed daemon leaves its files
-            Path(f"/dev/shm/kvtier-{proc.name}{suffix}").unlink(missing_ok=True)
+        proc.remove_files()
 
 
 def client(sock: Path, **kw: Any) -> HostTierClient:
@@ -192,7 +180,7 @@ def test_daemon_killed_then_back_engines_miss_then_reattach(
         assert c.lookup(digest(b"before")) is None
         assert c.take_slots(1) == [] and not c.write(digest(b"during"), b"y")
         assert c.counters.slots_short >= 1
-        again = HostTierDaemon(sock_path, daemon.name).start()  # same socket, same name
+        again = HostTierDaemon(sock_path, daemon.name, slot_bytes=SLOT).start()  # same name
         try:
             assert c.wait_until(lambda c: c.available and c.instance != first, WAIT_S)
             assert c.mirror == {}  # a new run: an empty tier

@@ -27,7 +27,7 @@ import pytest
 
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
-from tests.support.openai_server import OpenAIServer
+from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_keys import scratch_prefix, wait_for_keys
 from tests.support.redis_server import SecretRedis
 
@@ -40,30 +40,6 @@ SHARED = prompt_words(41, 200)  # stored by A while B runs: 6 full blocks
 NOVEL = prompt_words(42, 150)  # stored by nobody
 DP_PROMPTS = [prompt_words(90 + i, 150) for i in range(4)]
 DEADLINE_S = 300.0  # ends a hang only; every wait below is for an event
-
-
-def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
-    """One greedy completion through the real OpenAI client; its text and cached tokens."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
-                    timeout=120)
-    model = str(server.model_dir)
-    if not stream:
-        out = client.completions.create(model=model, prompt=prompt, max_tokens=8,
-                                        temperature=0.0)
-        details = out.usage.prompt_tokens_details if out.usage else None
-        return {"text": out.choices[0].text,
-                "cached": (details.cached_tokens or 0) if details else 0}
-    text, cached = "", 0
-    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=8,
-                                           temperature=0.0, stream=True,
-                                           stream_options={"include_usage": True}):
-        if chunk.choices:
-            text += chunk.choices[0].text
-        if chunk.usage and chunk.usage.prompt_tokens_details:
-            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
-    return {"text": text, "cached": cached}
 
 
 def session(server: OpenAIServer, reset_first: bool) -> dict[str, Any]:

@@ -8,7 +8,8 @@ on the same Redis, and engines with test-only switches, each in its own process:
                   ["batch", "name", [prompt | [token ids], ...]],
                   ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
                   ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
-                  ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s]],
+                  ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s],
+                  ["kill_pid", pid]],
         "max_tokens": 8, "logprobs": bool, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
@@ -73,6 +74,24 @@ def corrupt_redis(url: str, prefix: str) -> dict[str, int]:
                 client.set(name, other)  # a valid value, but another block's (foreign)
                 swapped += 1
     return {"flipped": flipped, "swapped": swapped}
+
+
+def kill_and_reap(pid: int) -> bool:
+    """SIGKILL ``pid`` and wait for the kernel to say it exited (its pidfd polls readable:
+    an event, not a sleep); False when it was already gone."""
+    import select
+    import signal
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+        select.select([pidfd], [], [], 60.0)
+    finally:
+        os.close(pidfd)
+    return True
 
 
 def damage_one_rank(url: str, prefix: str, how: str) -> dict[str, int]:
@@ -360,6 +379,9 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
             continue
         if step[0] in ("proxy", "wait_redis", "snapshot"):
             outputs.append(fault_step(step, proxy, stats, poke, settle))
+            continue
+        if step[0] == "kill_pid":  # SIGKILL another process (a daemon) mid-run; gone on return
+            outputs.append({"name": f"kill_pid-{step[1]}", "result": kill_and_reap(int(step[1]))})
             continue
         if step[0] == "wait_writes":  # Redis takes writes again: the event, not the gauge
             outputs.append(wait_writes(gen, stats, float(step[1])))

@@ -113,3 +113,24 @@ class DaemonProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+class HostTierDaemon(DaemonProcess):
+    """``kvtier daemon`` serving only a host tier: ``slots`` slots of ``slot_bytes`` on the
+    Unix socket ``sock``, its segment named ``name`` (/dev/shm/kvtier-NAME)."""
+
+    def __init__(self, sock: Path, name: str, *, slots: int = 8, slot_bytes: int = 4096
+                 ) -> None:
+        super().__init__("--cpu-bytes", str(slots * slot_bytes), "--slot-bytes",
+                         str(slot_bytes), "--host-tier-socket", str(sock),
+                         "--host-tier-name", name)
+        self.sock = sock
+        self.name = name
+
+    def tier(self) -> dict[str, Any]:
+        return self.stats()["host_tier"]
+
+    def remove_files(self) -> None:
+        """The segment and pin table a killed daemon leaves behind."""
+        for suffix in ("", ".pins"):
+            Path(f"/dev/shm/kvtier-{self.name}{suffix}").unlink(missing_ok=True)

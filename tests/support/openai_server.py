@@ -154,3 +154,27 @@ def _group_alive(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             alive.append(int(entry))
     return alive
+
+
+def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
+    """One greedy completion through the real OpenAI client; its text and cached tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
+                    timeout=120)
+    model = str(server.model_dir)
+    if not stream:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                        temperature=0.0)
+        details = out.usage.prompt_tokens_details if out.usage else None
+        return {"text": out.choices[0].text,
+                "cached": (details.cached_tokens or 0) if details else 0}
+    text, cached = "", 0
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                           temperature=0.0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage and chunk.usage.prompt_tokens_details:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+    return {"text": text, "cached": cached}

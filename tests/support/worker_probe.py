@@ -6,8 +6,9 @@ workers did. This module lets a test wait for the event itself:
 
 * :class:`KvtierWorkerProbe` is mixed into vLLM's worker (``worker_extension_cls``, the way
   RLHF frameworks extend workers); ``kvtier_drain`` waits until the worker's Redis writer
-  has an outcome for every write it took (``RedisTier.flush``), applies those outcomes, and
-  returns the worker's cumulative counters.
+  has an outcome for every write it took (``RedisTier.flush``) and every host-tier write is
+  committed (``TieredWorker.flush_host``), applies those outcomes, and returns the worker's
+  cumulative counters.
 * :func:`drain` asks every worker (``LLM.collective_rpc``), then steps the engine until
   vLLM's exported ``vllm:kvtier_*`` counters carry at least what the workers counted. The
   workers' step reports travel with those counters, so the scheduler half has applied them
@@ -51,6 +52,8 @@ class KvtierWorkerProbe:
             if not half.redis.flush(timeout_s):
                 raise TimeoutError(f"kvtier's Redis writer still had writes after {timeout_s} s")
             half._follow_redis_events()  # outage/recovery counts, as each step report does
+        if half.host is not None and not half.flush_host(timeout_s):
+            raise TimeoutError(f"kvtier's host-tier commits still ran after {timeout_s} s")
         half.collect()  # this thread is the one that runs the steps: same as a report
         snapshot = half.counters.snapshot()
         return {name: int(snapshot[name]) for name in COUNTER_NAMES}

@@ -1,0 +1,107 @@
+"""The host tier (``kvtier daemon --cpu-bytes``) as seen by the two halves.
+
+In this mode the host's shared CPU tier sits between each engine's own CPU tier and Redis:
+
+* the scheduler half finds a key there by reading a local mirror of the daemon's directory
+  (:class:`~offload_tiers.host_tier.client.HostTierClient`, subscribed; no IPC on the
+  scheduler's path), pins the slots of every rank's shard, and plans a *host fetch*: each
+  worker copies its shard from the shared segment into its own CPU-tier slot on an I/O
+  thread (verified against the slot's header and checksum: a slot reused meanwhile is a
+  failed fetch, recomputed), then the load runs as for a Redis fetch;
+* a worker copies every block it saves (the scheduler says which: ``SaveOp.to_host``) from
+  its CPU-tier slot into a slot leased from the daemon in the step, and commits it (the
+  checksum) on an I/O thread.
+
+Keys are stored under each rank's own name plus what the hash covers
+(:func:`host_digest`), so a PARTIAL entry never answers a FULL look-up and ranks, layouts,
+dtypes and namespaces never mix. The scheduler computes every rank's name from rank 0's
+layout (sent by the rank-0 worker); a rank whose layout differs finds its slot's key
+unequal and fails the fetch: a miss, never a wrong block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
+from offload_tiers.host_tier.client import HostTierClient, Pins
+from offload_tiers.host_tier.directory import Location
+from offload_tiers.keys import BlockKey
+from offload_tiers.shared_segment import digest
+
+log = logging.getLogger(__name__)
+
+_RANK_FP_MAX = 4096
+
+
+def host_digest(storage_key: BlockKey) -> bytes:
+    """The host tier's 16-byte key for a rank's storage key (its name, token count, kind)."""
+    k = storage_key
+    return digest(f"{k.name}:{k.num_tokens}:{int(k.kind)}".encode())
+
+
+#: How long an engine waits, at start, for the daemon's welcome (not on any request path).
+WELCOME_WAIT_S = 5.0
+
+
+def connect(socket_path: str, label: str, *, subscribe: bool) -> HostTierClient:
+    """A started client (it connects, and reconnects, on its own thread). Waits up to
+    :data:`WELCOME_WAIT_S` for the first welcome, so the first requests can hit; without
+    one it goes on (misses) and attaches whenever the daemon answers."""
+    client = HostTierClient(socket_path, label=label, subscribe=subscribe).start()
+    if not client.wait_until(lambda c: c.available, WELCOME_WAIT_S):
+        log.warning("kvtier: the host tier at %s is not answering (%s); serving without it "
+                    "until it does", socket_path, client.last_error or "no welcome yet")
+    return client
+
+
+class SchedulerHost:
+    """The scheduler half's view: which keys every rank holds in the host tier."""
+
+    def __init__(self, client: HostTierClient, world_size: int) -> None:
+        self.client = client
+        self.world_size = world_size
+        self.layout: str | None = None
+        self._rank_fps: BoundedCache[tuple[str, int], str] = BoundedCache(_RANK_FP_MAX)
+
+    def set_layout(self, layout: str) -> None:
+        if layout != self.layout:
+            self.layout = layout
+            self._rank_fps.clear()
+
+    @property
+    def ready(self) -> bool:
+        return self.layout is not None and self.client.available
+
+    def digests(self, key: BlockKey) -> tuple[bytes, ...]:
+        """Every rank's host digest of ``key`` (``ready`` must hold)."""
+        assert self.layout is not None
+        out = []
+        for rank in range(self.world_size):
+            fp = self._rank_fps.get((key.fingerprint, rank))
+            if fp is None:
+                fp = rank_fingerprint(key.fingerprint, rank, self.world_size, self.layout)
+                self._rank_fps.put((key.fingerprint, rank), fp)
+            out.append(host_digest(BlockKey(fp, key.group, key.block_hash, key.num_tokens,
+                                            key.kind)))
+        return tuple(out)
+
+    def locate(self, key: BlockKey) -> tuple[Location, ...] | None:
+        """Where every rank's shard of ``key`` is, or None unless all of them are there."""
+        if not self.ready:
+            return None
+        where = [self.client.lookup(d) for d in self.digests(key)]
+        return None if None in where else tuple(where)  # type: ignore[arg-type]
+
+    def holds(self, key: BlockKey) -> bool:
+        return self.locate(key) is not None
+
+    def pin(self, where: Sequence[Location]) -> Pins | None:
+        return self.client.pin(w.slot for w in where)
+
+    def unpin(self, pins: Pins | None) -> None:
+        self.client.unpin(pins)
+
+    def close(self) -> None:
+        self.client.close()
