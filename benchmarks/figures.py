@@ -216,6 +216,23 @@ def route(d: dict[str, Any]) -> str:
             f"{sc['predicted_of']} requests ({when(d)})")
 
 
+def host_tier(d: dict[str, Any]) -> str:
+    r = d["restore"]
+    big, page = r["block_2MiB"], r["page_64KiB"]
+    out = (f"verified restores out of the shared segment at {big['gbps']['verified']:.1f} GB/s "
+           f"for 2 MiB slots ({x(big['restore_gbps_vs_memcpy'])} memcpy's "
+           f"{big['gbps']['memcpy']:.1f} GB/s in the same run) and "
+           f"{page['gbps']['verified']:.1f} GB/s for 64 KiB slots "
+           f"({x(page['restore_gbps_vs_memcpy'])})")
+    dp = d.get("dp2")
+    if dp:
+        out += (f"; the OpenAI server at DP=2 recomputed {dp['host']['recomputed_tokens']:,} of "
+                f"{dp['host']['prompt_tokens']:,} prompt tokens with the host tier against "
+                f"{dp['per_engine']['recomputed_tokens']:,} with each engine's own CPU tier "
+                f"({x(d['ratios']['recomputed_host_vs_per_engine'])})")
+    return out + f" ({when(d)})"
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -231,6 +248,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "ttft": (("ttft.json",), ttft),
     "index": (("index.json",), index),
     "route": (("route.json",), route),
+    "host-tier": (("host_tier.json",), host_tier),
 }
 
 

@@ -235,29 +235,32 @@ class TieredWorker:
                 oks.update(zip((op.job for op in from_redis), got, strict=True))
         except Exception:
             log.exception("kvtier: fetching from Redis failed")
-        for op in ops:
-            if op.host is not None:
-                oks[op.job] = self._read_host(op)
+        oks.update(self._read_host([op for op in ops if op.host is not None]))
         self._done.append(("fetch", (req_id, ops, [oks[op.job] for op in ops])))
 
-    def _read_host(self, op: FetchOp) -> bool:
-        """This rank's shard of ``op``'s key from the host tier into its slot (I/O thread):
-        only the exact save the scheduler found, checked against the slot's header and
-        checksum."""
-        assert op.host is not None
+    def _read_host(self, ops: list[FetchOp]) -> dict[int, bool]:
+        """This rank's shards of ``ops``' keys from the host tier into their slots (I/O
+        thread): only the exact saves the scheduler found, checked against each slot's
+        header and checksum. Job -> ok."""
+        if not ops:
+            return {}
+        oks = dict.fromkeys((op.job for op in ops), False)
         if self.host is None:
-            return False
-        slot, save_id, length = op.host[self.tp_rank]
-        nbytes = self._nbytes(op.key.group)
-        if length != nbytes:
-            return False
+            return oks
+        fit = []
+        for op in ops:
+            assert op.host is not None
+            if op.host[self.tp_rank][2] == self._nbytes(op.key.group):
+                fit.append(op)
         try:
-            return self.host.read_into(host_digest(self.storage_key(op.key)),
-                                       Location(slot, save_id, length),
-                                       self.slab[op.slot, :nbytes])
+            got = self.host.read_many_into(
+                [host_digest(self.storage_key(op.key)) for op in fit],
+                [Location(*op.host[self.tp_rank]) for op in fit],  # type: ignore[index]
+                [self.slab[op.slot, :self._nbytes(op.key.group)] for op in fit])
+            oks.update(zip((op.job for op in fit), got, strict=True))
         except Exception:
             log.exception("kvtier: reading the host tier failed")
-            return False
+        return oks
 
     def _on_written(self, job: int, nbytes: int) -> Callable[[bool], None]:
         def done(ok: bool) -> None:

@@ -157,7 +157,8 @@ def _group_alive(pgid: int) -> list[int]:
 
 
 def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
-    """One greedy completion through the real OpenAI client; its text and cached tokens."""
+    """One greedy completion through the real OpenAI client; its text and cached tokens
+    (and, unstreamed, its prompt tokens)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
@@ -168,7 +169,8 @@ def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict
                                         temperature=0.0)
         details = out.usage.prompt_tokens_details if out.usage else None
         return {"text": out.choices[0].text,
-                "cached": (details.cached_tokens or 0) if details else 0}
+                "cached": (details.cached_tokens or 0) if details else 0,
+                "prompt_tokens": out.usage.prompt_tokens if out.usage else 0}
     text, cached = "", 0
     for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=8,
                                            temperature=0.0, stream=True,

@@ -370,3 +370,25 @@ def test_writer_discipline_and_argument_errors(seg: SharedSegment) -> None:
     assert seg.closed
     with pytest.raises(ValueError, match="closed"):
         seg.read(0, KEY_A, 1)
+
+
+def test_read_many_into_checks_each_slot_as_read_into_does(seg: SharedSegment) -> None:
+    """One batch: a hit, a key reused by another save, the right key of another save, an
+    empty slot, the wrong length, a slot being written, a byte flipped after the commit."""
+    for slot, (key, save) in enumerate([(KEY_A, 1), (KEY_B, 2), (KEY_A, 3), (KEY_A, 4),
+                                        (KEY_B, 5), (KEY_B, 6)]):
+        seg.write(slot, key, save, pattern(save))
+    seg.begin_write(5)  # being written
+    seg.payloads[4, 7] ^= 0xFF  # corrupted after its commit
+    outs = [np.zeros(SLOT, np.uint8) for _ in range(7)]
+    outs[3] = np.zeros(SLOT - 1, np.uint8)
+    before = seg.counters.as_dict()
+    got = seg.read_many_into([0, 1, 2, 3, 4, 5, 6],
+                             [KEY_A, KEY_A, KEY_A, KEY_A, KEY_B, KEY_B, KEY_A],
+                             [1, 2, 9, 4, 5, 6, 7], outs)
+    assert got == [True, False, False, False, False, False, False]
+    assert outs[0].tobytes() == pattern(1)
+    after = seg.counters.as_dict()
+    delta = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert delta == {"hits": 1, "key_mismatch": 1, "save_mismatch": 1, "length": 1,
+                     "checksum": 1, "torn": 1, "empty": 1}
