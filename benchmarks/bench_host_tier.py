@@ -9,9 +9,8 @@ Two measurements, side by side with their reference in the same run:
    every slot into a destination array as an engine's worker does (``read_many_into``:
    header checks, copy, header re-check, xxh3 checksum of the copied bytes), against
    ``numpy.copyto`` of the same bytes between two private arrays (the memory's limit) and
-   a copy out of the
-   segment with no checks (what the verification costs). Best of several repetitions,
-   interleaved. JSON ``ratios.restore_gbps_vs_memcpy`` (aim >= 0.8).
+   a copy out of the segment with no checks (what the verification costs). Best of
+   several repetitions, interleaved. JSON ``ratios.restore_gbps_vs_memcpy`` (aim >= 0.8).
 2. **Recomputed prompt tokens at DP=2.** vLLM's OpenAI server at ``--data-parallel-size 2``
    with kvtier, once with each engine core's own CPU tier and once with the host tier, the
    same conversations (each turn's prompt extends the last one; vLLM hands sequential
