@@ -41,6 +41,8 @@ def host_digest(storage_key: BlockKey) -> bytes:
     return digest(f"{k.name}:{k.num_tokens}:{int(k.kind)}".encode())
 
 
+#: Slots a worker keeps leased ahead of its saves (held empty: size the tier for them).
+WORKER_LEASE_BATCH = 32
 #: How long an engine waits, at start, for the daemon's welcome (not on any request path).
 WELCOME_WAIT_S = 5.0
 
@@ -49,7 +51,9 @@ def connect(socket_path: str, label: str, *, subscribe: bool) -> HostTierClient:
     """A started client (it connects, and reconnects, on its own thread). Waits up to
     :data:`WELCOME_WAIT_S` for the first welcome, so the first requests can hit; without
     one it goes on (misses) and attaches whenever the daemon answers."""
-    client = HostTierClient(socket_path, label=label, subscribe=subscribe).start()
+    # a subscriber (the scheduler half) only reads: it leases no slots
+    client = HostTierClient(socket_path, label=label, subscribe=subscribe,
+                            lease_batch=0 if subscribe else WORKER_LEASE_BATCH).start()
     if not client.wait_until(lambda c: c.available, WELCOME_WAIT_S):
         log.warning("kvtier: the host tier at %s is not answering (%s); serving without it "
                     "until it does", socket_path, client.last_error or "no welcome yet")

@@ -95,6 +95,8 @@ class HostTierClient:
 
     def __init__(self, socket_path: str, *, label: str = "", subscribe: bool = False,
                  lease_batch: int = 64, retry_s: float = 1.0) -> None:
+        """``lease_batch``: slots kept leased ahead of need (0: this client never writes,
+        e.g. a scheduler half, and leases none)."""
         self.socket_path = socket_path
         self.label = label
         self.subscribe = subscribe
@@ -213,7 +215,8 @@ class HostTierClient:
                 while self._pool and len(taken) < n:
                     taken.append(self._pool.popleft())
                 short = n - len(taken)
-                if len(self._pool) < self.lease_batch // 2 and not self._lease_pending:
+                if self.lease_batch > 0 and len(self._pool) < self.lease_batch // 2 \
+                        and not self._lease_pending:
                     self._lease_pending = True
                     self._send(Lease(self.lease_batch + short))
             self.counters.slots_short += n - len(taken)
@@ -267,9 +270,10 @@ class HostTierClient:
                                       name="kvtier-host-tier-send", daemon=True)
             writer.start()
             self._writer = writer
-            self._send(Lease(self.lease_batch))
-            with self._cond:
-                self._lease_pending = True
+            if self.lease_batch > 0:
+                self._send(Lease(self.lease_batch))
+                with self._cond:
+                    self._lease_pending = True
             while self._receive(sock, inbox):
                 pass
         finally:

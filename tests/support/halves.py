@@ -32,6 +32,8 @@ import torch
 from connector.identity.engine import EngineIdentity
 from connector.identity.generation import Generation
 from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.host import SchedulerHost
+from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.layout import build_layout
 from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
@@ -112,14 +114,23 @@ class Halves:
         self.ranks: list[Rank] = []
         for tp_rank, kv in enumerate(kvs):
             redis = make_redis_tier(config) if config.redis_url else None
-            worker = TieredWorker(config, tp_rank, tp_size, self.num_slots, redis)
+            host = host_connect(config.host_tier_socket, f"worker {tp_rank}", subscribe=False) \
+                if config.host_tier_socket else None
+            worker = TieredWorker(config, tp_rank, tp_size, self.num_slots, redis, host)
             worker.register(kv, layers, num_blocks)
             self.ranks.append(Rank(worker, kv))
+        host_view = None
+        if config.host_tier_socket:  # rank 0's layout as vLLM's handshake brings it
+            host_view = SchedulerHost(host_connect(config.host_tier_socket, "scheduler",
+                                                   subscribe=True), tp_size)
+            layout = self.ranks[0].worker.layout
+            assert layout is not None
+            host_view.set_layout(layout.descriptor())
         self.sched = TieredScheduler(
             config, self.groups, hash_unit, self.num_slots, slot_bytes, tp_size,
             self._fingerprint, lambda rid: self.blocks[rid],
             lambda bid: self.pool.get(bid, Blk(bid)),
-            presence=RedisPresence.from_config if presence else None)
+            presence=RedisPresence.from_config if presence else None, host=host_view)
 
     # ------------------------------------------------------------------ set-up helpers
     @staticmethod

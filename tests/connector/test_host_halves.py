@@ -1,0 +1,133 @@
+"""Both connector halves on the host tier: a real daemon process and real clients, the
+scheduler and ``tp_size`` workers in this process over CPU tensors (no vLLM engine).
+
+The scheduler names every rank's shard from rank 0's layout; the workers store under their
+own: a restore byte-exact at TP=1 and TP=2 shows they agree. A shard reused between the
+look-up and the fetch fails the restore (recomputed), and every pin is let go.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.host import host_digest
+from tests.support.daemon_proc import HostTierDaemon
+from tests.support.halves import BS, Blk, Halves, Req
+
+Make = Callable[[int], Halves]
+WAIT_S = 60.0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[HostTierDaemon]:
+    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"halves-{uuid.uuid4().hex[:12]}",
+                          slots=256, slot_bytes=8192).start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.remove_files()
+
+
+@pytest.fixture
+def engines(daemon: HostTierDaemon) -> Iterator[Make]:
+    made: list[Halves] = []
+
+    def make(tp: int) -> Halves:
+        config = TieredConfig(cpu_bytes=1 << 20, host_tier_socket=str(daemon.sock))
+        made.append(Halves(config, tp_size=tp))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def _store(e: Halves, blocks: int = 3) -> None:
+    req = Req("a", 100)
+    e.fill(range(1, blocks + 1), seed=3)
+    e.admit(req, [[Blk(i, i * BS) for i in range(1, blocks + 1)]], 0)
+    result = e.step({"a": blocks * BS})
+    assert [op.to_host for op in result.plan.saves] == [True] * blocks
+    for rank in e.ranks:
+        assert rank.worker.flush_host(WAIT_S)
+    host = e.sched.host
+    assert host is not None
+    assert host.client.wait_until(lambda c: len(c.mirror) == blocks * e.tp_size, WAIT_S)
+
+
+def _pins_held(e: Halves) -> int:
+    host = e.sched.host
+    assert host is not None and host.client._attached is not None
+    attached = host.client._attached
+    return int(attached.pins.counts[attached.row].sum())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int) -> None:
+    first = engines(tp)
+    _store(first)
+    assert first.counter("blocks_written_host") == [3] * tp
+    second = engines(tp)
+    req = Req("b", 100)
+    assert second.lookup(req) == (96, True)  # from the host tier: an asynchronous load
+    assert _pins_held(second) == 3 * tp  # every rank's shard pinned until its fetch is back
+    second.admit(req, [[Blk(7), Blk(8), Blk(9), Blk(10)]], 96)
+    result = second.step()
+    assert [op.host is not None for op in result.plan.fetches] == [True] * 3
+    assert result.finished == {"b"} and result.failed == set()
+    for r1, r2 in zip(first.ranks, second.ranks, strict=True):
+        assert torch.equal(r1.kv["attn0"][[1, 2, 3]], r2.kv["attn0"][[7, 8, 9]])
+    snap = second.sched.counters.snapshot()
+    assert snap["hit_tokens_host"] == 96 and snap["hit_tokens_cpu"] == 0
+    assert second.counter("blocks_loaded_host") == [3] * tp
+    assert _pins_held(second) == 0
+    assert second.cpu()["entries"] == 3  # now in its own CPU tier too
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_blocks_the_host_tier_holds_are_not_copied_into_it_again(engines: Make,
+                                                                 tp: int) -> None:
+    """A third engine computes the same prefix (vLLM took no external tokens): it saves
+    the blocks into its own CPU tier, not into the host tier a second time."""
+    first = engines(tp)
+    _store(first)
+    third = engines(tp)
+    third.fill(range(1, 4), seed=3)
+    third.admit(Req("a", 100), [[Blk(i, i * BS) for i in range(1, 4)]], 0)
+    plan = third.step({"a": 3 * BS}).plan
+    assert len(plan.saves) == 3 and not any(op.to_host for op in plan.saves)
+    assert third.counter("blocks_written_host") == [0] * tp
+
+
+def test_a_shard_reused_after_the_lookup_fails_the_restore_and_frees_the_pins(
+        engines: Make) -> None:
+    first = engines(2)
+    _store(first)
+    second = engines(2)
+    req = Req("b", 100)
+    assert second.lookup(req) == (96, True)
+    # rank 1's shard of the second block is overwritten by another save in its slot
+    host = second.sched.host
+    assert host is not None
+    key = first.key(req, 0, 64)
+    rank1_digest = host.digests(key)[1]
+    where = host.client.mirror[rank1_digest]
+    segment = host.client.segment
+    assert segment is not None
+    segment.write(where.slot, host_digest(first.ranks[0].worker.storage_key(key)), 12345,
+                  b"\0" * where.length)
+    second.admit(req, [[Blk(7), Blk(8), Blk(9), Blk(10)]], 96)
+    result = second.step()
+    assert result.failed == {"b"}  # recomputed by vLLM, never loaded
+    assert not second.ranks[1].kv["attn0"][8].any()
+    snap = second.sched.counters.snapshot()
+    assert snap["host_misses_at_fetch"] == 1 and snap["failed_restores"] == 1
+    assert snap["hit_tokens_host"] == 0
+    assert _pins_held(second) == 0
