@@ -276,6 +276,22 @@ class SharedSegment:
             os.close(fd)
         return cls(path, mm, num_slots, slot_bytes)
 
+    def advise_huge_pages(self) -> str:
+        """Ask the kernel to back the mapping with transparent huge pages; the kernel's
+        setting for shared memory (``shmem_enabled``: ``advise`` or ``always`` honour it,
+        ``never`` does not), or why it could not be asked."""
+        assert self._mm is not None
+        try:
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError) as exc:
+            return f"unavailable ({exc})"
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as fh:
+                setting = fh.read().split("[", 1)[1].split("]", 1)[0]
+        except (OSError, IndexError):
+            return "unknown"
+        return setting
+
     @property
     def closed(self) -> bool:
         return self._mm is None

@@ -103,6 +103,7 @@ class HostTierServer:
         self._conns: dict[int, _Conn] = {}
         self._waiting_exit: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, row)
         self.quarantined_rows = 0
+        self.huge_pages = "not started"  # the kernel's transparent-huge-page setting for shm
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._wake_r, self._wake_w = -1, -1
@@ -119,6 +120,7 @@ class HostTierServer:
                                mode=self.mode)
         for path in (self.segment_path, self.pins_path):
             self._chown(path)
+        self.huge_pages = segment.advise_huge_pages()
         self.directory = HostDirectory(segment, pins)
         self._listener = self._listen()
         self._selector = selectors.DefaultSelector()
@@ -128,8 +130,9 @@ class HostTierServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._run, name="kvtier-host-tier", daemon=True)
         self._thread.start()
-        log.info("host tier: %d slots of %d bytes in %s, serving %s", self.num_slots,
-                 self.slot_bytes, self.segment_path, self.socket_path)
+        log.info("host tier: %d slots of %d bytes in %s (huge pages asked for; the kernel's "
+                 "shmem setting: %s), serving %s", self.num_slots, self.slot_bytes,
+                 self.segment_path, self.huge_pages, self.socket_path)
 
     def stop(self) -> None:
         """Stop serving; remove the socket, the segment and the pin table."""
@@ -166,7 +169,8 @@ class HostTierServer:
             return {**base, "connections": len(self._conns),
                     "quarantined_clients": self.quarantined_rows,
                     "protocol_errors": self.protocol_errors, "refused": self.refused,
-                    "segment_path": self.segment_path, "socket_path": self.socket_path}
+                    "segment_path": self.segment_path, "socket_path": self.socket_path,
+                    "huge_pages": self.huge_pages}
 
     # ------------------------------------------------------------ setup
     def _chown(self, path: str) -> None:

@@ -89,6 +89,11 @@ def test_two_engines_share_one_copy_and_the_files_are_private(
                                what="the duplicate")["host_tier"]
         assert tier["entries"] == 1 and tier["commits"] == 1
         assert "kvtier_host_tier_entries 1.0" in daemon.get("/metrics")
+        thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        if thp.exists():  # asked for; the kernel's setting reported
+            assert f"[{tier['huge_pages']}]" in thp.read_text()
+        else:
+            assert tier["huge_pages"] == "unknown"
         for path in (sock_path, Path(f"/dev/shm/kvtier-{daemon.name}"),
                      Path(f"/dev/shm/kvtier-{daemon.name}.pins")):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
