@@ -276,7 +276,7 @@ class _DaemonCollector(Collector):
 
 #: host tier stats exported as counters (the rest of its numeric stats are gauges)
 _HOST_TIER_COUNTERS = ("leased", "lease_shortfall", "commits", "duplicates_dropped",
-                       "commits_rejected", "evictions", "evicted_while_pinned",
+                       "commits_rejected", "evictions", "touches", "evicted_while_pinned",
                        "clients_attached", "clients_released", "leases_reclaimed",
                        "pins_reclaimed", "protocol_errors", "refused")
 

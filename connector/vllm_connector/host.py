@@ -101,6 +101,11 @@ class SchedulerHost:
     def holds(self, key: BlockKey) -> bool:
         return self.locate(key) is not None
 
+    def touch(self, key: BlockKey) -> None:
+        """Tell the daemon every rank's shard of ``key`` was just used (its LRU; queued)."""
+        if self.ready:
+            self.client.touch(list(self.digests(key)))
+
     def pin(self, where: Sequence[Location]) -> Pins | None:
         return self.client.pin(w.slot for w in where)
 

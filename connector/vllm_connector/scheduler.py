@@ -536,10 +536,11 @@ class TieredScheduler:
             if tier != Tier.CPU and need.key not in fetched:
                 job = fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
                 host = None
-                if tier == Tier.HOST:
+                if tier == Tier.HOST and self.host is not None:
                     host = tuple((w.slot, w.save_id, w.length)
                                  for w in pending.host_where[need.key])
                     self._host_fetches[job] = pending.host_pins.pop(need.key, None)
+                    self.host.touch(need.key)  # used: last in the daemon's LRU
                 self._plan.fetches.append(FetchOp(job, req_id, slot, need.key,
                                                   pending.save_ids.get(need.key), host))
             self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, slot, need.key,

@@ -41,6 +41,7 @@ class DirectoryCounters:
     duplicates_dropped: int = 0
     commits_rejected: int = 0  # slot not leased to the client or header not that save
     evictions: int = 0
+    touches: int = 0  # entries marked used by a client (a restore): last to be evicted
     evicted_while_pinned: int = 0  # went through draining before reuse
     clients_attached: int = 0
     clients_released: int = 0
@@ -145,6 +146,7 @@ class HostDirectory:
         for digest in digests:
             if digest in self.entries:
                 self.entries.move_to_end(digest)
+                self.counters.touches += 1
 
     def drain_events(self) -> list[Event]:
         events, self.events = self.events, []

@@ -70,7 +70,8 @@ def _pins_held(e: Halves) -> int:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int) -> None:
+def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int,
+                                                     daemon: HostTierDaemon) -> None:
     first = engines(tp)
     _store(first)
     assert first.counter("blocks_written_host") == [3] * tp
@@ -89,6 +90,8 @@ def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int) -> 
     assert second.counter("blocks_loaded_host") == [3] * tp
     assert _pins_held(second) == 0
     assert second.cpu()["entries"] == 3  # now in its own CPU tier too
+    # the restore told the daemon those shards were used (its LRU)
+    daemon.wait_for(lambda s: s["host_tier"]["touches"] == 3 * tp, what="the touches")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
