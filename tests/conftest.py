@@ -52,7 +52,6 @@ LONGEST_FIRST = (
     "tests/e2e/test_demo.py",
     "tests/e2e/test_openai_server.py",
     "tests/e2e/test_connector_stall.py",
-    "tests/e2e/test_host_tier_server.py",
     "tests/e2e/test_connector_hybrid.py",
     "tests/native/test_native_tier_e2e.py",
     "tests/e2e/test_connector_tp.py",

@@ -87,6 +87,7 @@ def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
         ["proxy", "steady"],                 # kvtier opened a connection meanwhile
         ["snapshot", "after-flap"],
         ["wait_writes", 300.0],              # the healed link takes writes again
+        ["snapshot", "healed"],              # no request since: Redis still marked up
         ["generate", "P4", P4],
         ["snapshot", "recovered"],
     ]
@@ -160,7 +161,9 @@ def test_recovers_after_the_link_heals_and_its_writes_are_served(
           "P4", runs["P4"]["delta"], "read back", hits(read["healed"]), hits(read["P4"]))
     assert runs["wait_redis-1"]["reached"], runs["wait_redis-1"]
     assert runs["wait_writes"]["reached"], runs["wait_writes"]
-    assert runs["recovered"]["stats"]["redis_available"] == 1
+    # Marked available once the writes landed (P4's own writes may then time out on a
+    # loaded machine and mark it down again: counted below, not asserted away).
+    assert runs["healed"]["stats"]["redis_available"] == 1
     assert proxied["redis_tier"]["recoveries"] >= 1
     # Written after the link healed (every block of that prompt acknowledged by Redis), read
     # by another engine, valid: its output equals that engine's own recomputation.

@@ -19,6 +19,7 @@ outside vLLM's printed config, and it never appears in a server's log or ``/metr
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import pytest
 
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
+from tests.support.daemon_proc import HostTierDaemon
 from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_keys import scratch_prefix, wait_for_keys
 from tests.support.redis_server import SecretRedis
@@ -39,6 +41,7 @@ PROMPT_BLOCKS, STREAMED_BLOCKS = 6, 5  # what the new server restores from Redis
 SHARED = prompt_words(41, 200)  # stored by A while B runs: 6 full blocks
 NOVEL = prompt_words(42, 150)  # stored by nobody
 DP_PROMPTS = [prompt_words(90 + i, 150) for i in range(4)]
+HOST_PROMPTS = [prompt_words(70 + i, 150) for i in range(2)]  # 4 full blocks each
 DEADLINE_S = 300.0  # ends a hang only; every wait below is for an event
 
 
@@ -94,6 +97,7 @@ def _baseline(server: OpenAIServer) -> dict[str, Any]:
     out["SHARED"] = complete(server, SHARED)
     out["NOVEL"] = complete(server, NOVEL)
     out["DP"] = [complete(server, p) for p in DP_PROMPTS]
+    out["HOST"] = [complete(server, p) for p in HOST_PROMPTS]
     return out
 
 
@@ -149,8 +153,31 @@ def _b_data_parallel(b: OpenAIServer) -> dict[str, Any]:
     return out
 
 
+def _b_host_tier(b: OpenAIServer, daemon: HostTierDaemon) -> dict[str, Any]:
+    """Issue 22: each HOST prompt computed by one DP rank, then asked again at once (vLLM
+    hands it to the other rank) once the first rank's blocks are in the host tier: the
+    other rank restores it from there (before Redis, which has it too)."""
+    def settled(m: dict[str, float]) -> bool:  # every host write so far has reached it
+        t = daemon.tier()
+        return t["commits"] + t["duplicates_dropped"] + t["commits_rejected"] \
+            >= count(m, "blocks_written_host")
+
+    before = until(b, settled)
+    out: dict[str, Any] = {"first": [], "second": []}
+    for prompt in HOST_PROMPTS:
+        commits = daemon.tier()["commits"]
+        out["first"].append(complete(b, prompt))
+        daemon.wait_for(lambda s, c=commits: s["host_tier"]["commits"] >= c + 4,
+                        timeout=DEADLINE_S, what="the prompt's 4 blocks in the host tier")
+        out["second"].append(complete(b, prompt))
+    out["metrics"] = (before, until(b, lambda m: count(m, "hit_tokens_host")
+                                    >= count(before, "hit_tokens_host") + 2 * 128))
+    out["tier"] = daemon.tier()
+    return out
+
+
 def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix: str,
-                 started: list[OpenAIServer]) -> dict[str, Any]:
+                 started: list[OpenAIServer], daemon: HostTierDaemon) -> dict[str, Any]:
     password_file = logs / "redis-password"
     password_file.write_text(secret_redis.user_password + "\n")
     password_file.chmod(0o600)
@@ -159,7 +186,8 @@ def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix:
     plain_url = f"redis://127.0.0.1:{secret_redis.server.port}/0"  # no credentials in it
     by_file = kvtier_transfer_config({**common, "redis_url": plain_url,
                                       "redis_username": "kvtier",
-                                      "redis_password_file": str(password_file)})
+                                      "redis_password_file": str(password_file),
+                                      "host_tier_socket": str(daemon.sock)})
     out: dict[str, Any] = {}
     base = _start("baseline", logs, model_dir, None, {})
     started.append(base)
@@ -176,6 +204,7 @@ def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix:
     out["presence"] = _b_learns_and_restores(a, b)
     out["B"] = _b_restores_a_prompts(b, out["presence"]["after-novel"])
     out["DP"] = _b_data_parallel(b)
+    out["HOST"] = _b_host_tier(b, daemon)
     out["B"]["metrics_text"] = b.metrics_text()
     return out
 
@@ -185,8 +214,10 @@ def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     logs = tmp_path_factory.mktemp("servers")
     started: list[OpenAIServer] = []
+    daemon = HostTierDaemon(logs / "run" / "host.sock", f"openai-{uuid.uuid4().hex[:12]}",
+                            slots=512, slot_bytes=64 << 10).start()
     try:
-        out = _run_servers(tiny_llama_dir, logs, secret_redis, prefix, started)
+        out = _run_servers(tiny_llama_dir, logs, secret_redis, prefix, started, daemon)
     except Exception:
         for server in started:
             print(server.log_tail())
@@ -194,6 +225,8 @@ def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
     finally:
         for server in started:
             server.stop()
+        daemon.kill()
+        daemon.remove_files()
     out["logs"] = {s.log_path.stem: s.log_path.read_text(errors="replace") for s in started}
     return out
 
@@ -268,6 +301,23 @@ def test_data_parallel_engines_each_restore_from_their_cpu_tier(runs: dict[str, 
     assert [r["text"] for r in first] == [r["text"] for r in runs["baseline"]["DP"]]
     assert count(after, "hit_tokens_cpu") - count(before, "hit_tokens_cpu") == 4 * 128
     assert count(after, "load_errors") == 0
+
+
+def test_dp_ranks_restore_each_others_prefixes_from_the_host_tier(
+        runs: dict[str, Any]) -> None:
+    """Issue 22 at DP=2 (B also has Redis; tests/e2e/test_host_tier.py runs without): a
+    prompt one engine core computed is restored by the other from the daemon's segment,
+    with vLLM alone's text, and stored there once."""
+    host, base = runs["HOST"], runs["baseline"]["HOST"]
+    for first, second, alone in zip(host["first"], host["second"], base, strict=True):
+        assert first["cached"] == 0 and second["cached"] == 128
+        assert first["text"] == second["text"] == alone["text"]
+    before, after = host["metrics"]
+    assert count(after, "hit_tokens_host") - count(before, "hit_tokens_host") == 2 * 128
+    for name in ("hit_tokens_cpu", "hit_tokens_redis", "load_errors", "host_misses_at_fetch"):
+        assert count(after, name) == count(before, name), name
+    assert host["tier"]["duplicates_dropped"] == 0
+    assert count(after, "host_tier_available") == 2  # attached in both engine cores
 
 
 def test_the_password_is_in_no_log_and_no_metric(runs: dict[str, Any],
