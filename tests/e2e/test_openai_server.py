@@ -11,7 +11,9 @@
   As a restarted server would, it restores A's prompts from Redis (its start walk found
   them); it restores a prefix A stored while both ran (learned from A's announcement, issue
   19); a prompt nobody stored is answered without a Redis probe; after a reset its own
-  prompts come back from its CPU tiers.
+  prompts come back from its CPU tiers. B also uses a host tier (``kvtier daemon
+  --cpu-bytes``, issue 22): a prompt one engine core computed is restored by the other
+  from the daemon's segment.
 
 The Redis requires a password (an ACL user): the servers get it as users should give it,
 outside vLLM's printed config, and it never appears in a server's log or ``/metrics``."""
