@@ -49,12 +49,15 @@ WELCOME_WAIT_S = 5.0
 
 def connect(socket_path: str, label: str, *, subscribe: bool) -> HostTierClient:
     """A started client (it connects, and reconnects, on its own thread). Waits up to
-    :data:`WELCOME_WAIT_S` for the first welcome, so the first requests can hit; without
-    one it goes on (misses) and attaches whenever the daemon answers."""
+    :data:`WELCOME_WAIT_S` for the first welcome (and a writer for its first lease), so the
+    first requests can hit and the first saves find slots; without them it goes on
+    (misses, counted skipped saves) and attaches whenever the daemon answers."""
     # a subscriber (the scheduler half) only reads: it leases no slots
     client = HostTierClient(socket_path, label=label, subscribe=subscribe,
                             lease_batch=0 if subscribe else WORKER_LEASE_BATCH).start()
-    if not client.wait_until(lambda c: c.available, WELCOME_WAIT_S):
+    # a writer also waits for its first lease, so its first saves find slots at hand
+    if not client.wait_until(lambda c: c.available and (subscribe or c.slots_at_hand > 0),
+                             WELCOME_WAIT_S):
         log.warning("kvtier: the host tier at %s is not answering (%s); serving without it "
                     "until it does", socket_path, client.last_error or "no welcome yet")
     return client

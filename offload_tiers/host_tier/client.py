@@ -142,6 +142,11 @@ class HostTierClient:
         return self._attached is not None
 
     @property
+    def slots_at_hand(self) -> int:
+        """Leased slots not yet taken (what the next saves can use without waiting)."""
+        return len(self._pool)
+
+    @property
     def segment(self) -> SharedSegment | None:
         attached = self._attached
         return attached.segment if attached else None
