@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_tiers import best  # noqa: E402
 from connector.demo.presets import kvtier_transfer_config  # noqa: E402
 from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
 from offload_tiers.host_tier.client import HostTierClient  # noqa: E402
@@ -51,15 +51,6 @@ MiB = 1 << 20
 
 def log(msg: str) -> None:
     print(f"[host-tier {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def best(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def restore_throughput(slots: int, slot_bytes: int, reps: int) -> dict[str, Any]:

@@ -217,20 +217,7 @@ class SharedSegment:
             raise ValueError(f"need num_slots >= 1 and slot_bytes >= 1, got "
                              f"{num_slots} and {slot_bytes}")
         stride, size = _layout(num_slots, slot_bytes)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     mode)
-        try:
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        os.close(fd)
+        mm = map_new_file(path, size, mode)
         # the magic goes in last: an attach racing the creation sees a foreign file
         _SEG.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, SEGMENT_HEADER_BYTES,
                        SLOT_HEADER_BYTES, ALIGN, num_slots, slot_bytes, stride, size)
@@ -531,6 +518,24 @@ class SharedSegment:
             return None
         data = self._rows[slot][: ticket.length].tobytes()
         return data if self.end_read(ticket, data) else None
+
+
+def map_new_file(path: str, size: int, mode: int) -> mmap.mmap:
+    """Create ``path`` (which must not exist) with exactly ``mode`` whatever the umask,
+    reserve ``size`` bytes of memory for it (a full ``/dev/shm`` fails here with ``OSError``,
+    not with SIGBUS later) and map it shared, read-write; the file is removed on failure."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _check_digest(key_digest: bytes) -> bytes:

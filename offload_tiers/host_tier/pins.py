@@ -22,6 +22,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from offload_tiers.shared_segment import map_new_file
+
 MAGIC = b"KVTPINS1"
 _HEADER = struct.Struct("<8sQQ")  # magic, rows, num_slots
 HEADER_BYTES = 64
@@ -47,21 +49,7 @@ class PinTable:
         """A new zeroed table at ``path`` (which must not exist), exactly ``mode``."""
         if rows < 1 or num_slots < 1:
             raise ValueError(f"need rows >= 1 and num_slots >= 1, got {rows} and {num_slots}")
-        size = cls._size(rows, num_slots)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     mode)
-        try:
-            os.fchmod(fd, mode)
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        os.close(fd)
+        mm = map_new_file(path, cls._size(rows, num_slots), mode)
         _HEADER.pack_into(mm, 0, MAGIC, rows, num_slots)
         return cls(path, mm, rows, num_slots)
 
