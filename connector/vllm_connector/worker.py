@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent import futures
@@ -178,6 +179,7 @@ class TieredWorker:
                     self._fail_load(op, "slot does not hold the key")
             if not good:
                 continue
+            t0 = time.perf_counter_ns()
             try:
                 moved = self.transfer.scatter(group, [o.block_id for o in good],
                                               [o.slot for o in good], corrupt=corrupt)
@@ -187,6 +189,7 @@ class TieredWorker:
                     self._fail_load(op, "copy failed")
                 continue
             self.counters.add("bytes_loaded", moved)
+            self.counters.add("load_us", (time.perf_counter_ns() - t0) // 1000)
             self.counters.add("blocks_loaded_cpu", sum(not o.after_fetch for o in good))
             self.counters.add("blocks_loaded_redis",
                               sum(o.after_fetch and not o.from_host for o in good))
@@ -227,6 +230,7 @@ class TieredWorker:
         thread)."""
         from_redis = [op for op in ops if op.host is None]
         oks = dict.fromkeys((op.job for op in ops), False)
+        t0 = time.perf_counter_ns()
         try:
             if self.redis is not None and from_redis:
                 dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in from_redis]
@@ -235,8 +239,20 @@ class TieredWorker:
                 oks.update(zip((op.job for op in from_redis), got, strict=True))
         except Exception:
             log.exception("kvtier: fetching from Redis failed")
+        t1 = time.perf_counter_ns()
         oks.update(self._read_host([op for op in ops if op.host is not None]))
+        self._count_fetched(from_redis, oks, "redis", t1 - t0)
+        self._count_fetched([op for op in ops if op.host is not None], oks, "host",
+                            time.perf_counter_ns() - t1)
         self._done.append(("fetch", (req_id, ops, [oks[op.job] for op in ops])))
+
+    def _count_fetched(self, ops: list[FetchOp], oks: dict[int, bool], tier: str,
+                       elapsed_ns: int) -> None:
+        """Bytes fetched (validated) from ``tier`` and the I/O thread's time on them."""
+        if ops:
+            self.counters.add(f"bytes_fetched_{tier}",
+                              sum(self._nbytes(op.key.group) for op in ops if oks[op.job]))
+            self.counters.add(f"fetch_us_{tier}", elapsed_ns // 1000)
 
     def _read_host(self, ops: list[FetchOp]) -> dict[int, bool]:
         """This rank's shards of ``ops``' keys from the host tier into their slots (I/O

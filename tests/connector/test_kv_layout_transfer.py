@@ -61,6 +61,39 @@ def test_round_trip_all_layouts() -> None:
     assert layout.descriptor().startswith("cpu|g0:mamba:8:int8[1x1x300]@0")
 
 
+@pytest.mark.parametrize("block_ids,slots", [
+    ([3, 5, 0], [2, 0, 3]),  # scattered: one fancy-indexed copy per tensor
+    ([0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]),  # one run of both: one copy per tensor
+])
+def test_slot_bytes_are_the_stored_format_on_every_path(block_ids: list[int],
+                                                        slots: list[int]) -> None:
+    """The CPU path's slot bytes are exactly each tensor's blocks, block dim first, in C
+    order (the format the CUDA path, Redis values and other engines' slots share), and
+    scatter puts them back; bf16 (no NumPy dtype) included."""
+    caches = _caches()
+    caches["bf16"] = torch.randn(2, NB, 8, 4).to(torch.bfloat16)
+    layout = build_layout(caches, [(0, "mamba", 8, ["mamba"]), (1, "attention", 8, ["attn"]),
+                                   (2, "attention", 8, ["kv2", "bf16"])], NB)
+    slab = np.zeros((8, layout.slot_bytes), dtype=np.uint8)
+    mover = BlockTransfer(caches, layout, slab)
+    ids = torch.tensor(block_ids)
+    for group in layout.groups:
+        mover.gather(group.group, block_ids, slots)
+        for sl in group.slices:
+            want = caches[sl.layer].index_select(sl.block_dim, ids).movedim(
+                sl.block_dim, 0).contiguous().view(torch.uint8).reshape(len(ids), sl.nbytes)
+            got = torch.from_numpy(slab[slots, sl.offset:sl.offset + sl.nbytes])
+            assert torch.equal(got, want), (sl.layer, group.group)
+    before = {name: t.clone() for name, t in caches.items()}
+    for name in ("kv2", "bf16"):
+        caches[name].zero_()
+    mover.scatter(2, block_ids, slots)
+    others = torch.tensor([b for b in range(NB) if b not in block_ids])
+    for name in ("kv2", "bf16"):
+        assert torch.equal(caches[name].index_select(1, ids), before[name].index_select(1, ids))
+        assert not caches[name].index_select(1, others).any()  # nothing else written
+
+
 def test_corrupt_switch_changes_loaded_floats() -> None:
     caches = _caches()
     layout = build_layout(caches, [(0, "attention", 8, ["attn"])], NB)
