@@ -186,7 +186,17 @@ def ttft(d: dict[str, Any]) -> str:
             f"{ms['native CPU']:,.0f} ms ({x(r['ttft_native_cpu_hit_vs_recompute_4k'])}). "
             f"Restore at {max(d['sizes']) // 1024}k tokens vs the tier's raw limit: CPU "
             f"{x(r['restore_gbps_vs_tier_limit_cpu'])} of memcpy, Redis {x(redis)} of "
-            f"redis-benchmark GET ({when(d)})")
+            f"redis-benchmark GET{_restore_rates(d)} ({when(d)})")
+
+
+def _restore_rates(d: dict[str, Any]) -> str:
+    """The measured rates, when the run timed the move itself (kvtier's timers)."""
+    rates, limits = d.get("restore_gbps", {}), d.get("tier_limits", {})
+    if "restore_gbps_per_ttft" not in d:
+        return ""
+    get = (limits.get("redis_benchmark") or {}).get("get_gbps")
+    return (f" ({rates['cpu']:.1f} vs {limits['cpu_memcpy_gbps']:.1f} GB/s; "
+            f"{rates['redis']:.2f} vs {get or 0:.2f} GB/s, kvtier's own timers)")
 
 
 def index(d: dict[str, Any]) -> str:

@@ -6,10 +6,15 @@ Steps (each engine lifetime is its own child process, see ``connector.demo.engin
    prefix cache — the reference outputs and the baseline recompute cost;
 3. vLLM with kvtier (``kv_connector="TieredOffloadingConnector"``): the same two passes —
    after the reset the prefix comes back from kvtier's CPU tier;
-4. with Redis: a new engine process on the same Redis namespace runs the workload once
-   more — the prefix now comes from the Redis tier (the engine restart is real);
-5. a table: requests, prompt tokens, tokens from the GPU prefix cache / CPU tier / Redis
-   tier / recomputed, TTFT p50, outputs identical to vLLM without kvtier (yes/no).
+4. with Redis (or ``--host-tier``): a new engine process runs the workload once more — the
+   prefix now comes from the Redis tier, or from the host tier (the engine restart is real);
+5. a table: requests, prompt tokens, tokens from the GPU prefix cache / CPU tier / host tier
+   / Redis tier / recomputed, TTFT p50, outputs identical to vLLM without kvtier (yes/no).
+
+``--host-tier``: the demo also starts ``kvtier daemon --cpu-bytes`` (the host's shared CPU
+tier, :mod:`connector.demo.host_daemon`) and the kvtier engines attach to it; the restarted
+engine restores from it, Redis or not. The daemon and its shared memory are removed at the
+end.
 
 Redis: ``--redis-url``, else ``$KVTIER_REDIS_URL``, else a probe of redis://127.0.0.1:6379.
 Unreachable → the CPU tier alone, stated in the output. Each run uses its own key prefix
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from connector.demo.host_daemon import DemoHostTier, HostTierStartError
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.reference import LABEL as REFERENCE_LABEL
 from connector.demo.reference import fingerprinted, load_reference
@@ -40,6 +46,8 @@ REDIS_URL_ENV = "KVTIER_DEMO_REDIS_URL"
 FULL = Workload(conversations=4, turns=3, system_words=320, user_words=40, max_tokens=8)
 QUICK = Workload(conversations=3, turns=2, system_words=200, user_words=40, max_tokens=8)
 CPU_TIER_BYTES = 256 << 20
+HOST_TIER_BYTES = 256 << 20
+HOST_SLOT_BYTES = 1 << 20  # one rank's block of either tiny model fits
 
 
 @dataclass
@@ -123,10 +131,21 @@ def _spec(label: str, model: str, model_dir: Path, workload: Workload,
             "workload": asdict(workload), "kv_transfer_config": ktc, "phases": phases}
 
 
+@dataclass
+class Engines:
+    """The engine runs of one demo: reference, kvtier's first engine, its restart."""
+
+    base: dict[str, Any]
+    reference: str
+    first: dict[str, Any]
+    restart: dict[str, Any] | None
+    redis_prefix: str
+    keys_cleaned: int
+    host_tier: dict[str, Any] | None  # the daemon's statistics after the last engine
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Run every engine phase; return the JSON-ready result (table rows included)."""
-    from connector.demo.engine import run_engine
-
     t_start = time.monotonic()
     workload = QUICK if args.quick else FULL
     choice = choose_redis(args.redis_url)
@@ -134,10 +153,28 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"[demo] Redis tier: {choice.shown} (from {choice.source}), reachable")
     else:
         _say(f"[demo] Redis tier: none — {choice.shown} (from {choice.source}) is not "
-             f"reachable ({choice.reason}). Running the CPU tier alone.")
+             f"reachable ({choice.reason}). Running the CPU tier alone."
+             + (" (and the host tier)" if args.host_tier else ""))
     model_dir = model_path(args.model)
-    log_dir = Path(args.log_dir) if args.log_dir else None
     run_id = uuid.uuid4().hex[:10]
+    host = DemoHostTier(run_id, HOST_TIER_BYTES, HOST_SLOT_BYTES) if args.host_tier else None
+    try:
+        if host is not None:
+            host.start()
+            _say(f"[demo] host tier: kvtier daemon (pid {host.pid}), "
+                 f"{HOST_TIER_BYTES >> 20} MiB of shared memory, socket {host.socket}")
+        engines = _run_engines(args, choice, model_dir, workload, run_id, host)
+    finally:
+        if host is not None:
+            host.stop()
+    return _result(args, choice, workload, engines, time.monotonic() - t_start)
+
+
+def _run_engines(args: argparse.Namespace, choice: RedisChoice, model_dir: Path,
+                 workload: Workload, run_id: str, host: DemoHostTier | None) -> Engines:
+    from connector.demo.engine import run_engine
+
+    log_dir = Path(args.log_dir) if args.log_dir else None
     prefix = f"kvtier-demo-{run_id}"
     # The URL (password included) reaches the child engines by their environment only: the
     # spec files, logs and outputs in --log-dir never hold it (vLLM prints its config).
@@ -145,6 +182,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"cpu_bytes": CPU_TIER_BYTES, "redis_prefix": prefix}
     if choice.url:
         extra["redis_url_env"] = REDIS_URL_ENV
+    if host is not None:
+        extra["host_tier_socket"] = host.socket
     if args.debug_corrupt_loads:  # negative control for the "identical" column (tests)
         extra["debug_corrupt_loads"] = True
     ktc = kvtier_transfer_config(extra)
@@ -165,17 +204,26 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     restart = None
     cleaned = 0
     try:
-        if choice.reachable:
-            _say("[demo] 3/3 vLLM with kvtier: engine restarted (new process), same Redis")
+        if choice.reachable or host is not None:
+            where = " and ".join(t for t, on in (("host tier", host is not None),
+                                                 ("Redis", choice.reachable)) if on)
+            _say(f"[demo] 3/3 vLLM with kvtier: engine restarted (new process), same {where}")
             restart = run_engine(
                 _spec("kvtier-restart", args.model, model_dir, workload, ktc,
                       [{"name": "restart"}]), log_dir=log_dir, secrets=secrets)
         else:
-            _say("[demo] 3/3 skipped: without Redis nothing outlives the engine process")
+            _say("[demo] 3/3 skipped: without Redis or the host tier nothing outlives the "
+                 "engine process")
     finally:
         if choice.reachable and choice.url:
             cleaned = delete_redis_prefix(choice.url, prefix)
+    return Engines(base, reference, first, restart, prefix, cleaned,
+                   host.stats() if host is not None else None)
 
+
+def _result(args: argparse.Namespace, choice: RedisChoice, workload: Workload,
+            engines: Engines, elapsed_s: float) -> dict[str, Any]:
+    base, first, restart = engines.base, engines.first, engines.restart
     ref_cold, ref_reset = base["phases"]
     rows: list[Row] = [
         summarize("vLLM alone: fresh engine", ref_cold),
@@ -196,29 +244,37 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         for phase in first["phases"] + (restart["phases"] if restart else [])
     }
     identical = all(r.identical for r in rows)
-    served = {r.label: r.cpu_tokens + r.redis_tokens for r in kvtier_rows}
-    mode = "cpu+redis" if choice.reachable else "cpu-only"
+    served = {r.label: r.cpu_tokens + r.host_tokens + r.redis_tokens for r in kvtier_rows}
+    mode = "+".join(t for t, on in (("cpu", True), ("host", engines.host_tier is not None),
+                                    ("redis", choice.reachable)) if on)
+    mode = "cpu-only" if mode == "cpu" else mode
     notes = []
-    if not choice.reachable:
+    if not choice.reachable and engines.host_tier is None:
         notes.append(f"CPU tier only: no Redis reachable at {choice.shown} ({choice.reason}); "
-                     "the engine-restart phase needs Redis and was skipped.")
+                     "the engine-restart phase needs Redis (or --host-tier) and was skipped.")
+    elif not choice.reachable:
+        notes.append(f"CPU tier and host tier, no Redis: none reachable at {choice.shown} "
+                     f"({choice.reason}); the restarted engine restores from the host tier.")
     return {
         "model": args.model,
         "quick": bool(args.quick),
         "mode": mode,
         "redis": {"used": choice.reachable, "url": choice.shown, "source": choice.source,
-                  "detail": choice.reason, "key_prefix": prefix if choice.reachable else None,
-                  "keys_cleaned": cleaned},
+                  "detail": choice.reason,
+                  "key_prefix": engines.redis_prefix if choice.reachable else None,
+                  "keys_cleaned": engines.keys_cleaned},
+        "host_tier": {"used": engines.host_tier is not None, "stats": engines.host_tier},
         "workload": asdict(workload),
         "rows": [r.as_dict() for r in rows],
         "outputs_identical": identical,
         "kvtier_tier_tokens": served,
         "kvtier_counters": kvtier_counters,
-        "startup_s": {"vllm-alone": base["startup_s"] if reference == "computed" else None,
+        "startup_s": {"vllm-alone": base["startup_s"] if engines.reference == "computed"
+                      else None,
                       "kvtier": first["startup_s"],
                       "kvtier-restart": restart["startup_s"] if restart else None},
-        "reference": reference,
-        "elapsed_s": time.monotonic() - t_start,
+        "reference": engines.reference,
+        "elapsed_s": elapsed_s,
         "notes": notes,
     }
 
@@ -230,14 +286,23 @@ def _print_result(result: dict[str, Any]) -> None:
     print(f"kvtier demo — tiny {result['model']} on vLLM (CPU), {w['conversations']} "
           f"conversations x {w['turns']} turns, {w['system_words']}-token shared system "
           f"prompt, greedy, {w['max_tokens']} new tokens per turn")
-    if result["mode"] == "cpu+redis":
-        print(f"tiers: CPU + Redis ({result['redis']['url']}, key prefix "
-              f"{result['redis']['key_prefix']}, {result['redis']['keys_cleaned']} keys "
-              "deleted afterwards)")
+    host = result.get("host_tier") or {}
+    if result["redis"]["used"]:
+        print(f"tiers: CPU + {'host tier + ' if host.get('used') else ''}Redis "
+              f"({result['redis']['url']}, key prefix {result['redis']['key_prefix']}, "
+              f"{result['redis']['keys_cleaned']} keys deleted afterwards)")
+    elif host.get("used"):
+        print("tiers: CPU + host tier — " + result["notes"][0])
     else:
         print("tiers: CPU ONLY — " + result["notes"][0])
+    if host.get("used"):
+        st = host["stats"]
+        print(f"host tier (kvtier daemon, shared memory, removed afterwards): {st['entries']} "
+              f"entries in {st['num_slots']} slots, {st['bytes_used'] / (1 << 20):.1f} MiB, "
+              f"{st['commits']} saves committed, {st['duplicates_dropped']} duplicates "
+              "dropped")
     print()
-    print(render_table(rows))
+    print(render_table(rows, host_column=bool(host.get("used"))))
     print()
     for phase, counters in result.get("kvtier_counters", {}).items():
         if phase != "cold" and counters:
@@ -265,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", default=None,
                         help=f"Redis for the shared tier (default: $KVTIER_REDIS_URL, else "
                              f"probe {DEFAULT_REDIS}); unreachable → CPU tier only")
+    parser.add_argument("--host-tier", action="store_true",
+                        help="also start kvtier daemon --cpu-bytes (the host's shared CPU "
+                             "tier); the restarted engine restores from it, Redis or not")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                         help="also write the table and details as JSON")
     parser.add_argument("--log-dir", default=None,
@@ -283,7 +351,7 @@ def main(argv: list[str]) -> int:
 
     try:
         result = run_demo(args)
-    except EngineRunError as exc:
+    except (EngineRunError, HostTierStartError) as exc:
         _say(f"[demo] failed: {exc}")
         return 1
     _print_result(result)

@@ -4,8 +4,8 @@ Sources, all read from outside the connector:
 - vLLM's own counters: ``prompt_tokens``, ``prompt_tokens_by_source`` (local compute /
   local cache hit / external KV transfer) and ``prompt_tokens_cached_by_source`` (device,
   host, disk, ...), counted by the scheduler at admission;
-- kvtier's counters ``vllm:kvtier_hit_tokens_{cpu,redis}`` (its prom metrics) for the split
-  between its two tiers. A connector without them (vLLM's native one) is split by vLLM's
+- kvtier's counters ``vllm:kvtier_hit_tokens_{cpu,host,redis}`` (its prom metrics) for the
+  split between its tiers. A connector without them (vLLM's native one) is split by vLLM's
   ``cached_by_source`` label instead (``host`` = CPU tier).
 Does not import vLLM.
 """
@@ -20,6 +20,7 @@ _BY = "vllm:prompt_tokens_by_source[source={}]"
 _CACHED_BY = "vllm:prompt_tokens_cached_by_source[source={}]"
 KVTIER_CPU = "vllm:kvtier_hit_tokens_cpu"
 KVTIER_REDIS = "vllm:kvtier_hit_tokens_redis"
+KVTIER_HOST = "vllm:kvtier_hit_tokens_host"
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Row:
     wall_s: float
     identical: bool | None
     tier_split_from: str
+    host_tokens: int = 0  # from the host tier (kvtier daemon --cpu-bytes)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,13 +59,14 @@ def summarize(label: str, phase: dict[str, Any],
     """A row for ``phase``; ``identical`` compares its outputs with ``reference``'s."""
     c = phase["counters"]
     external = _get(c, _BY.format("external_kv_transfer"))
-    if KVTIER_CPU in c or KVTIER_REDIS in c:
+    host = _get(c, KVTIER_HOST)
+    if any(k in c for k in (KVTIER_CPU, KVTIER_REDIS, KVTIER_HOST)):
         cpu, redis = _get(c, KVTIER_CPU), _get(c, KVTIER_REDIS)
         split = "kvtier counters"
     else:
         cpu, redis = _get(c, _CACHED_BY.format("host")), 0
         split = "vLLM cached_by_source"
-    other = max(0, external - cpu - redis)
+    other = max(0, external - cpu - host - redis)
     ttfts = [1000.0 * r["ttft_s"] for r in phase["requests"]]
     identical = None
     if reference is not None:
@@ -82,6 +85,7 @@ def summarize(label: str, phase: dict[str, Any],
         wall_s=float(phase.get("wall_s", 0.0)),
         identical=identical,
         tier_split_from=split,
+        host_tokens=host,
     )
 
 
@@ -91,6 +95,7 @@ _COLUMNS = (
     ("prompt tok", "prompt_tokens", ">"),
     ("GPU cache", "gpu_tokens", ">"),
     ("CPU tier", "cpu_tokens", ">"),
+    ("host tier", "host_tokens", ">"),
     ("Redis tier", "redis_tokens", ">"),
     ("recomputed", "recomputed_tokens", ">"),
     ("TTFT p50 ms", "ttft_p50_ms", ">"),
@@ -108,9 +113,11 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def render_table(rows: list[Row], extra_columns: tuple[tuple[str, str, str], ...] = ()) -> str:
-    """A plain-text table (fixed-width columns) of ``rows``."""
-    columns = _COLUMNS + extra_columns
+def render_table(rows: list[Row], extra_columns: tuple[tuple[str, str, str], ...] = (), *,
+                 host_column: bool = False) -> str:
+    """A plain-text table (fixed-width columns) of ``rows``; the host-tier column only
+    with ``host_column``."""
+    columns = tuple(c for c in _COLUMNS if host_column or c[1] != "host_tokens") + extra_columns
     cells = [[_cell(getattr(r, attr)) for _, attr, _ in columns] for r in rows]
     widths = [max([len(h)] + [len(row[i]) for row in cells])
               for i, (h, _, _) in enumerate(columns)]

@@ -46,6 +46,7 @@ class DirectoryCounters:
     clients_attached: int = 0
     clients_released: int = 0
     leases_reclaimed: int = 0  # leased slots of a released client
+    abandoned_writes: int = 0  # ... of which a write was begun, never committed (discarded)
     pins_reclaimed: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -90,6 +91,7 @@ class HostDirectory:
         if leased is None:
             return
         for slot in leased:
+            self.counters.abandoned_writes += self.segment.header(slot).seq % 2
             self.segment.invalidate(slot)
             self._free.append(slot)
         self.counters.leases_reclaimed += len(leased)

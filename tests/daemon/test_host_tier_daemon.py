@@ -117,6 +117,7 @@ def test_a_writer_killed_mid_save_leaves_nothing_served(
     tier = daemon.wait_for(lambda s: s["host_tier"]["clients_released"] >= 1,
                            what="the killed writer's release")["host_tier"]
     assert tier["leases_reclaimed"] >= 1 and tier["entries"] == 0
+    assert tier["abandoned_writes"] == 1  # the one write it began
     reader = client(sock_path, subscribe=True)
     try:
         head = reader.segment.header(slot)

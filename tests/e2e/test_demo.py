@@ -2,7 +2,8 @@
 
 Asserts from the demo's JSON, never from timing: outputs equal vLLM's without kvtier, the
 pass after the GPU prefix-cache reset (and the restarted engine) got its prefix from a
-kvtier tier, and with no Redis the demo says "CPU tier only" and is still correct.
+kvtier tier, with no Redis the demo says "CPU tier only" and is still correct, and with
+``--host-tier`` the restarted engine restores from the host's shared CPU tier.
 """
 
 from __future__ import annotations
@@ -131,6 +132,31 @@ def test_demo_without_redis_runs_cpu_tier_alone(
     assert reset["cpu_tokens"] > 0 and reset["redis_tokens"] == 0
     assert "kvtier: engine restarted (new process)" not in rows
     assert any("CPU tier only" in note for note in data["notes"])
+
+
+def test_demo_host_tier_restart_restores_without_redis(
+        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict]) -> None:
+    """``--host-tier`` with no Redis: the demo starts ``kvtier daemon --cpu-bytes``, the
+    restarted engine (a new process, its own CPU tier empty) restores from the host tier as
+    much as the Redis run's restart restored from Redis, outputs identical; the daemon held
+    one copy of each save and its shared memory and socket are gone afterwards."""
+    url = f"redis://127.0.0.1:{_closed_port()}"
+    proc, data = _run_demo(tmp_path, "--redis-url", url, "--host-tier",
+                           *_reference(with_redis))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert data["mode"] == "cpu+host"
+    assert data["outputs_identical"] is True
+    restart = _rows(data)["kvtier: engine restarted (new process)"]
+    from_redis = _rows(with_redis[2])["kvtier: engine restarted (new process)"]["redis_tokens"]
+    assert restart["host_tokens"] == from_redis > 0
+    assert restart["cpu_tokens"] == restart["redis_tokens"] == 0
+    assert restart["identical"] is True
+    stats = data["host_tier"]["stats"]
+    assert stats["commits"] == stats["entries"] > 0
+    assert stats["duplicates_dropped"] == stats["commits_rejected"] == 0
+    assert not Path(stats["segment_path"]).exists()
+    assert not Path(stats["socket_path"]).exists()
+    assert "host tier" in proc.stdout and "CPU + host tier" in proc.stdout
 
 
 def test_demo_detects_wrong_outputs(

@@ -25,8 +25,10 @@ pytestmark = pytest.mark.e2e
 
 PROMPT_A = prompt_words(31, 150)
 PROMPT_B = prompt_words(32, 150)
+PROMPT_C = prompt_words(33, 150)
 A2 = PROMPT_A + " w5 w6"
 B2 = PROMPT_B + " w7"
+C2 = PROMPT_C + " w8"
 PREFIX_TOKENS = 128  # the four full 32-token blocks each prompt shares with its turn 2
 
 
@@ -53,7 +55,7 @@ def extra(daemon: HostTierDaemon) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
-    steps = [["generate", n, p] for n, p in (("A2", A2), ("B2", B2))]
+    steps = [["generate", n, p] for n, p in (("A2", A2), ("B2", B2), ("C2", C2))]
     return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": steps}))
 
 
@@ -73,6 +75,20 @@ def second(first: dict[str, Any], extra: dict[str, Any], daemon: HostTierDaemon
            ) -> dict[str, Any]:
     return run_in_subprocess({"model": "llama", "extra": extra, "steps": [
         ["generate", "A2", A2], ["generate", "B2", B2]]})
+
+
+@pytest.fixture(scope="module")
+def killed_mid_save(second: dict[str, Any], extra: dict[str, Any], daemon: HostTierDaemon
+                    ) -> dict[str, Any]:
+    """An engine whose workers copy PROMPT_C's blocks into leased slots and are SIGKILLed
+    before committing them (the commit is what a kill mid-save loses); its engine core is
+    killed next. Returns the daemon's view once it has noticed both deaths."""
+    entries_before = daemon.tier()["entries"]
+    run = run_in_subprocess({"model": "llama", "extra": extra, "steps": [
+        ["stop_before_host_commits"], ["generate", "C1", PROMPT_C], ["kill_engine"]]})
+    tier = daemon.wait_for(lambda s: s["host_tier"]["connections"] == 0,
+                           what="the daemon noticing the killed engine's processes")["host_tier"]
+    return {"run": run, "tier": tier, "entries_before": entries_before}
 
 
 def test_engine_a_stores_its_blocks_in_the_host_tier(first: dict[str, Any],
@@ -107,18 +123,54 @@ def test_a_prefix_in_the_host_tier_is_not_stored_again(
     assert tier["duplicates_dropped"] == 0
 
 
-def test_the_daemon_killed_mid_run_the_engine_serves_on_with_identical_output(
-        baseline: dict[str, dict[str, Any]], second: dict[str, Any], extra: dict[str, Any],
-        daemon: HostTierDaemon) -> None:
-    """Last in this file: it kills the module's daemon. A new engine attaches, the daemon is
-    SIGKILLed under it, and both prompts still come out as vLLM alone computes them (each
-    restored from the segment the engine still maps, or recomputed: both are right)."""
+def test_an_engine_killed_mid_save_leaves_no_entry_and_no_lease(
+        killed_mid_save: dict[str, Any]) -> None:
+    """The killed engine's blocks were copied into leased slots and never committed (the
+    daemon found those writes begun: the fault really hit mid-save), none became an entry,
+    and every slot it leased came back, emptied."""
+    runs = by_name(killed_mid_save["run"])
+    assert all(runs["kill_engine"]["result"]), runs["kill_engine"]
+    assert runs["C1"]["delta"].get("blocks_written_host", 0) == 0
+    tier = killed_mid_save["tier"]
+    assert tier["abandoned_writes"] == PREFIX_TOKENS // 32
+    assert tier["entries"] == killed_mid_save["entries_before"]
+    assert tier["leased_slots"] == 0
+    assert tier["clients"] == 0
+
+
+@pytest.fixture(scope="module")
+def after_kills(killed_mid_save: dict[str, Any], extra: dict[str, Any],
+                daemon: HostTierDaemon) -> dict[str, Any]:
+    """A new engine: C2 (whose prefix the killed engine had half-written), then the daemon
+    is SIGKILLed under it, then A2 and B2. Kills the module's daemon: its tests come last."""
     assert daemon.proc is not None
     run = run_in_subprocess({"model": "llama", "extra": extra, "steps": [
-        ["kill_pid", daemon.proc.pid], ["generate", "A2", A2], ["generate", "B2", B2]]})
+        ["generate", "C2", C2], ["kill_pid", daemon.proc.pid], ["generate", "A2", A2],
+        ["generate", "B2", B2]]})
+    daemon.proc.wait()
+    return run
+
+
+def test_after_an_engine_killed_mid_save_its_prefix_is_recomputed_identically(
+        baseline: dict[str, dict[str, Any]], after_kills: dict[str, Any]) -> None:
+    """Nothing of the killed engine's half-written slots is served: the next engine finds
+    no entry for that prefix, recomputes it, and answers as vLLM alone does."""
+    c2 = by_name(after_kills)["C2"]
+    assert c2["delta"].get("hit_tokens_host", 0) == 0
+    assert c2["num_cached_tokens"] == 0
+    assert c2["token_ids"] == baseline["C2"]["token_ids"]
+    assert c2["delta"]["blocks_written_host"] == PREFIX_TOKENS // 32
+
+
+def test_the_daemon_killed_mid_run_the_engine_serves_on_with_identical_output(
+        baseline: dict[str, dict[str, Any]], after_kills: dict[str, Any]) -> None:
+    """The daemon is SIGKILLed under a running engine, and both prompts still come out as
+    vLLM alone computes them (each restored from the segment the engine still maps, or
+    recomputed: both are right)."""
+    run = after_kills
     runs = by_name(run)
-    assert runs[f"kill_pid-{daemon.proc.pid}"]["result"] is True
+    killed = [o for o in run["outputs"] if o["name"].startswith("kill_pid-")]
+    assert [o["result"] for o in killed] == [True]
     for name in ("A2", "B2"):
         assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
     assert run["stats"]["load_errors"] == 0
-    daemon.proc.wait()

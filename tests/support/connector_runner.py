@@ -9,7 +9,7 @@ on the same Redis, and engines with test-only switches, each in its own process:
                   ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
                   ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
                   ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s],
-                  ["kill_pid", pid]],
+                  ["kill_pid", pid], ["stop_before_host_commits"], ["kill_engine"]],
         "max_tokens": 8, "logprobs": bool, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
@@ -306,6 +306,7 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
         if extra is not None:
             worker_probe.drain(llm, lambda: kvtier_stats(llm), poke)
     outputs: list[dict[str, Any]] = []
+    victims: list[int] = []  # worker pids of a "stop_before_host_commits" step
 
     def gen(name: str, prompt: str | list[int], salt: str | None = None) -> str:
         before = counters(stats()) if extra is not None else {}
@@ -386,6 +387,14 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
         if step[0] == "wait_writes":  # Redis takes writes again: the event, not the gauge
             outputs.append(wait_writes(gen, stats, float(step[1])))
             continue
+        if step[0] == "stop_before_host_commits":  # host saves end copied, never committed
+            victims = llm.collective_rpc("kvtier_stop_before_host_commits")
+            outputs.append({"name": "stop_before_host_commits", "result": victims})
+            continue
+        if step[0] == "kill_engine":  # SIGKILL workers then engine core; the last step
+            pids = list(victims) + engine_host.core_pids(llm)
+            outputs.append({"name": "kill_engine", "result": [kill_and_reap(p) for p in pids]})
+            return {"outputs": outputs, "stats": {}, "redis_tier": {}, "cpu_tier": {}}
         gen(step[1], step[2], step[3] if len(step) > 3 else None)
     if extra is not None:
         # At rest: every background write reported, and the CPU-tier gauges describe the

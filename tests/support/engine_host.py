@@ -71,7 +71,7 @@ def defer_shutdown(llm: Any) -> None:
                                                daemon=True))
 
 
-def _core_pids(llm: Any) -> list[int]:
+def core_pids(llm: Any) -> list[int]:
     manager = getattr(llm.llm_engine.engine_core.resources, "engine_manager", None)
     return [int(p.pid) for p in getattr(manager, "processes", ()) if p.pid is not None]
 
@@ -79,7 +79,7 @@ def _core_pids(llm: Any) -> list[int]:
 def keep_engine(llm: Any) -> None:
     """Keep ``llm``'s engine running after its spec (a baseline that later specs reuse):
     its processes are not taken for leftovers. Only in the host."""
-    for pid in _core_pids(llm):
+    for pid in core_pids(llm):
         _kept_pids[pid] = llm
 
 

@@ -58,6 +58,24 @@ class KvtierWorkerProbe:
         snapshot = half.counters.snapshot()
         return {name: int(snapshot[name]) for name in COUNTER_NAMES}
 
+    def kvtier_stop_before_host_commits(self) -> int:
+        """Fault injection for "an engine killed mid-save": from now on this worker's
+        host-tier saves stop where a SIGKILL would find them between the copy and the
+        commit: payload written into the leased slot (its seqlock left odd), nothing
+        committed to the daemon. Returns this worker's pid (to kill it next)."""
+        import os
+
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        half = get_kv_transfer_group().worker
+        assert half is not None and half.host is not None, "no host tier in this worker"
+
+        def begun_never_committed(*_: Any) -> None:
+            return None
+
+        half._commit_host = begun_never_committed
+        return os.getpid()
+
 
 def drain(llm: Any, exported: Callable[[], dict[str, Any]], poke: Callable[[], None],
           deadline_s: float = DEADLINE_S) -> dict[str, Any]:
