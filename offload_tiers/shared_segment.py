@@ -511,6 +511,40 @@ class SharedSegment:
         c.hits += sum(result)
         return result
 
+    def verify_many(self, slots: Sequence[int], key_digests: Sequence[bytes],
+                    save_ids: Sequence[int], lengths: Sequence[int]) -> list[int | None]:
+        """Check, in place, that each slot holds exactly that save of ``lengths[i]`` bytes
+        (header, and the checksum of the bytes where they lie): per slot the ``seq`` it was
+        checked at, or None (a counted miss). For a reader that then copies straight out
+        of ``payloads`` while the slot cannot be reused under it (the slot directory's
+        pins): after the copy, :meth:`unchanged` says no write began since the check."""
+        tickets: list[int | None] = []
+        c = self.counters
+        for slot, key, save_id, length in zip(slots, key_digests, save_ids, lengths,
+                                              strict=True):
+            ticket = self.begin_read(slot, key, save_id)
+            if ticket is not None and ticket.length != length:
+                c.length += 1
+                ticket = None
+            if ticket is not None and _checksum(self._rows[slot][:length], key, save_id,
+                                                length) != ticket.checksum:
+                c.checksum += 1
+                ticket = None
+            if ticket is not None and int(self._seq[slot]) != ticket.seq:
+                c.torn += 1
+                ticket = None
+            c.hits += ticket is not None
+            tickets.append(None if ticket is None else ticket.seq)
+        return tickets
+
+    def unchanged(self, slots: Sequence[int], seqs: Sequence[int]) -> list[bool]:
+        """Per slot: no write or invalidation began since :meth:`verify_many` gave ``seq``
+        (a False is counted torn)."""
+        now = self._seq[np.asarray(slots, dtype=np.int64)]
+        same = [int(a) == int(b) for a, b in zip(now, seqs, strict=True)]
+        self.counters.torn += same.count(False)
+        return same
+
     def read(self, slot: int, key_digest: bytes, save_id: int) -> bytes | None:
         """A copy of the save's bytes, or None (a counted miss)."""
         ticket = self.begin_read(slot, key_digest, save_id)

@@ -23,7 +23,9 @@ class LoadOp:
     """Write CPU-tier ``slot`` (holding ``key``) into block ``block_id`` of ``group``.
 
     ``after_fetch``: the slot is being filled from Redis by a fetch of the same request;
-    the worker writes the block once that fetch has validated.
+    the worker writes the block once that fetch has validated. ``slot`` is
+    :data:`HOST_SLOT` for a host-tier restore: the block is written straight from the
+    shared segment once the fetch (a check in place) has validated it.
     """
 
     req_id: str
@@ -37,8 +39,9 @@ class LoadOp:
 
 @dataclass(frozen=True, slots=True)
 class FetchOp:
-    """Read ``key`` from Redis -- or, with ``host``, from the host tier -- into CPU-tier
-    ``slot`` (in the background), then validate."""
+    """Read ``key`` from Redis into CPU-tier ``slot`` (in the background), then validate;
+    with ``host`` (``slot`` is :data:`HOST_SLOT`), check this rank's shard in place in the
+    host tier's shared segment, for the load to copy from there."""
 
     job: int
     req_id: str
@@ -54,6 +57,9 @@ class FetchOp:
 #: The slot of a save that found no CPU-tier slot: the worker copies the block into a buffer
 #: of its own, which only the Redis writer reads.
 OVERFLOW_SLOT = -1
+#: The "slot" of a host-tier restore: no CPU-tier slot; the worker checks the shard where it
+#: lies in the shared segment and loads it from there into vLLM's KV cache.
+HOST_SLOT = -2
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.jobs import JobBook, TierChange
 from connector.vllm_connector.plan import (
+    HOST_SLOT,
     OVERFLOW_SLOT,
     FetchOp,
     LoadOp,
@@ -453,8 +454,8 @@ class TieredScheduler:
     def _hold_hit(self, needs: list[_Need], tiers: dict[BlockKey, str],
                   host_where: dict[BlockKey, tuple[Location, ...]],
                   host_pins: dict[BlockKey, Pins | None]) -> dict[BlockKey, int] | None:
-        """Pin every CPU key of a hit and reserve a slot for every Redis or host key (and
-        pin a host key's shards in the host tier): all or none.
+        """Pin every CPU key of a hit, reserve a slot for every Redis key and pin every
+        host key's shards in the host tier (loaded from there: no slot): all or none.
 
         Keys are held in hit order, so holding one never evicts an earlier key of the same
         hit. On failure everything is let go, the failed key leaves ``tiers`` (the next
@@ -466,6 +467,8 @@ class TieredScheduler:
                 continue
             if tiers[need.key] == Tier.CPU:
                 slot = self.directory.acquire(need.key)
+            elif tiers[need.key] == Tier.HOST:
+                slot = HOST_SLOT
             else:
                 slot = self.directory.reserve(need.key)
                 if slot is None:
@@ -482,9 +485,10 @@ class TieredScheduler:
     def _let_go(self, held: dict[BlockKey, int], tiers: dict[BlockKey, str],
                 host_pins: dict[BlockKey, Pins | None]) -> None:
         for key in held:
-            if tiers.get(key, Tier.CPU) != Tier.CPU:
+            tier = tiers.get(key, Tier.CPU)
+            if tier == Tier.REDIS:
                 self.directory.abort(key)
-            else:
+            elif tier == Tier.CPU:
                 self._unpin(key)
         if self.host is not None:
             for pins in host_pins.values():
@@ -797,19 +801,21 @@ class TieredScheduler:
     def _fetch_done(self, job: int, info: Any, all_ok: bool) -> None:
         key = info.key
         self._restore_progress(info.req_id, job, all_ok)
-        from_host = job in self._host_fetches
-        if from_host and self.host is not None:
-            self.host.unpin(self._host_fetches.pop(job))
+        if job in self._host_fetches:
+            # Every rank reported: each loaded its shard before reporting (or failed), so
+            # the pins go. The host tier's copy stays the only one on this host.
+            pins = self._host_fetches.pop(job)
+            if self.host is not None:
+                self.host.unpin(pins)
+            if not all_ok:  # evicted or reused since the look-up: the mirror catches up
+                self.counters.add("host_misses_at_fetch")
+            return
         if all_ok:
             self.directory.commit(key)
             self.outbox.append(TierChange(key, Medium.CPU, stored=True))
             self._bad.pop(key, None)
             return
         self.directory.abort(key)
-        if from_host:
-            # the slot was evicted or reused since the look-up: the mirror catches up
-            self.counters.add("host_misses_at_fetch")
-            return
         self.counters.add("redis_misses_at_fetch")
         self._bad[key] = time.monotonic() + self.bad_key_ttl_s
         self._bad.move_to_end(key)

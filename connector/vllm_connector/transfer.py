@@ -116,20 +116,25 @@ class BlockTransfer:
         return n * layout.nbytes
 
     def scatter(self, group: int, block_ids: list[int], slots: list[int], *,
-                corrupt: bool = False) -> int:
+                corrupt: bool = False, source: np.ndarray | None = None) -> int:
         """Copy slab rows ``slots`` into blocks ``block_ids`` of ``group``; bytes copied.
 
-        ``corrupt`` (tests only) writes noise instead of floating-point KV, to prove that
-        loaded blocks are really used. Returns once the slots may be reused; the device's
-        current stream waits for the blocks before its next kernel.
+        ``source`` replaces the slab: a uint8 ``[rows, >= group bytes]`` array whose rows
+        may be strided (the host tier's shared segment). ``corrupt`` (tests only) writes
+        noise instead of floating-point KV, to prove that loaded blocks are really used.
+        Returns once the rows may be reused; the device's current stream waits for the
+        blocks before its next kernel.
         """
         if not block_ids:
             return 0
         layout = self._groups[group]
         ids = self._ids(block_ids)
         n = len(block_ids)
+        src_np = self._slab_np if source is None else source
+        src = self.slab if source is None else torch.from_numpy(source)
         if self._cuda:
-            self._scatter_cuda(layout, ids, slots, corrupt)
+            self._scatter_cuda(layout, ids, slots, corrupt, src,
+                               pinned=source is None and self._slab_pinned)
             return n * layout.nbytes
         runs = _paired_runs(block_ids, slots)
         rows = torch.tensor(slots, dtype=torch.long)
@@ -137,13 +142,12 @@ class BlockTransfer:
             blocks = self._blocks_np[(s.layer, s.index)]
             cols = slice(s.offset, s.offset + s.nbytes)
             if blocks is None or corrupt:
-                self._write(s, ids, self.slab[rows, cols], n, corrupt)
+                self._write(s, ids, src[rows, cols], n, corrupt)
             elif runs is not None:
                 for b, r, m in runs:
-                    blocks[b:b + m] = self._slab_np[r:r + m, cols].reshape(
-                        (m, *blocks.shape[1:]))
+                    blocks[b:b + m] = src_np[r:r + m, cols].reshape((m, *blocks.shape[1:]))
             else:
-                blocks[block_ids] = self._slab_np[slots, cols].reshape((n, *blocks.shape[1:]))
+                blocks[block_ids] = src_np[slots, cols].reshape((n, *blocks.shape[1:]))
         return n * layout.nbytes
 
     # -- CUDA ---------------------------------------------------------------------------
@@ -178,19 +182,19 @@ class BlockTransfer:
             target[torch.tensor(slots, dtype=torch.long), :nbytes] = staging
 
     def _scatter_cuda(self, layout: GroupLayout, ids: torch.Tensor, slots: list[int],
-                      corrupt: bool) -> None:
+                      corrupt: bool, source: torch.Tensor, *, pinned: bool) -> None:
         assert self._stream is not None
         n, nbytes = len(slots), layout.nbytes
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             packed = torch.empty((n, nbytes), dtype=torch.uint8, device=self.device)
-            if self._slab_pinned:
-                for start, first, length in self._runs(slots, nbytes, self.slab):
+            if pinned:
+                for start, first, length in self._runs(slots, nbytes, source):
                     packed[start:start + length].copy_(
-                        self.slab[first:first + length, :nbytes], non_blocking=True)
+                        source[first:first + length, :nbytes], non_blocking=True)
             else:
                 staging = self._staging_rows(n, nbytes)
-                torch.index_select(self.slab[:, :nbytes], 0,
+                torch.index_select(source[:, :nbytes], 0,
                                    torch.tensor(slots, dtype=torch.long), out=staging)
                 packed.copy_(staging, non_blocking=True)
             for s in layout.slices:

@@ -33,6 +33,7 @@ from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.plan import (
+    HOST_SLOT,
     OVERFLOW_SLOT,
     FetchOp,
     LoadOp,
@@ -46,7 +47,6 @@ from connector.vllm_connector.transfer import BlockTransfer
 from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.host_tier.client import new_save_id as new_host_save_id
-from offload_tiers.host_tier.directory import Location
 from offload_tiers.keys import BlockKey, BlockKind
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class TieredWorker:
         self.redis = redis
         self.host = host  # the host's shared CPU tier (connector/vllm_connector/host.py)
         self._host_commits: set[futures.Future[None]] = set()
+        # req -> key -> (segment, slot, seq) of each host shard checked for that request
+        self._host_shards: dict[str, dict[BlockKey, tuple[Any, int, int]]] = {}
         if redis is not None:
             self.counters.set_gauge("redis_configured", 1)
         self.layout: KVLayout | None = None
@@ -160,7 +162,8 @@ class TieredWorker:
         by_req: dict[str, list[FetchOp]] = {}
         for op in plan.fetches:
             by_req.setdefault(op.req_id, []).append(op)
-            self.holds[op.slot] = None
+            if op.slot >= 0:
+                self.holds[op.slot] = None
         for req_id, ops in by_req.items():
             self._fetching[req_id] = self._fetching.get(req_id, 0) + 1
             self._io.submit(self._fetch, req_id, ops)
@@ -171,6 +174,8 @@ class TieredWorker:
     def _scatter(self, ops: list[LoadOp]) -> None:
         """Write blocks from their slots; a slot that does not hold its key fails its load."""
         assert self.transfer is not None
+        self._scatter_host([op for op in ops if op.slot == HOST_SLOT])
+        ops = [op for op in ops if op.slot != HOST_SLOT]
         corrupt = self.config.debug_corrupt_loads
         for group, group_ops in _by_group(ops).items():
             good = [op for op in group_ops if self.holds[op.slot] == op.key]
@@ -191,9 +196,43 @@ class TieredWorker:
             self.counters.add("bytes_loaded", moved)
             self.counters.add("load_us", (time.perf_counter_ns() - t0) // 1000)
             self.counters.add("blocks_loaded_cpu", sum(not o.after_fetch for o in good))
-            self.counters.add("blocks_loaded_redis",
-                              sum(o.after_fetch and not o.from_host for o in good))
-            self.counters.add("blocks_loaded_host", sum(o.from_host for o in good))
+            self.counters.add("blocks_loaded_redis", sum(o.after_fetch for o in good))
+
+    def _scatter_host(self, ops: list[LoadOp]) -> None:
+        """Write blocks straight from the host tier's segment, where their fetch checked
+        them; a shard whose slot was written again since (its seqlock moved) fails its
+        load (vLLM recomputes it)."""
+        assert self.transfer is not None
+        corrupt = self.config.debug_corrupt_loads
+        for group, group_ops in _by_group(ops).items():
+            checked = [(op, self._host_shards.get(op.req_id, {}).get(op.key)) for op in group_ops]
+            for op, shard in checked:
+                if shard is None:
+                    self._fail_load(op, "its host-tier shard was not checked")
+            by_segment: dict[int, list[tuple[LoadOp, tuple[Any, int, int]]]] = {}
+            for op, shard in checked:
+                if shard is not None:
+                    by_segment.setdefault(id(shard[0]), []).append((op, shard))
+            for pairs in by_segment.values():
+                segment = pairs[0][1][0]
+                slots = [shard[1] for _, shard in pairs]
+                t0 = time.perf_counter_ns()
+                try:
+                    moved = self.transfer.scatter(group, [op.block_id for op, _ in pairs], slots,
+                                                  corrupt=corrupt, source=segment.payloads)
+                    same = segment.unchanged(slots, [shard[2] for _, shard in pairs])
+                except Exception:
+                    log.exception("kvtier: load from the host tier into group %d failed; vLLM "
+                                  "recomputes", group)
+                    same = [False] * len(pairs)
+                    moved = 0
+                for (op, _), ok in zip(pairs, same, strict=True):
+                    if not ok:
+                        self._fail_load(op, "its host-tier slot was written during the load")
+                good = sum(same)
+                self.counters.add("bytes_loaded", moved * good // len(pairs))
+                self.counters.add("load_us", (time.perf_counter_ns() - t0) // 1000)
+                self.counters.add("blocks_loaded_host", good)
 
     def _fail_load(self, op: LoadOp, why: str) -> None:
         """An asynchronous load fails its request (``failed_recving``: hybrid models have no
@@ -208,6 +247,7 @@ class TieredWorker:
         self.counters.add("load_errors")
 
     def _finish_recv(self, req_id: str) -> None:
+        self._host_shards.pop(req_id, None)
         self._finished.add(req_id)
         self._async.discard(req_id)
         if req_id in self._fetch_failed:
@@ -255,13 +295,15 @@ class TieredWorker:
             self.counters.add(f"fetch_us_{tier}", elapsed_ns // 1000)
 
     def _read_host(self, ops: list[FetchOp]) -> dict[int, bool]:
-        """This rank's shards of ``ops``' keys from the host tier into their slots (I/O
-        thread): only the exact saves the scheduler found, checked against each slot's
-        header and checksum. Job -> ok."""
+        """Check this rank's shards of ``ops``' keys where they lie in the host tier (I/O
+        thread): only the exact saves the scheduler found, against each slot's header and
+        the checksum of its bytes. The loads then copy them from there (the scheduler's
+        pins keep the slots from reuse until every rank reported). Job -> ok."""
         if not ops:
             return {}
         oks = dict.fromkeys((op.job for op in ops), False)
-        if self.host is None:
+        segment = self.host.segment if self.host is not None else None
+        if segment is None:
             return oks
         fit = []
         for op in ops:
@@ -269,13 +311,17 @@ class TieredWorker:
             if op.host[self.tp_rank][2] == self._nbytes(op.key.group):
                 fit.append(op)
         try:
-            got = self.host.read_many_into(
-                [host_digest(self.storage_key(op.key)) for op in fit],
-                [Location(*op.host[self.tp_rank]) for op in fit],  # type: ignore[index]
-                [self.slab[op.slot, :self._nbytes(op.key.group)] for op in fit])
-            oks.update(zip((op.job for op in fit), got, strict=True))
+            where = [op.host[self.tp_rank] for op in fit]  # type: ignore[index]
+            seqs = segment.verify_many(
+                [w[0] for w in where], [host_digest(self.storage_key(op.key)) for op in fit],
+                [w[1] for w in where], [w[2] for w in where])
         except Exception:
-            log.exception("kvtier: reading the host tier failed")
+            log.exception("kvtier: checking the host tier failed")
+            return oks
+        for op, w, seq in zip(fit, where, seqs, strict=True):
+            if seq is not None:
+                self._host_shards.setdefault(op.req_id, {})[op.key] = (segment, w[0], seq)
+                oks[op.job] = True
         return oks
 
     def _on_written(self, job: int, nbytes: int) -> Callable[[bool], None]:
@@ -304,7 +350,8 @@ class TieredWorker:
 
     def _fetched(self, req_id: str, ops: list[FetchOp], oks: list[bool]) -> None:
         for op, ok in zip(ops, oks, strict=True):
-            self.holds[op.slot] = op.key if ok else None
+            if op.slot >= 0:
+                self.holds[op.slot] = op.key if ok else None
             self._report.fetches[op.job] = [int(ok), 1]
             if not ok:
                 self._fetch_failed.add(req_id)

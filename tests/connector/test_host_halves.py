@@ -89,7 +89,9 @@ def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int,
     assert snap["hit_tokens_host"] == 96 and snap["hit_tokens_cpu"] == 0
     assert second.counter("blocks_loaded_host") == [3] * tp
     assert _pins_held(second) == 0
-    assert second.cpu()["entries"] == 3  # now in its own CPU tier too
+    # loaded straight from the shared segment: the host keeps one copy, none enters (or
+    # reserves a slot in) this engine's own CPU tier
+    assert second.cpu()["entries"] == 0 and second.cpu()["reserved"] == 0
     # the restore told the daemon those shards were used (its LRU)
     daemon.wait_for(lambda s: s["host_tier"]["touches"] == 3 * tp, what="the touches")
 

@@ -392,3 +392,23 @@ def test_read_many_into_checks_each_slot_as_read_into_does(seg: SharedSegment) -
     delta = {k: after[k] - before[k] for k in after if after[k] != before[k]}
     assert delta == {"hits": 1, "key_mismatch": 1, "save_mismatch": 1, "length": 1,
                      "checksum": 1, "torn": 1, "empty": 1}
+
+
+def test_verify_many_checks_in_place_and_unchanged_catches_a_later_write(
+        seg: SharedSegment) -> None:
+    """The in-place check a direct load relies on: the exact save and length, its bytes'
+    checksum where they lie, and afterwards whether a write began since."""
+    with SharedSegment.attach(seg.path) as writer:
+        writer.write(1, KEY_A, 5, pattern(5))
+        writer.write(2, KEY_B, 6, pattern(6))
+        writer.write(4, KEY_A, 9, pattern(9))
+        pwrite(seg.path, bytes([pattern(9)[10] ^ 0x01]), seg.payload_offset(4) + 10)
+        seqs = seg.verify_many([1, 2, 3, 4, 1], [KEY_A, KEY_A, KEY_A, KEY_A, KEY_A],
+                               [5, 6, 1, 9, 5], [SLOT, SLOT, SLOT, SLOT, SLOT - 1])
+        assert [s is not None for s in seqs] == [True, False, False, False, False]
+        c = seg.counters
+        assert (c.hits, c.key_mismatch, c.empty, c.checksum, c.length) == (1, 1, 1, 1, 1)
+        assert seg.payloads[1, :SLOT].tobytes() == pattern(5)  # what a load copies
+        assert seg.unchanged([1], [seqs[0]]) == [True]
+        writer.write(1, KEY_A, 7, pattern(7))  # the slot written again after the check
+        assert seg.unchanged([1], [seqs[0]]) == [False] and seg.counters.torn == 1
