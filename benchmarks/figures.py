@@ -229,7 +229,8 @@ def route(d: dict[str, Any]) -> str:
 def host_tier(d: dict[str, Any]) -> str:
     r = d["restore"]
     big, page = r["block_2MiB"], r["page_64KiB"]
-    out = (f"verified restores out of the shared segment at {big['gbps']['verified']:.1f} GB/s "
+    out = (f"restores from the shared segment into KV tensors (each shard checked in place, "
+           f"then loaded) at {big['gbps']['verified']:.1f} GB/s "
            f"for 2 MiB slots ({x(big['restore_gbps_vs_memcpy'])} memcpy's "
            f"{big['gbps']['memcpy']:.1f} GB/s in the same run) and "
            f"{page['gbps']['verified']:.1f} GB/s for 64 KiB slots "

@@ -5,9 +5,11 @@ In this mode the host's shared CPU tier sits between each engine's own CPU tier 
 * the scheduler half finds a key there by reading a local mirror of the daemon's directory
   (:class:`~offload_tiers.host_tier.client.HostTierClient`, subscribed; no IPC on the
   scheduler's path), pins the slots of every rank's shard, and plans a *host fetch*: each
-  worker copies its shard from the shared segment into its own CPU-tier slot on an I/O
-  thread (verified against the slot's header and checksum: a slot reused meanwhile is a
-  failed fetch, recomputed), then the load runs as for a Redis fetch;
+  worker checks its shard where it lies in the shared segment on an I/O thread (header,
+  save id, checksum of its bytes: a slot evicted or reused since the look-up is a failed
+  fetch, recomputed), then loads it from there straight into vLLM's KV cache and checks
+  that no write began on the slot meanwhile (its seqlock). No slot of the engine's own CPU
+  tier is used: the host keeps one copy. The pins go once every rank has reported;
 * a worker copies every block it saves (the scheduler says which: ``SaveOp.to_host``) from
   its CPU-tier slot into a slot leased from the daemon in the step, and commits it (the
   checksum) on an I/O thread.

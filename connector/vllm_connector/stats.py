@@ -63,7 +63,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "load_us",  # microseconds the worker spent copying loads into vLLM's KV cache
     "bytes_fetched_redis",  # validated bytes read from Redis into CPU-tier slots
     "fetch_us_redis",  # microseconds the I/O threads spent reading them (wall, per batch)
-    "bytes_fetched_host",  # validated bytes read from the host tier into CPU-tier slots
+    "bytes_fetched_host",  # host-tier bytes checked in place (then loaded from there)
     "fetch_us_host",
 )
 
