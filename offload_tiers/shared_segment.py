@@ -461,55 +461,21 @@ class SharedSegment:
         """:meth:`read_into` for many slots at once (the header checks vectorized): per
         slot, True when its ``out`` (contiguous, writable, exactly the stored length) now
         holds exactly that save. A slot listed twice is read twice."""
-        n = len(slots)
-        if not (n == len(key_digests) == len(save_ids) == len(outs)):
+        if len(outs) != len(slots):
             raise ValueError("slots, key_digests, save_ids and outs differ in length")
-        if n == 0:
-            return []
-        if self._mm is None:
-            raise ValueError(f"{self.path}: segment is closed")
-        idx = np.asarray(slots, dtype=np.int64)
-        if idx.min() < 0 or idx.max() >= self.num_slots:
-            raise IndexError(f"a slot of {slots} is out of range [0, {self.num_slots})")
         if not all(o.flags.c_contiguous and o.flags.writeable for o in outs):
             raise ValueError("every out must be a contiguous, writable array")
-        want_keys = np.frombuffer(b"".join(_check_digest(k) for k in key_digests),
-                                  dtype=np.uint8).reshape(n, DIGEST_BYTES)
-        want_saves = np.asarray(save_ids, dtype=np.uint64)
-        sizes = np.fromiter((o.nbytes for o in outs), dtype=np.uint64, count=n)
-        seq = self._seq[idx]
-        flags = self._flags[idx]
-        lengths = self._len[idx]
-        crcs = self._crc[idx]
-        keys_equal = (self._key[idx] == want_keys).all(axis=1)
-        saves_equal = self._save[idx] == want_saves
-        c = self.counters
-        torn = seq % 2 == 1
-        empty = ~torn & ((seq == 0) | (flags != _VALID))
-        rest = ~torn & ~empty
-        key_bad = rest & ~keys_equal
-        save_bad = rest & keys_equal & ~saves_equal
-        length_bad = rest & keys_equal & saves_equal & (lengths != sizes)
-        ok = rest & keys_equal & saves_equal & (lengths == sizes)
+        sizes = [o.nbytes for o in outs]
+        checked = self._check_headers(slots, key_digests, save_ids, sizes)
+        if checked is None:
+            return []
+        idx, seq, ok, crcs = checked
         for i in np.flatnonzero(ok):
-            np.copyto(outs[i], self._rows[idx[i]][: int(lengths[i])])
-        rewritten = ok & (self._seq[idx] != seq)  # a write touched the slot during the copy
-        ok &= ~rewritten
-        result = [False] * n
-        bad_sums = 0
-        for i in np.flatnonzero(ok):
-            good = _checksum(outs[i], key_digests[i], int(want_saves[i]),
-                             int(lengths[i])) == int(crcs[i])
-            result[i] = good
-            bad_sums += not good
-        c.torn += int(np.count_nonzero(torn)) + int(np.count_nonzero(rewritten))
-        c.empty += int(np.count_nonzero(empty))
-        c.key_mismatch += int(np.count_nonzero(key_bad))
-        c.save_mismatch += int(np.count_nonzero(save_bad))
-        c.length += int(np.count_nonzero(length_bad))
-        c.checksum += bad_sums
-        c.hits += sum(result)
-        return result
+            np.copyto(outs[i], self._rows[idx[i]][: sizes[i]])
+        return self._settle(idx, seq, ok, [
+            bool(ok[i]) and _checksum(outs[i], key_digests[i], int(save_ids[i]),
+                                      sizes[i]) == int(crcs[i])
+            for i in range(len(slots))])
 
     def verify_many(self, slots: Sequence[int], key_digests: Sequence[bytes],
                     save_ids: Sequence[int], lengths: Sequence[int]) -> list[int | None]:
@@ -518,24 +484,15 @@ class SharedSegment:
         checked at, or None (a counted miss). For a reader that then copies straight out
         of ``payloads`` while the slot cannot be reused under it (the slot directory's
         pins): after the copy, :meth:`unchanged` says no write began since the check."""
-        tickets: list[int | None] = []
-        c = self.counters
-        for slot, key, save_id, length in zip(slots, key_digests, save_ids, lengths,
-                                              strict=True):
-            ticket = self.begin_read(slot, key, save_id)
-            if ticket is not None and ticket.length != length:
-                c.length += 1
-                ticket = None
-            if ticket is not None and _checksum(self._rows[slot][:length], key, save_id,
-                                                length) != ticket.checksum:
-                c.checksum += 1
-                ticket = None
-            if ticket is not None and int(self._seq[slot]) != ticket.seq:
-                c.torn += 1
-                ticket = None
-            c.hits += ticket is not None
-            tickets.append(None if ticket is None else ticket.seq)
-        return tickets
+        checked = self._check_headers(slots, key_digests, save_ids, lengths)
+        if checked is None:
+            return []
+        idx, seq, ok, crcs = checked
+        good = self._settle(idx, seq, ok, [
+            bool(ok[i]) and _checksum(self._rows[idx[i]][: int(lengths[i])], key_digests[i],
+                                      int(save_ids[i]), int(lengths[i])) == int(crcs[i])
+            for i in range(len(slots))])
+        return [int(seq[i]) if g else None for i, g in enumerate(good)]
 
     def unchanged(self, slots: Sequence[int], seqs: Sequence[int]) -> list[bool]:
         """Per slot: no write or invalidation began since :meth:`verify_many` gave ``seq``
@@ -544,6 +501,57 @@ class SharedSegment:
         same = [int(a) == int(b) for a, b in zip(now, seqs, strict=True)]
         self.counters.torn += same.count(False)
         return same
+
+    def _check_headers(self, slots: Sequence[int], key_digests: Sequence[bytes],
+                       save_ids: Sequence[int], lengths: Sequence[int]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The vectorized header half of a batched read: (slot indexes, seqs seen, which
+        slots hold exactly that save of that length now, their checksums); the misses
+        counted. None for an empty batch."""
+        n = len(slots)
+        if not (n == len(key_digests) == len(save_ids) == len(lengths)):
+            raise ValueError("slots, key_digests, save_ids and outs differ in length")
+        if n == 0:
+            return None
+        if self._mm is None:
+            raise ValueError(f"{self.path}: segment is closed")
+        idx = np.asarray(slots, dtype=np.int64)
+        if idx.min() < 0 or idx.max() >= self.num_slots:
+            raise IndexError(f"a slot of {slots} is out of range [0, {self.num_slots})")
+        want_keys = np.frombuffer(b"".join(_check_digest(k) for k in key_digests),
+                                  dtype=np.uint8).reshape(n, DIGEST_BYTES)
+        want_saves = np.asarray(save_ids, dtype=np.uint64)
+        sizes = np.asarray(lengths, dtype=np.uint64)
+        seq = self._seq[idx]
+        flags = self._flags[idx]
+        stored = self._len[idx]
+        crcs = self._crc[idx]
+        keys_equal = (self._key[idx] == want_keys).all(axis=1)
+        saves_equal = self._save[idx] == want_saves
+        c = self.counters
+        torn = seq % 2 == 1
+        empty = ~torn & ((seq == 0) | (flags != _VALID))
+        rest = ~torn & ~empty
+        c.torn += int(np.count_nonzero(torn))
+        c.empty += int(np.count_nonzero(empty))
+        c.key_mismatch += int(np.count_nonzero(rest & ~keys_equal))
+        c.save_mismatch += int(np.count_nonzero(rest & keys_equal & ~saves_equal))
+        c.length += int(np.count_nonzero(rest & keys_equal & saves_equal & (stored != sizes)))
+        return idx, seq, rest & keys_equal & saves_equal & (stored == sizes), crcs
+
+    def _settle(self, idx: np.ndarray, seq: np.ndarray, ok: np.ndarray,
+                sums_ok: list[bool]) -> list[bool]:
+        """Per slot: its header held (``ok``), no write began meanwhile (its seq
+        unchanged) and its checksum matched; the misses counted."""
+        rewritten = ok & (self._seq[idx] != seq)  # a write touched the slot meanwhile
+        c = self.counters
+        c.torn += int(np.count_nonzero(rewritten))
+        good = []
+        for held, moved, summed in zip(ok, rewritten, sums_ok, strict=True):
+            c.checksum += bool(held) and not moved and not summed
+            good.append(bool(held) and not moved and summed)
+        c.hits += sum(good)
+        return good
 
     def read(self, slot: int, key_digest: bytes, save_id: int) -> bytes | None:
         """A copy of the save's bytes, or None (a counted miss)."""
