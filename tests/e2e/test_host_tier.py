@@ -3,9 +3,10 @@
 Real vLLM CPU engines (vLLM's default executors, engine core and worker in processes of
 their own) on the tiny Llama, a real daemon process. Engine A computes two prompts and
 exits; engine B, a new process with an empty CPU tier of its own, restores their prefixes
-from the daemon's segment; a third engine given the same prefix stores nothing twice. The
-outputs equal vLLM's without kvtier (the engine host's baseline engine). Waits are on the
-daemon's /stats, never on time.
+from the daemon's segment; a third engine given the same prefix stores nothing twice; two
+TP=2 engines share a prefix shard by shard; an engine SIGKILLed mid-save leaves nothing
+served; the daemon SIGKILLed under an engine. The outputs equal vLLM's without kvtier (the
+engine host's baseline engine). Waits are on the daemon's /stats, never on time.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ pytestmark = pytest.mark.e2e
 PROMPT_A = prompt_words(31, 150)
 PROMPT_B = prompt_words(32, 150)
 PROMPT_C = prompt_words(33, 150)
+PROMPT_E = prompt_words(34, 150)
 A2 = PROMPT_A + " w5 w6"
 B2 = PROMPT_B + " w7"
 C2 = PROMPT_C + " w8"
+E2 = PROMPT_E + " w9"
+TP2 = {"tensor_parallel_size": 2}
 PREFIX_TOKENS = 128  # the four full 32-token blocks each prompt shares with its turn 2
 
 
@@ -78,7 +82,7 @@ def second(first: dict[str, Any], extra: dict[str, Any], daemon: HostTierDaemon
 
 
 @pytest.fixture(scope="module")
-def killed_mid_save(second: dict[str, Any], extra: dict[str, Any], daemon: HostTierDaemon
+def killed_mid_save(tp2_runs: Any, extra: dict[str, Any], daemon: HostTierDaemon
                     ) -> dict[str, Any]:
     """An engine whose workers copy PROMPT_C's blocks into leased slots and are SIGKILLed
     before committing them (the commit is what a kill mid-save loses); its engine core is
@@ -121,6 +125,37 @@ def test_a_prefix_in_the_host_tier_is_not_stored_again(
     tier = daemon.tier()
     assert tier["entries"] == first["stats"]["blocks_written_host"]
     assert tier["duplicates_dropped"] == 0
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(second: dict[str, Any], extra: dict[str, Any], daemon: HostTierDaemon
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two TP=2 engines, one after the other: the first computes E2 (no hit: vLLM's own
+    computation at TP=2) and exits; the second, a new process, asks E2 again."""
+    entries = daemon.tier()["entries"]
+    first = run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                               "steps": [["generate", "E2", E2]]})
+    written = first["stats"]["blocks_written_host"]
+    daemon.wait_for(lambda s: s["host_tier"]["entries"] >= entries + written,
+                    what=f"the TP=2 engine's {written} shards")
+    return first, run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                                     "steps": [["generate", "E2", E2]]})
+
+
+def test_tp2_a_new_engine_restores_every_ranks_shard_from_the_host_tier(
+        tp2_runs: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """At tensor_parallel_size=2 each rank stores its own shard of every block; a new
+    TP=2 engine restores the prefix only with both ranks' shards, with the first engine's
+    output."""
+    first, second = (by_name(run)["E2"] for run in tp2_runs)
+    blocks = PREFIX_TOKENS // 32  # E2's 151 tokens + 8 generated: four full blocks
+    assert tp2_runs[0]["stats"]["blocks_written_host"] == 2 * blocks  # a shard per rank
+    assert first["num_cached_tokens"] == 0
+    assert second["delta"].get("hit_tokens_host", 0) == PREFIX_TOKENS
+    assert second["num_cached_tokens"] == PREFIX_TOKENS
+    assert second["token_ids"] == first["token_ids"]
+    assert tp2_runs[1]["stats"]["blocks_loaded_host"] == 2 * blocks
+    assert tp2_runs[1]["stats"]["load_errors"] == 0
 
 
 def test_an_engine_killed_mid_save_leaves_no_entry_and_no_lease(
