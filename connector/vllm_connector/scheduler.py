@@ -705,6 +705,11 @@ class TieredScheduler:
         every rank has written it."""
         if self.directory.contains(key):
             return
+        if self.host is not None and self.host.ready and self.host.holds(key):
+            # The host tier holds every rank's shard (restored from there, or another
+            # engine's save): one copy per host, none in this engine's own tier.
+            self.counters.add("host_held_saves_skipped")
+            return
         slot = self.directory.reserve(key)
         to_redis = self.redis_configured and self.redis_up
         if slot is None and to_redis:
@@ -727,7 +732,7 @@ class TieredScheduler:
         elif self.redis_configured:
             self.counters.add("redis_unavailable_saves")
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
-        to_host = self.host is not None and self.host.ready and not self.host.holds(key)
+        to_host = self.host is not None and self.host.ready
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
                                  to_redis, new_save_id() if to_redis else 0, to_host))
         self.outbox.append(TierChange(key, Medium.CPU, stored=True))

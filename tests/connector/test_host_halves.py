@@ -97,18 +97,21 @@ def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int,
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_blocks_the_host_tier_holds_are_not_copied_into_it_again(engines: Make,
-                                                                 tp: int) -> None:
-    """A third engine computes the same prefix (vLLM took no external tokens): it saves
-    the blocks into its own CPU tier, not into the host tier a second time."""
+def test_blocks_the_host_tier_holds_are_not_saved_again(engines: Make,
+                                                      tp: int) -> None:
+    """A third engine computes the same prefix (vLLM took no external tokens): the host
+    tier holds it, so it saves nothing — not into the host tier a second time, not into
+    its own CPU tier (one copy per host)."""
     first = engines(tp)
     _store(first)
     third = engines(tp)
     third.fill(range(1, 4), seed=3)
     third.admit(Req("a", 100), [[Blk(i, i * BS) for i in range(1, 4)]], 0)
     plan = third.step({"a": 3 * BS}).plan
-    assert len(plan.saves) == 3 and not any(op.to_host for op in plan.saves)
+    assert plan.saves == []
+    assert third.sched.counters.snapshot()["host_held_saves_skipped"] == 3
     assert third.counter("blocks_written_host") == [0] * tp
+    assert third.cpu()["entries"] == 0
 
 
 def test_a_shard_reused_after_the_lookup_fails_the_restore_and_frees_the_pins(

@@ -4,30 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.ports import free_port
-
 REPO = Path(__file__).resolve().parents[2]
+_LISTENING = re.compile(rb"kvtier daemon listening on http://[^:\s]+:(\d+)")
 
 
 class DaemonProcess:
-    """``python -m connector.daemon.cli ...`` with an HTTP port of its own."""
+    """``python -m connector.daemon.cli ...`` with an HTTP port of its own: the one given, or
+    one the daemon binds itself (port 0) and prints, so no port chosen in advance can be
+    taken by another process before the daemon binds it."""
 
     def __init__(self, *args: str, http_port: int | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self.http_port = http_port or free_port()
+        self.http_port = http_port or 0
         self.env = dict(env or {})
         self.args = [*args, "--http", f"127.0.0.1:{self.http_port}"]
         self.proc: subprocess.Popen[bytes] | None = None
-        self.output = b""
+        self._lines: list[bytes] = []
+        self._listening = threading.Event()
+        self._reader: threading.Thread | None = None
 
     @property
     def base(self) -> str:
@@ -37,16 +42,23 @@ class DaemonProcess:
         """How the daemon is started (subclasses start it as ``kvtier daemon``)."""
         return [sys.executable, "-m", "connector.daemon.cli", *self.args]
 
-    def start(self, timeout: float = 30.0) -> DaemonProcess:
+    def start(self, timeout: float = 120.0) -> DaemonProcess:
+        """Start it and wait for its "listening" line (its HTTP site and host tier are up),
+        then for ``/healthz``. The deadline is one only a hung daemon reaches."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             self.command(), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
+        self._reader = threading.Thread(target=self._read_output, name="daemon-output",
+                                        daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout
+        while not self._listening.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"daemon exited {self.proc.returncode} before listening: "
+                                   f"{self.output.decode(errors='replace')[-3000:]}")
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else b""
-                raise RuntimeError(f"daemon exited {self.proc.returncode}: {out.decode()[-3000:]}")
             try:
                 if self.get("/healthz")["status"] == "ok":
                     return self
@@ -55,6 +67,23 @@ class DaemonProcess:
             time.sleep(0.1)
         self.kill()
         raise RuntimeError("daemon did not become healthy")
+
+    def _read_output(self) -> None:
+        """Keep the daemon's output (it never blocks on a full pipe); note its port."""
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.append(line)
+            found = _LISTENING.search(line)
+            if found and not self._listening.is_set():
+                self.http_port = int(found.group(1))
+                self._listening.set()
+
+    @property
+    def output(self) -> bytes:
+        """Everything the daemon printed so far (all of it once it has exited)."""
+        if self.proc is not None and self.proc.poll() is not None and self._reader:
+            self._reader.join(timeout=10)
+        return b"".join(self._lines)
 
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.base + path, timeout=10) as resp:  # noqa: S310
@@ -97,12 +126,7 @@ class DaemonProcess:
         """SIGTERM and wait; return the exit code."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.stdout:
-                self.output = self.proc.stdout.read()
-        return code
+        return self.proc.wait(timeout=timeout)
 
     def rss_bytes(self) -> int:
         assert self.proc is not None
