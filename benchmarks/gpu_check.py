@@ -9,7 +9,9 @@ and HND order, MLA's ``[blocks, block_size, 576]``, a Mamba page of conv and SSM
 it fills the tensors with random bytes, gathers blocks into the CPU tier's slab (page-locked
 on CUDA, as the worker allocates it) through :class:`BlockTransfer`, checks every byte
 against an independent per-block read, scatters the slots into other blocks of zeroed
-tensors and checks those bytes (and that no other block changed).
+tensors and checks those bytes (and that no other block changed), and scatters the same
+bytes from rows laid out as the host tier's shared segment lays slots out (a header before
+each, a stride larger than the slot) — the host tier's restore path.
 
 Then throughput: gather and scatter of a Llama-3-8B-shaped group (32 layers, 16-token blocks,
 8 KV heads x 128, bf16: 2 MiB per block) against a plain torch copy of the same number of
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,10 +151,23 @@ def check_case(name: str, caches: Caches, dims: dict[str, list[int]], blocks: in
     untouched = all(
         b"".join(_block_bytes(target[layer], dims[layer], other) for layer in layers)
         == zero_block for other in range(blocks) if other not in dest)
+    # A host-tier restore: the same slots' bytes in rows of a larger stride (as in the
+    # shared segment: a 64-byte header before each slot), scattered straight from there.
+    stride = layout.slot_bytes + 128
+    segment_like = np.zeros((slots[-1] + 1) * stride, dtype=np.uint8)
+    rows = np.lib.stride_tricks.as_strided(segment_like[64:], (slots[-1] + 1, layout.slot_bytes),
+                                           (stride, 1))
+    rows[slots] = slab[slots, :layout.slot_bytes]
+    from_segment = _zeroed(caches)
+    BlockTransfer(from_segment, layout, slab).scatter(0, dest, slots, source=rows)
+    segment_ok = all(
+        b"".join(_block_bytes(from_segment[layer], dims[layer], d) for layer in layers)
+        == b"".join(_block_bytes(caches[layer], dims[layer], b) for layer in layers)
+        for b, d in zip(ids, dest, strict=True))
     del owner
     return {"layout": name, "blocks_checked": count, "slot_bytes": layout.slot_bytes,
             "gather_byte_exact": gather_ok, "scatter_byte_exact": scatter_ok,
-            "other_blocks_untouched": untouched}
+            "other_blocks_untouched": untouched, "segment_scatter_byte_exact": segment_ok}
 
 
 def _sync(device: str) -> None:
@@ -219,17 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     speed = (throughput(device, 2, 16, 8, 3, gen) if args.quick
              else throughput(device, 32, 512, 128, 10, gen))
     exact = all(c["gather_byte_exact"] and c["scatter_byte_exact"]
-                and c["other_blocks_untouched"] for c in cases)
+                and c["other_blocks_untouched"] and c["segment_scatter_byte_exact"]
+                for c in cases)
     ratios = {"gather_vs_copy": speed["gbps"]["gather"] / speed["gbps"]["d2h"],
               "scatter_vs_copy": speed["gbps"]["scatter"] / speed["gbps"]["h2d"]}
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"kvtier gpu_check on {name} (torch {torch.__version__})")
-    print(f"{'layout':<24}{'slot bytes':>12}{'gather':>9}{'scatter':>9}{'others':>9}")
+    print(f"{'layout':<24}{'slot bytes':>12}{'gather':>9}{'scatter':>9}{'others':>9}"
+          f"{'segment':>9}")
     for c in cases:
         print(f"{c['layout']:<24}{c['slot_bytes']:>12}"
               f"{'exact' if c['gather_byte_exact'] else 'DIFFER':>9}"
               f"{'exact' if c['scatter_byte_exact'] else 'DIFFER':>9}"
-              f"{'same' if c['other_blocks_untouched'] else 'CHANGED':>9}")
+              f"{'same' if c['other_blocks_untouched'] else 'CHANGED':>9}"
+              f"{'exact' if c['segment_scatter_byte_exact'] else 'DIFFER':>9}")
     g = speed["gbps"]
     print(f"\n{speed['blocks']} blocks of {speed['block_bytes']} B ({speed['bytes'] / 2**20:.0f}"
           " MiB), GB/s, best of the repetitions:")

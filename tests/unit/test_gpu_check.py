@@ -22,14 +22,14 @@ def test_every_layout_round_trips_byte_exact_and_reports_ratios(tmp_path: Path) 
         "mla_fp8", "mamba_page"}
     for case in report["cases"]:
         assert case["gather_byte_exact"] and case["scatter_byte_exact"], case
-        assert case["other_blocks_untouched"], case
+        assert case["other_blocks_untouched"] and case["segment_scatter_byte_exact"], case
     assert report["ratios"]["gather_vs_copy"] > 0 and report["ratios"]["scatter_vs_copy"] > 0
 
 
 class _CorruptingTransfer(BlockTransfer):
     def scatter(self, group: int, block_ids: list[int], slots: list[int], *,
-                corrupt: bool = False) -> int:
-        return super().scatter(group, block_ids, slots, corrupt=True)
+                corrupt: bool = False, source: Any = None) -> int:
+        return super().scatter(group, block_ids, slots, corrupt=True, source=source)
 
 
 def test_a_wrong_byte_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -40,6 +40,7 @@ def test_a_wrong_byte_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path:
     cases: list[dict[str, Any]] = json.loads(out.read_text())["cases"]
     floats = [c for c in cases if c["layout"] != "mla_fp8"]  # uint8 KV is not float noise
     assert all(not c["scatter_byte_exact"] for c in floats)
+    assert all(not c["segment_scatter_byte_exact"] for c in floats)
     assert all(c["gather_byte_exact"] for c in cases)
 
 
