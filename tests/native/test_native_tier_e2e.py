@@ -91,7 +91,7 @@ def kvtier(where: dict[str, Any], prefix: str, prompts: list[list[Any]],
     later step collects them; see native_tier_engine)."""
     # A loaded 2-core machine can stall a Redis reply past the 0.25 s default (the tier then
     # counts drops, by design); only the fault test below sets a short timeout.
-    tier = {"redis_timeout_s": 2.0, **where.get("tier", {}), **tier}
+    tier = {"redis_timeout_s": 10.0, **where.get("tier", {}), **tier}
     return run_in_subprocess({"mode": "kvtier", "redis_url": where.get("redis_url"),
                               "redis_prefix": prefix, "prompts": prompts, "tier": tier,
                               "engine": engine or {}, "wait_for": wait_for or []}, env=env)
