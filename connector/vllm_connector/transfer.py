@@ -61,8 +61,8 @@ class BlockTransfer:
         self._staging: torch.Tensor | None = None  # pinned, grown on demand
         # per tensor: its blocks as a NumPy uint8 view, block dim first (CPU only)
         self._blocks_np = {} if self._cuda else {
-            key: _numpy_blocks(t, s.block_dim) for g in layout.groups for s in g.slices
-            for key, t in [((s.layer, s.index), self._tensors[(s.layer, s.index)])]}
+            (s.layer, s.index): _numpy_blocks(self._tensors[(s.layer, s.index)], s.block_dim)
+            for g in layout.groups for s in g.slices}
 
     def group(self, group: int) -> GroupLayout:
         return self._groups[group]
@@ -102,12 +102,11 @@ class BlockTransfer:
             return n * layout.nbytes
         target_np = self._slab_np if dest is None else dest.numpy()
         runs = _paired_runs(block_ids, slots)
-        rows = torch.tensor(slots, dtype=torch.long)
         for s in layout.slices:
             blocks = self._blocks_np[(s.layer, s.index)]
             cols = slice(s.offset, s.offset + s.nbytes)
             if blocks is None:
-                target[rows, cols] = self._read(s, ids, n)
+                target[torch.tensor(slots, dtype=torch.long), cols] = self._read(s, ids, n)
             elif runs is not None:
                 for b, r, m in runs:
                     target_np[r:r + m, cols] = blocks[b:b + m].reshape(m, s.nbytes)
@@ -130,19 +129,19 @@ class BlockTransfer:
         layout = self._groups[group]
         ids = self._ids(block_ids)
         n = len(block_ids)
-        src_np = self._slab_np if source is None else source
         src = self.slab if source is None else torch.from_numpy(source)
         if self._cuda:
             self._scatter_cuda(layout, ids, slots, corrupt, src,
                                pinned=source is None and self._slab_pinned)
             return n * layout.nbytes
+        src_np = self._slab_np if source is None else source
         runs = _paired_runs(block_ids, slots)
-        rows = torch.tensor(slots, dtype=torch.long)
         for s in layout.slices:
             blocks = self._blocks_np[(s.layer, s.index)]
             cols = slice(s.offset, s.offset + s.nbytes)
             if blocks is None or corrupt:
-                self._write(s, ids, src[rows, cols], n, corrupt)
+                self._write(s, ids, src[torch.tensor(slots, dtype=torch.long), cols], n,
+                            corrupt)
             elif runs is not None:
                 for b, r, m in runs:
                     blocks[b:b + m] = src_np[r:r + m, cols].reshape((m, *blocks.shape[1:]))

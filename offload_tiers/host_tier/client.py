@@ -192,20 +192,6 @@ class HostTierClient:
             self.counters.reads_failed += 1
         return ok
 
-    def read_many_into(self, digests: list[bytes], where: list[Location],
-                       outs: list[Any]) -> list[bool]:
-        """:meth:`read_into` for many saves at once (one vectorized header check)."""
-        segment = self.segment
-        if segment is None:
-            oks = [False] * len(digests)
-        else:
-            oks = segment.read_many_into([w.slot for w in where], digests,
-                                         [w.save_id for w in where], outs)
-        hits = sum(oks)
-        self.counters.reads_ok += hits
-        self.counters.reads_failed += len(oks) - hits
-        return oks
-
     def touch(self, digests: list[bytes]) -> None:
         if digests and self._attached is not None:
             self._send(Touch(digests))
