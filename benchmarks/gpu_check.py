@@ -9,36 +9,42 @@ and HND order, MLA's ``[blocks, block_size, 576]``, a Mamba page of conv and SSM
 it fills the tensors with random bytes, gathers blocks into the CPU tier's slab (page-locked
 on CUDA, as the worker allocates it) through :class:`BlockTransfer`, checks every byte
 against an independent per-block read, scatters the slots into other blocks of zeroed
-tensors and checks those bytes (and that no other block changed), and scatters the same
-bytes from rows laid out as the host tier's shared segment lays slots out (a header before
-each, a stride larger than the slot) — the host tier's restore path.
+tensors and checks those bytes (and that no other block changed), and runs the host tier's
+restore path: the same bytes written into a real shared segment (``SharedSegment``, a file
+under ``/dev/shm``; on CUDA its mapping page-locked with ``cudaHostRegister`` as the worker
+does, ``connector/vllm_connector/pinned.py``), checked in place, scattered straight from
+there, and the seqlock unchanged after.
 
 Then throughput: gather and scatter of a Llama-3-8B-shaped group (32 layers, 16-token blocks,
 8 KV heads x 128, bf16: 2 MiB per block) against a plain torch copy of the same number of
 bytes between the same device and pinned host memory (the bus's limit as torch reaches it),
-best of several repetitions, interleaved. JSON ``ratios.gather_vs_copy`` and
-``ratios.scatter_vs_copy``. Exit status 1 when any byte differs.
+and the scatter from the shared segment, registered and (for comparison) staged, best of
+several repetitions, interleaved. JSON ``ratios.gather_vs_copy``, ``ratios.scatter_vs_copy``
+and ``ratios.segment_scatter_vs_copy``. Exit status 1 when any byte differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from connector.vllm_connector.layout import build_layout  # noqa: E402
+from connector.vllm_connector.pinned import HostRegistration  # noqa: E402
 from connector.vllm_connector.transfer import BlockTransfer  # noqa: E402
 from offload_tiers.cpu_tier import allocate_slab  # noqa: E402
+from offload_tiers.shared_segment import SharedSegment, digest  # noqa: E402
 
 Caches = dict[str, Any]
 
@@ -151,23 +157,57 @@ def check_case(name: str, caches: Caches, dims: dict[str, list[int]], blocks: in
     untouched = all(
         b"".join(_block_bytes(target[layer], dims[layer], other) for layer in layers)
         == zero_block for other in range(blocks) if other not in dest)
-    # A host-tier restore: the same slots' bytes in rows of a larger stride (as in the
-    # shared segment: a 64-byte header before each slot), scattered straight from there.
-    stride = layout.slot_bytes + 128
-    segment_like = np.zeros((slots[-1] + 1) * stride, dtype=np.uint8)
-    rows = np.lib.stride_tricks.as_strided(segment_like[64:], (slots[-1] + 1, layout.slot_bytes),
-                                           (stride, 1))
-    rows[slots] = slab[slots, :layout.slot_bytes]
+    # A host-tier restore: the same slots' bytes committed into a shared segment (a header
+    # before each slot, a stride larger than the slot), checked in place, scattered
+    # straight from there (page-locked on CUDA), and no write began meanwhile.
     from_segment = _zeroed(caches)
-    BlockTransfer(from_segment, layout, slab).scatter(0, dest, slots, source=rows)
-    segment_ok = all(
+    with _segment(slots[-1] + 1, layout.slot_bytes + 64) as segment:
+        keys = [digest(f"{name}:{slot}".encode()) for slot in slots]
+        for slot, key in zip(slots, keys, strict=True):
+            segment.write(slot, key, slot + 1, slab[slot, :layout.slot_bytes])
+        seqs = segment.verify_many(slots, keys, [s + 1 for s in slots],
+                                   [layout.slot_bytes] * len(slots))
+        pins = HostRegistration(segment.memory()) if caches_device(caches) == "cuda" else None
+        try:
+            BlockTransfer(from_segment, layout, slab).scatter(
+                0, dest, slots, source=segment.payloads,
+                source_pinned=pins is not None and pins.ok)
+        finally:
+            if pins is not None:
+                pins.close()
+        verified = None not in seqs and all(segment.unchanged(slots, seqs))  # type: ignore
+    segment_ok = verified and all(
         b"".join(_block_bytes(from_segment[layer], dims[layer], d) for layer in layers)
         == b"".join(_block_bytes(caches[layer], dims[layer], b) for layer in layers)
         for b, d in zip(ids, dest, strict=True))
     del owner
     return {"layout": name, "blocks_checked": count, "slot_bytes": layout.slot_bytes,
             "gather_byte_exact": gather_ok, "scatter_byte_exact": scatter_ok,
-            "other_blocks_untouched": untouched, "segment_scatter_byte_exact": segment_ok}
+            "other_blocks_untouched": untouched, "segment_scatter_byte_exact": segment_ok,
+            "segment_page_locked": pins is not None and pins.ok,
+            "segment_page_locked_why": "" if pins is None else pins.why}
+
+
+def caches_device(caches: Caches) -> str:
+    first = next(iter(caches.values()))
+    return (first[0] if isinstance(first, list) else first).device.type
+
+
+class _segment:
+    """A shared segment in a private temporary directory, removed on exit."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._dir = tempfile.TemporaryDirectory(prefix="kvtier-gpu-check-", dir=base)
+        self.segment = SharedSegment.create(os.path.join(self._dir.name, "segment"), num_slots,
+                                            slot_bytes)
+
+    def __enter__(self) -> SharedSegment:
+        return self.segment
+
+    def __exit__(self, *exc: object) -> None:
+        self.segment.close()
+        self._dir.cleanup()
 
 
 def _sync(device: str) -> None:
@@ -198,20 +238,33 @@ def throughput(device: str, layers: int, blocks: int, moved: int, reps: int,
     nbytes = moved * layout.slot_bytes
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
-    times: dict[str, float] = {k: float("inf") for k in ("gather", "scatter", "d2h", "h2d")}
-    for _ in range(reps):  # interleaved: the same machine state for kvtier and the copy
-        times["d2h"] = min(times["d2h"], _best(
-            lambda: host.copy_(dev, non_blocking=True), device, 1))
-        times["gather"] = min(times["gather"], _best(
-            lambda: mover.gather(0, ids, slots), device, 1))
-        times["h2d"] = min(times["h2d"], _best(
-            lambda: dev.copy_(host, non_blocking=True), device, 1))
-        times["scatter"] = min(times["scatter"], _best(
-            lambda: mover.scatter(0, ids, slots), device, 1))
+    runs: dict[str, Callable[[], Any]] = {
+        "d2h": lambda: host.copy_(dev, non_blocking=True),
+        "gather": lambda: mover.gather(0, ids, slots),
+        "h2d": lambda: dev.copy_(host, non_blocking=True),
+        "scatter": lambda: mover.scatter(0, ids, slots),
+    }
+    with _segment(moved, layout.slot_bytes + 64) as segment:
+        for slot in slots:
+            segment.write(slot, digest(b"%d" % slot), slot + 1, slab[slot, :layout.slot_bytes])
+        pins = HostRegistration(segment.memory()) if device == "cuda" else None
+        locked = pins is not None and pins.ok
+        runs["segment_scatter"] = lambda: mover.scatter(
+            0, ids, slots, source=segment.payloads, source_pinned=locked)
+        if locked:  # the same rows, not registered: what a worker without the pins gets
+            runs["segment_scatter_staged"] = lambda: mover.scatter(
+                0, ids, slots, source=segment.payloads, source_pinned=False)
+        times = {k: float("inf") for k in runs}
+        for _ in range(reps):  # interleaved: the same machine state for kvtier and the copy
+            for k, fn in runs.items():
+                times[k] = min(times[k], _best(fn, device, 1))
+        if pins is not None:
+            pins.close()
     del owner
     gbps = {k: nbytes / v / 1e9 for k, v in times.items()}
     return {"bytes": nbytes, "blocks": moved, "block_bytes": layout.slot_bytes,
-            "gbps": gbps, "seconds": times}
+            "segment_page_locked": locked, "segment_page_locked_why":
+            "" if pins is None else pins.why, "gbps": gbps, "seconds": times}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                 and c["other_blocks_untouched"] and c["segment_scatter_byte_exact"]
                 for c in cases)
     ratios = {"gather_vs_copy": speed["gbps"]["gather"] / speed["gbps"]["d2h"],
-              "scatter_vs_copy": speed["gbps"]["scatter"] / speed["gbps"]["h2d"]}
+              "scatter_vs_copy": speed["gbps"]["scatter"] / speed["gbps"]["h2d"],
+              "segment_scatter_vs_copy": speed["gbps"]["segment_scatter"] / speed["gbps"]["h2d"]}
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"kvtier gpu_check on {name} (torch {torch.__version__})")
     print(f"{'layout':<24}{'slot bytes':>12}{'gather':>9}{'scatter':>9}{'others':>9}"
@@ -256,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
           f"   ratio {ratios['gather_vs_copy']:.2f}")
     print(f"  scatter (slots -> KV) {g['scatter']:8.2f}   plain copy host->device {g['h2d']:8.2f}"
           f"   ratio {ratios['scatter_vs_copy']:.2f}")
+    locked = "page-locked" if speed["segment_page_locked"] else (
+        f"not page-locked: {speed['segment_page_locked_why'] or 'CPU'}")
+    print(f"  scatter from the shared segment ({locked}) {g['segment_scatter']:8.2f}"
+          f"   ratio {ratios['segment_scatter_vs_copy']:.2f}")
+    if "segment_scatter_staged" in g:
+        print(f"  scatter from the shared segment, not registered (staged) "
+              f"{g['segment_scatter_staged']:8.2f}")
     report = {"device": name, "torch": torch.__version__, "byte_exact": exact,
               "cases": cases, "throughput": speed, "ratios": ratios}
     if args.json:

@@ -194,9 +194,9 @@ class SharedSegment:
         #: array as a whole is not. Fancy indexing gathers (``payloads[idx]``) and
         #: scatters (``payloads[idx] = src``) many slots in one call; writes through it
         #: must sit between begin_write and commit_write, reads between begin_read and
-        #: end_read. On CUDA a caller can register the whole mapping as pinned host
-        #: memory (cudaHostRegister on its base address and ``size``) so device copies
-        #: go straight to and from it; this module does not.
+        #: end_read. On CUDA a caller can register the whole mapping (``memory()``) as
+        #: pinned host memory so device copies go straight to and from it; this module
+        #: does not.
         self.payloads = np.ndarray((num_slots, slot_bytes), dtype=np.uint8, buffer=mm,
                                    offset=SEGMENT_HEADER_BYTES + SLOT_HEADER_BYTES,
                                    strides=(self.slot_stride, 1))
@@ -278,6 +278,12 @@ class SharedSegment:
         except (OSError, IndexError):
             return "unknown"
         return setting
+
+    def memory(self) -> np.ndarray:
+        """The whole mapping as one uint8 array (a view: it keeps the mapping alive), e.g.
+        to register it with CUDA as page-locked memory."""
+        assert self._mm is not None
+        return np.ndarray((self.size,), dtype=np.uint8, buffer=self._mm)
 
     @property
     def closed(self) -> bool:

@@ -115,11 +115,14 @@ class BlockTransfer:
         return n * layout.nbytes
 
     def scatter(self, group: int, block_ids: list[int], slots: list[int], *,
-                corrupt: bool = False, source: np.ndarray | None = None) -> int:
+                corrupt: bool = False, source: np.ndarray | None = None,
+                source_pinned: bool = False) -> int:
         """Copy slab rows ``slots`` into blocks ``block_ids`` of ``group``; bytes copied.
 
         ``source`` replaces the slab: a uint8 ``[rows, >= group bytes]`` array whose rows
-        may be strided (the host tier's shared segment). ``corrupt`` (tests only) writes
+        may be strided (the host tier's shared segment); ``source_pinned`` says its memory
+        is page-locked (registered with CUDA), so each row crosses in one DMA rather than
+        through the staging buffer. ``corrupt`` (tests only) writes
         noise instead of floating-point KV, to prove that loaded blocks are really used.
         Returns once the rows may be reused; the device's current stream waits for the
         blocks before its next kernel.
@@ -132,7 +135,7 @@ class BlockTransfer:
         src = self.slab if source is None else torch.from_numpy(source)
         if self._cuda:
             self._scatter_cuda(layout, ids, slots, corrupt, src,
-                               pinned=source is None and self._slab_pinned)
+                               pinned=self._slab_pinned if source is None else source_pinned)
             return n * layout.nbytes
         src_np = self._slab_np if source is None else source
         runs = _paired_runs(block_ids, slots)

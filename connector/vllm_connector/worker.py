@@ -32,6 +32,7 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
+from connector.vllm_connector.pinned import PinnedMapping
 from connector.vllm_connector.plan import (
     HOST_SLOT,
     OVERFLOW_SLOT,
@@ -94,6 +95,7 @@ class TieredWorker:
         self.transfer: BlockTransfer | None = None
         self.slab: Any = None
         self._slab_owner: Any = None
+        self._segment_pins = PinnedMapping(False)
         self.holds: list[BlockKey | None] = [None] * num_slots
         self._rank_fps: BoundedCache[str, str] = BoundedCache(RANK_FP_CACHE_MAX)
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io")
@@ -124,6 +126,8 @@ class TieredWorker:
         self.layout = layout
         self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
         self.transfer = BlockTransfer(kv_caches, layout, self.slab)
+        # on CUDA the host tier's segment is page-locked once, so loads from it are one DMA
+        self._segment_pins = PinnedMapping(self.transfer.device.type == "cuda")
         return layout
 
     def storage_key(self, key: BlockKey) -> BlockKey:
@@ -218,8 +222,10 @@ class TieredWorker:
                 slots = [shard[1] for _, shard in pairs]
                 t0 = time.perf_counter_ns()
                 try:
+                    pinned = self._segment_pins.pinned(segment, segment.memory())
                     moved = self.transfer.scatter(group, [op.block_id for op, _ in pairs], slots,
-                                                  corrupt=corrupt, source=segment.payloads)
+                                                  corrupt=corrupt, source=segment.payloads,
+                                                  source_pinned=pinned)
                     same = segment.unchanged(slots, [shard[2] for _, shard in pairs])
                 except Exception:
                     log.exception("kvtier: load from the host tier into group %d failed; vLLM "
@@ -554,6 +560,7 @@ class TieredWorker:
         self._io.shutdown(wait=True, cancel_futures=True)
         if self.redis is not None:
             self.redis.close(timeout=2.0)
+        self._segment_pins.close()
         if self.host is not None:
             self.host.close()
         self.transfer = None
