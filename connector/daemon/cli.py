@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=None, help="ask each publisher for its buffered batches at start")
     rp.add_argument("--no-replay-on-start", dest="replay_on_start", action="store_false")
     p.add_argument("--log-level")
-    j = p.add_argument_group("Redis janitor (off unless --redis-url or redis_url is given)")
+    j = p.add_argument_group("Redis: the janitor, and with --cpu-bytes the host tier's "
+                             "write-behind and restores (off unless --redis-url or redis_url)")
     j.add_argument("--redis-url", help="the Redis tier's URL (redis://, rediss://, unix://, "
                    "+cluster) without a password (ps shows flags): see the next two")
     j.add_argument("--redis-url-env", help="name of an environment variable holding the URL "
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "Redis password (with --redis-url; --redis-username for an ACL user)")
     j.add_argument("--redis-username", help="the Redis ACL user (with --redis-password-file)")
     j.add_argument("--redis-prefix", help="key prefix of the Redis tier (default kvtier)")
+    j.add_argument("--redis-ttl-s", type=int, dest="redis_ttl_s",
+                   help="seconds values the host tier writes behind live (default 7 days)")
     j.add_argument("--janitor-interval", type=float, dest="janitor_interval_s",
                    help="seconds between passes (default 300)")
     j.add_argument("--janitor-max-keys-per-s", type=float, dest="janitor_max_keys_per_s",
@@ -110,7 +113,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level, "storage_ttl_s": args.storage_ttl_s,
         "redis_url": args.redis_url, "redis_prefix": args.redis_prefix,
         "redis_url_env": args.redis_url_env, "redis_username": args.redis_username,
-        "redis_password_file": args.redis_password_file,
+        "redis_password_file": args.redis_password_file, "redis_ttl_s": args.redis_ttl_s,
         "janitor_interval_s": args.janitor_interval_s,
         "janitor_max_keys_per_s": args.janitor_max_keys_per_s,
         "janitor_max_keys_per_pass": args.janitor_max_keys_per_pass,
@@ -187,8 +190,11 @@ async def _serve(cfg: DaemonConfig) -> int:
     bound = site._server.sockets[0].getsockname() if site._server else cfg.http  # type: ignore
     log.info("kvtier daemon: %d source(s); HTTP on %s", len(daemon.subscriber.sources), bound)
     if daemon.host_tier is not None:
+        bridge = daemon.host_tier.bridge
+        redis = (f"; Redis write-behind and restores through {bridge.redis.target.redacted}"
+                 if bridge is not None else "")
         print(f"kvtier host tier: {daemon.host_tier.num_slots} slots of "
-              f"{daemon.host_tier.slot_bytes} bytes on {daemon.host_tier.socket_path}",
+              f"{daemon.host_tier.slot_bytes} bytes on {daemon.host_tier.socket_path}{redis}",
               flush=True)
     print(f"kvtier daemon listening on http://{bound[0]}:{bound[1]}", flush=True)
     await stop.wait()

@@ -170,6 +170,8 @@ class DaemonConfig(BaseModel):
     redis_username: str | None = None
     redis_password_file: str | None = None
     redis_prefix: str = Field(default="kvtier", min_length=1)
+    # how long values the host tier writes behind to Redis live (the connector's default)
+    redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
     redis_ssl_ca_certs: str | None = None
     # bound on every Redis wait; the old name redis_socket_timeout_s is still read
     redis_timeout_s: float = Field(

@@ -180,10 +180,21 @@ def _make_host_tier(cfg: DaemonConfig) -> Any:
         except KeyError:
             raise ValueError(f"host_tier_group {cfg.host_tier_group!r} is not a group on "
                              "this host") from None
+    redis = None
+    if cfg.redis_url is not None:  # write-behind and restores for host_tier_redis engines
+        from offload_tiers.redis.tier import RedisTier
+
+        redis = RedisTier.from_url(cfg.redis_url, prefix=cfg.redis_prefix, ttl_s=cfg.redis_ttl_s,
+                                   redis_timeout_s=cfg.redis_timeout_s,
+                                   ssl_ca_certs=cfg.redis_ssl_ca_certs)
+        if not redis.available:
+            log.warning("kvtier daemon: Redis at %s is not answering (%s); the host tier "
+                        "writes behind and restores once it does", redis.target.redacted,
+                        redis.last_error)
     return HostTierServer(name=cfg.host_tier_name, cpu_bytes=cfg.cpu_bytes,
                           slot_bytes=cfg.slot_bytes, socket_path=cfg.host_tier_socket_path,
                           max_clients=cfg.host_tier_max_clients,
-                          mode=0o600 if group is None else 0o660, group=group)
+                          mode=0o600 if group is None else 0o660, group=group, redis=redis)
 
 
 def _rss_bytes() -> int:

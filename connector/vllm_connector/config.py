@@ -51,6 +51,9 @@ _FIXES: dict[str, str] = {
                                 "summary walks Redis at start (default 200000)",
     "host_tier_socket": "give the Unix socket of `kvtier daemon --cpu-bytes N` (it prints "
                         "it at start), or null for this engine's own CPU tier only",
+    "host_tier_redis": "use true only with host_tier_socket and no redis_url (the engine "
+                       "then reaches Redis through `kvtier daemon --cpu-bytes N --redis-url "
+                       "URL`), or false (default)",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
 
@@ -96,6 +99,9 @@ class TieredConfig(BaseModel):
     presence_scan_keys_per_s: float = Field(default=200_000.0, gt=0)
     # The host's shared CPU tier (kvtier daemon --cpu-bytes): its Unix socket. None: off.
     host_tier_socket: str | None = None
+    # Reach Redis through that daemon (it writes saves behind and restores; this engine
+    # opens no Redis connection): connector/vllm_connector/daemon_redis.py
+    host_tier_redis: bool = False
     _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")
@@ -186,6 +192,12 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
         raise ConnectorConfigError(
             f"TieredOffloadingConnector: bad kv_connector_extra_config: {key}: {exc}. "
             f"Fix: {_FIXES[key]}") from None
+    if config.host_tier_redis and (url or not config.host_tier_socket):
+        why = ("redis_url is set too: the engine would write to Redis twice" if url
+               else "host_tier_socket is not set")
+        raise ConnectorConfigError(
+            f"TieredOffloadingConnector: bad kv_connector_extra_config: host_tier_redis: "
+            f"{why}. Fix: {_FIXES['host_tier_redis']}")
     resolved = config.model_copy(update={"redis_url": url})
     resolved._redis_warnings = tuple(warnings)
     return resolved

@@ -49,6 +49,7 @@ from connector.vllm_connector.config import (
     check_parallel_shape,
     load_config,
 )
+from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis
 from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.host import connect as host_connect
@@ -254,6 +255,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         rank = int(get_tensor_model_parallel_rank())
         host = host_connect(self.config.host_tier_socket, f"worker rank {rank}",
                             subscribe=False) if self.config.host_tier_socket else None
+        if self.config.host_tier_redis and host is not None:
+            redis = DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
         self.worker = TieredWorker(self.config, rank, self.tp_size, num_slots, redis, host)
 
     # ================================================================ helpers

@@ -175,7 +175,8 @@ class TieredScheduler:
         self.directory = CpuTier(num_slots * slot_bytes, slot_bytes, with_slab=False,
                                  on_evict=self._on_evict)
         self.jobs = JobBook(world_size)
-        self.redis_configured = bool(config.redis_url)
+        # Redis of this engine's own, or reached through the host tier's daemon
+        self.redis_configured = bool(config.redis_url) or config.host_tier_redis
         self.redis_up = self.redis_configured  # until a worker says otherwise
         if self.redis_configured:
             self.counters.set_gauge("redis_configured", 1)

@@ -66,6 +66,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "fetch_us_redis",  # microseconds the I/O threads spent reading them (wall, per batch)
     "bytes_fetched_host",  # host-tier bytes checked in place (then loaded from there)
     "fetch_us_host",
+    "redis_saves_via_daemon",  # saves whose Redis write the daemon does (host_tier_redis)
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.daemon_redis import DaemonRedis, key_tuple
 from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
@@ -86,6 +87,9 @@ class TieredWorker:
         self.counters = ConnectorCounters()
         self.redis = redis
         self.host = host  # the host's shared CPU tier (connector/vllm_connector/host.py)
+        # Redis through the daemon (connector/vllm_connector/daemon_redis.py): saves ride
+        # the host-tier commits instead of this worker's own writes
+        self._daemon_redis = isinstance(redis, DaemonRedis)
         self._host_commits: set[futures.Future[None]] = set()
         # req -> key -> (segment, slot, seq) of each host shard checked for that request
         self._host_shards: dict[str, dict[BlockKey, tuple[Any, int, int]]] = {}
@@ -408,15 +412,16 @@ class TieredWorker:
             if slotted and self._gather(group, slotted, None):
                 for op in slotted:
                     self.holds[op.slot] = op.key
-                self._to_host(group, [op for op in slotted if op.to_host])
+                hosted = self._to_host(group, [op for op in slotted if op.to_host])
                 self._to_redis([(op, memoryview(self.slab[op.slot, :self._nbytes(group)]))
-                                for op in slotted])
+                                for op in slotted], hosted)
             overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
             if overflow:
                 # Rows of a buffer of this step's own; the Redis writer keeps it alive.
                 buf = np.empty((len(overflow), self._nbytes(group)), dtype=np.uint8)
                 if self._gather(group, overflow, buf):
-                    self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(overflow)])
+                    self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(overflow)],
+                                   set())
 
     def _gather(self, group: int, ops: list[SaveOp], buf: np.ndarray | None) -> bool:
         assert self.transfer is not None
@@ -439,19 +444,20 @@ class TieredWorker:
                           sum(op.key.kind is BlockKind.PARTIAL for op in ops))
         return True
 
-    def _to_host(self, group: int, ops: list[SaveOp]) -> None:
+    def _to_host(self, group: int, ops: list[SaveOp]) -> set[int]:
         """Copy saved blocks from their CPU-tier slots into leased host-tier slots (in the
         step: the slot may be reused by a later step); the checksums and the commit run on
-        an I/O thread. A save with no leased slot at hand is not offered (counted)."""
+        an I/O thread. A save with no leased slot at hand is not offered (counted). The
+        jobs of the saves offered."""
         if not ops or self.host is None:
-            return
+            return set()
         segment = self.host.segment
         nbytes = self._nbytes(group)
         slots = self.host.take_slots(len(ops)) if segment is not None \
             and nbytes <= segment.slot_bytes else []
         self.counters.add("host_store_drops", len(ops) - len(slots))
         if not slots or segment is None:
-            return
+            return set()
         ops = ops[:len(slots)]
         for slot in slots:
             segment.begin_write(slot)
@@ -459,6 +465,7 @@ class TieredWorker:
         future = self._io.submit(self._commit_host, segment, ops, slots, nbytes)
         self._host_commits.add(future)
         future.add_done_callback(self._host_commits.discard)
+        return {op.job for op in ops}
 
     def flush_host(self, timeout_s: float) -> bool:
         """Wait until every host-tier write begun so far is committed (and its commit
@@ -471,23 +478,36 @@ class TieredWorker:
         """Checksum and publish host-tier writes begun in the step (I/O thread)."""
         assert self.host is not None
         saves = []
+        behind: list[Any] = []  # where the daemon writes each behind to Redis
         try:
             for op, slot in zip(ops, slots, strict=True):
-                d = host_digest(self.storage_key(op.key))
+                key = self.storage_key(op.key)
+                d = host_digest(key)
                 save_id = new_host_save_id()
                 segment.commit_write(slot, d, save_id, nbytes)
                 saves.append((d, slot, save_id, nbytes))
+                behind.append((key_tuple(key), op.save_id)
+                              if op.to_redis and self._daemon_redis else None)
         except Exception:
             log.exception("kvtier: committing host-tier writes failed")
-        self.host.commit(saves)
+        self.host.commit(saves, behind[:len(saves)] if any(behind) else None)
         self.counters.add("blocks_written_host", len(saves))
 
-    def _to_redis(self, items: list[tuple[SaveOp, memoryview]]) -> None:
+    def _to_redis(self, items: list[tuple[SaveOp, memoryview]], hosted: set[int]) -> None:
+        """Hand saves to Redis; with the daemon's Redis, report those it writes behind
+        (``hosted``: their host-tier commits name their Redis keys); the others are
+        dropped (no host-tier slot at hand)."""
         for op, _ in items:
             if not op.to_redis:
                 self._report_save(op.job, ok=True, gathered=True)
         remote = [(op, view) for op, view in items if op.to_redis]
         if not remote:
+            return
+        if self._daemon_redis and self.redis is not None and self.redis.available:
+            for op, _ in remote:
+                ok = op.job in hosted
+                self._report_save(op.job, ok=ok, gathered=True)
+                self.counters.add("redis_saves_via_daemon" if ok else "store_drops")
             return
         if self.redis is None or not self.redis.available:
             self.counters.add("redis_unavailable_steps")

@@ -16,6 +16,7 @@ failed read, never wrong bytes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -35,10 +36,16 @@ from offload_tiers.host_tier.protocol import (
     Commit,
     Committed,
     Hello,
+    KeyTuple,
     Lease,
     Leased,
+    Probe,
+    Probed,
     ProtocolError,
+    RedisWrite,
     Refused,
+    Restore,
+    Restored,
     ToDaemon,
     Touch,
     Welcome,
@@ -63,6 +70,8 @@ class ClientCounters:
     commits_dropped: int = 0
     reads_ok: int = 0
     reads_failed: int = 0  # a mirror entry the slot no longer held
+    requests: int = 0  # probes and restores asked of the daemon's Redis
+    requests_unanswered: int = 0  # not answered in time, or the connection went
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -85,6 +94,7 @@ class _Attached:
         self.segment = SharedSegment.attach(welcome.segment_path)
         self.pins = PinTable.attach(welcome.pins_path)
         self.row = welcome.row
+        self.redis = welcome.redis
         if (self.segment.num_slots, self.segment.slot_bytes) != (welcome.num_slots,
                                                                  welcome.slot_bytes):
             raise ProtocolError(f"segment {welcome.segment_path} does not match the welcome")
@@ -114,6 +124,8 @@ class HostTierClient:
         self._sock: socket.socket | None = None
         self._writer: threading.Thread | None = None
         self._thread: threading.Thread | None = None
+        self._request_ids = itertools.count(1)
+        self._replies: dict[int, Probed | Restored | None] = {}  # id -> answer (None: waiting)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> HostTierClient:
@@ -140,6 +152,12 @@ class HostTierClient:
     @property
     def available(self) -> bool:
         return self._attached is not None
+
+    @property
+    def redis(self) -> bool:
+        """The daemon writes commits behind to Redis and answers probes and restores."""
+        attached = self._attached
+        return attached is not None and attached.redis
 
     @property
     def slots_at_hand(self) -> int:
@@ -213,12 +231,46 @@ class HostTierClient:
             self.counters.slots_short += n - len(taken)
         return taken
 
-    def commit(self, saves: list[tuple[bytes, int, int, int]]) -> None:
+    def commit(self, saves: list[tuple[bytes, int, int, int]],
+               redis: list[RedisWrite | None] | None = None) -> None:
         """Tell the daemon these (digest, slot, save id, length) saves are written and
-        committed in their slots (``SharedSegment.commit_write`` done)."""
+        committed in their slots (``SharedSegment.commit_write`` done); ``redis``, one per
+        save, where the daemon writes each behind to Redis (None: not there)."""
         if saves and self._attached is not None:
             self.counters.commits_sent += len(saves)
-            self._send(Commit(saves))
+            self._send(Commit(saves, redis or []))
+
+    # ------------------------------------------------------------ the daemon's Redis
+    def probe(self, keys: list[KeyTuple], timeout: float) -> list[int] | None:
+        """Which save of each key Redis holds (0: none), asked of the daemon; None when it
+        did not answer within ``timeout`` (or has no Redis). Blocks: I/O threads only."""
+        reply = self._request(lambda i: Probe(i, keys), timeout)
+        return reply.save_ids if isinstance(reply, Probed) else None
+
+    def restore(self, items: list[tuple[bytes, KeyTuple, int, int]], timeout: float
+                ) -> list[Location | None] | None:
+        """Have the daemon read values from Redis into host-tier slots: per item (host
+        digest, Redis key, Redis save id, payload length), where it now lies or None.
+        None when the daemon did not answer within ``timeout``. Blocks: I/O threads only."""
+        reply = self._request(lambda i: Restore(i, items), timeout)
+        if not isinstance(reply, Restored):
+            return None
+        return [None if w is None else Location(w[1], w[2], w[3]) for w in reply.where]
+
+    def _request(self, build: Callable[[int], ToDaemon], timeout: float
+                 ) -> Probed | Restored | None:
+        with self._cond:
+            if not self.redis:
+                return None
+            rid = next(self._request_ids)
+            self._replies[rid] = None
+            self.counters.requests += 1
+            self._send(build(rid))
+            self._cond.wait_for(lambda: self._replies.get(rid, False) is not None, timeout)
+            reply = self._replies.pop(rid, None)
+            if reply is None:
+                self.counters.requests_unanswered += 1
+            return reply
 
     def write(self, digest: bytes, payload: BytesLike) -> bool:
         """One save of ``payload`` under ``digest`` in a leased slot; False when no slot
@@ -312,6 +364,9 @@ class HostTierClient:
         elif isinstance(message, Committed):
             self.counters.commits_kept += len(message.kept)
             self.counters.commits_dropped += len(message.dropped)
+        elif isinstance(message, (Probed, Restored)):
+            if message.id in self._replies:  # else: its asker gave up waiting
+                self._replies[message.id] = message
         elif isinstance(message, Refused):
             self.counters.refusals += 1
             raise ProtocolError(f"the daemon refused this client: {message.reason}")
@@ -326,6 +381,7 @@ class HostTierClient:
             self.mirror = {}
             self._pool.clear()
             self._lease_pending = False
+            self._replies.clear()  # a waiting request wakes to no answer
             self._cond.notify_all()
 
     @staticmethod

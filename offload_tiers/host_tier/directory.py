@@ -143,6 +143,16 @@ class HostDirectory:
         self.counters.commits += 1
         return True
 
+    def abandon(self, row: int, slot: int) -> None:
+        """``row`` gives its leased ``slot`` back unwritten (or with a write it gave up):
+        invalidated and freed, never served."""
+        leased = self._leases.get(row)
+        if leased is None or slot not in leased:
+            return
+        leased.discard(slot)
+        self.segment.invalidate(slot)
+        self._free.append(slot)
+
     def touch(self, digests: list[bytes]) -> None:
         """Mark entries as just used (LRU)."""
         for digest in digests:

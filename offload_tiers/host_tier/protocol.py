@@ -1,9 +1,11 @@
 """Messages on the host tier's Unix socket: msgpack (msgspec), one length-prefixed frame each.
 
-Client to daemon: ``Hello`` (first, once), ``Lease``, ``Commit``, ``Touch``.
+Client to daemon: ``Hello`` (first, once), ``Lease``, ``Commit``, ``Touch``, and where the
+daemon has Redis (``Welcome.redis``) ``Probe`` and ``Restore``.
 Daemon to client: ``Welcome`` (answers Hello, with the directory's snapshot when the
 client subscribes), ``Leased``, ``Committed``, ``Changes`` (a subscriber's mirror updates,
-in the order they happened), ``Refused`` (then the daemon closes the connection).
+in the order they happened), ``Probed`` and ``Restored`` (each answers the request of its
+``id``), ``Refused`` (then the daemon closes the connection).
 
 A frame is a 4-byte big-endian length and that many bytes; anything else (a frame over
 :data:`MAX_FRAME`, bytes that do not decode to one of these messages) is a protocol error
@@ -16,12 +18,16 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the daemon's Redis (Welcome.redis, Commit.redis, Probe, Restore)
 MAX_FRAME = 256 * 1024 * 1024
 _LEN = struct.Struct(">I")
 
 #: (key digest, slot, save id, length) of one committed save
 EntryTuple = tuple[bytes, int, int, int]
+#: a Redis key (offload_tiers.keys.BlockKey): (fingerprint, group, block hash, tokens, kind)
+KeyTuple = tuple[str, int, bytes, int, int]
+#: write a committed save behind to Redis: (its Redis key, the save id its value carries)
+RedisWrite = tuple[KeyTuple, int]
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -37,10 +43,28 @@ class Lease(msgspec.Struct, tag="lease"):
 
 class Commit(msgspec.Struct, tag="commit"):
     saves: list[EntryTuple]
+    #: empty, or one per save: where the daemon writes it behind to Redis (None: nowhere)
+    redis: list[RedisWrite | None] = []
 
 
 class Touch(msgspec.Struct, tag="touch"):
     digests: list[bytes]
+
+
+class Probe(msgspec.Struct, tag="probe"):
+    """Which save of each key Redis holds (answered by ``Probed``)."""
+
+    id: int
+    keys: list[KeyTuple]
+
+
+class Restore(msgspec.Struct, tag="restore"):
+    """Read these values from Redis into host-tier slots (answered by ``Restored``): per
+    item the host digest to store it under, its Redis key, the Redis save id asked for and
+    the value's payload length."""
+
+    id: int
+    items: list[tuple[bytes, KeyTuple, int, int]]
 
 
 class Welcome(msgspec.Struct, tag="welcome"):
@@ -52,6 +76,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     num_slots: int
     slot_bytes: int
     entries: list[EntryTuple] = []
+    redis: bool = False  # the daemon writes commits behind to Redis and restores from it
 
 
 class Leased(msgspec.Struct, tag="leased"):
@@ -68,12 +93,22 @@ class Changes(msgspec.Struct, tag="changes"):
     removed: list[bytes]
 
 
+class Probed(msgspec.Struct, tag="probed"):
+    id: int
+    save_ids: list[int]  # 0: no valid value
+
+
+class Restored(msgspec.Struct, tag="restored"):
+    id: int
+    where: list[EntryTuple | None]  # the committed entry, or None: not restored
+
+
 class Refused(msgspec.Struct, tag="refused"):
     reason: str
 
 
-ToDaemon = Hello | Lease | Commit | Touch
-ToClient = Welcome | Leased | Committed | Changes | Refused
+ToDaemon = Hello | Lease | Commit | Touch | Probe | Restore
+ToClient = Welcome | Leased | Committed | Changes | Probed | Restored | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _to_daemon = msgspec.msgpack.Decoder(ToDaemon)

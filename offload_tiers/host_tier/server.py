@@ -14,6 +14,10 @@ never served; its pins never hold a slot forever.
 The segment, the pin table and the socket are created with ``mode`` (0600: only the
 daemon's user; 0660 with ``group`` for a group). A file of the same name left by an
 earlier run is replaced: a new run starts with an empty tier.
+
+Given a Redis tier (``redis``), the daemon also writes commits behind to Redis and restores
+from it for its clients (:mod:`offload_tiers.host_tier.redis_bridge`): its threads do the
+Redis I/O and ``post`` their replies back to this loop.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ import stat
 import struct
 import threading
 import uuid
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from offload_tiers.host_tier.directory import HostDirectory
+from offload_tiers.codec import validate_key
+from offload_tiers.host_tier.directory import HostDirectory, Location
 from offload_tiers.host_tier.pins import PinTable
 from offload_tiers.host_tier.protocol import (
     PROTOCOL_VERSION,
@@ -40,10 +47,15 @@ from offload_tiers.host_tier.protocol import (
     Commit,
     Committed,
     Hello,
+    KeyTuple,
     Lease,
     Leased,
+    Probe,
+    Probed,
     ProtocolError,
     Refused,
+    Restore,
+    Restored,
     ToClient,
     Touch,
     Welcome,
@@ -51,6 +63,8 @@ from offload_tiers.host_tier.protocol import (
     frame,
     split_frames,
 )
+from offload_tiers.host_tier.redis_bridge import RedisBridge, RestoreItem, WriteItem
+from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.shared_segment import SharedSegment, default_path
 
 log = logging.getLogger("kvtier.host_tier")
@@ -80,7 +94,8 @@ class HostTierServer:
     ``socket_path``."""
 
     def __init__(self, *, name: str, cpu_bytes: int, slot_bytes: int, socket_path: str,
-                 max_clients: int = 256, mode: int = 0o600, group: int | None = None) -> None:
+                 max_clients: int = 256, mode: int = 0o600, group: int | None = None,
+                 redis: Any = None) -> None:
         if slot_bytes < 1:
             raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
         num_slots = cpu_bytes // slot_bytes
@@ -109,6 +124,9 @@ class HostTierServer:
         self._wake_r, self._wake_w = -1, -1
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._redis = redis  # a RedisTier: write-behind and restores for the clients
+        self.bridge: RedisBridge | None = None
+        self._posted: deque[Callable[[], None]] = deque()  # run on the loop (bridge replies)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -122,6 +140,8 @@ class HostTierServer:
             self._chown(path)
         self.huge_pages = segment.advise_huge_pages()
         self.directory = HostDirectory(segment, pins)
+        if self._redis is not None:
+            self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post)
         self._listener = self._listen()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -142,6 +162,8 @@ class HostTierServer:
         os.write(self._wake_w, b"x")
         self._thread.join()
         self._thread = None
+        if self.bridge is not None:
+            self.bridge.close()
         assert self._selector is not None and self._listener is not None
         for conn in list(self._conns.values()):
             with contextlib.suppress(OSError):
@@ -166,7 +188,9 @@ class HostTierServer:
     def stats(self) -> dict[str, Any]:
         with self.lock:
             base = self.directory.stats() if self.directory else {}
-            return {**base, "connections": len(self._conns),
+            if self.bridge is not None:
+                base.update(self.bridge.stats())
+            return {**base, "redis": self.bridge is not None, "connections": len(self._conns),
                     "quarantined_clients": self.quarantined_rows,
                     "protocol_errors": self.protocol_errors, "refused": self.refused,
                     "segment_path": self.segment_path, "socket_path": self.socket_path,
@@ -208,7 +232,9 @@ class HostTierServer:
                     self._accept()
                 elif key.fileobj == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 64)
+                        os.read(self._wake_r, 4096)
+                    while self._posted:
+                        self._posted.popleft()()
                 elif isinstance(key.fileobj, int) and key.fileobj in self._waiting_exit:
                     self._process_exited(key.fileobj)
                 else:
@@ -288,7 +314,7 @@ class HostTierServer:
                        if msg.subscribe else [])
             self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
                                      self.pins_path, row, self.num_slots, self.slot_bytes,
-                                     entries))
+                                     entries, redis=self.bridge is not None))
             return
         if conn.row is None:
             raise ProtocolError(f"{type(msg).__name__} before hello")
@@ -296,14 +322,55 @@ class HostTierServer:
             n = max(0, min(msg.n, MAX_LEASE))
             self._send(conn, Leased(directory.lease(conn.row, n)))
         elif isinstance(msg, Commit):
+            if msg.redis and len(msg.redis) != len(msg.saves):
+                raise ProtocolError(f"commit of {len(msg.saves)} saves names "
+                                    f"{len(msg.redis)} Redis keys")
             kept: list[int] = []
             dropped: list[int] = []
-            for digest, slot, save_id, length in msg.saves:
+            behind: list[WriteItem] = []
+            for i, (digest, slot, save_id, length) in enumerate(msg.saves):
                 ok = directory.commit(conn.row, slot, digest, save_id, length)
                 (kept if ok else dropped).append(slot)
+                target = msg.redis[i] if msg.redis else None
+                if ok and target is not None and self.bridge is not None:
+                    behind.append((digest, Location(slot, save_id, length),
+                                   _block_key(target[0]), target[1]))
             self._send(conn, Committed(kept, dropped))
+            if self.bridge is not None:
+                self.bridge.write_behind(behind)
         elif isinstance(msg, Touch):
             directory.touch(msg.digests)
+        elif isinstance(msg, Probe):
+            keys = [_block_key(k) for k in msg.keys]
+            if self.bridge is None:
+                self._send(conn, Probed(msg.id, [0] * len(keys)))
+            else:
+                self.bridge.probe(keys, self._replier(conn, lambda ids, i=msg.id: Probed(i, ids)))
+        elif isinstance(msg, Restore):
+            items: list[RestoreItem] = [(d, _block_key(k), save_id, length)
+                                        for d, k, save_id, length in msg.items]
+            if self.bridge is None:
+                self._send(conn, Restored(msg.id, [None] * len(items)))
+            else:
+                self.bridge.restore(items, self._replier(
+                    conn, lambda where, i=msg.id: Restored(i, where)))
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread (from the bridge's threads)."""
+        self._posted.append(fn)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _replier(self, conn: _Conn, build: Callable[[Any], ToClient]) -> Callable[[Any], None]:
+        """A reply to ``conn``, run on the loop: sent if it is still connected, after the
+        mirror changes the request made (so a reply never runs ahead of its entries)."""
+        def reply(answer: Any) -> None:
+            with self.lock:
+                self._broadcast()
+                if self._conns.get(conn.sock.fileno()) is conn:
+                    self._send(conn, build(answer))
+                    self._flush(conn)
+        return reply
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         self.refused += 1
@@ -389,6 +456,17 @@ class HostTierServer:
             assert self.directory is not None
             self.directory.release_client(row)
             self._broadcast()
+
+
+def _block_key(t: KeyTuple) -> BlockKey:
+    """A client's Redis key, checked (a bad one is the client's protocol error)."""
+    try:
+        fingerprint, group, block_hash, num_tokens, kind = t
+        key = BlockKey(fingerprint, group, bytes(block_hash), num_tokens, BlockKind(kind))
+        validate_key(key)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"not a Redis key: {exc}") from None
+    return key
 
 
 def _exited(pidfd: int) -> bool:

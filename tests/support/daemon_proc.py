@@ -140,14 +140,16 @@ class DaemonProcess:
 
 
 class HostTierDaemon(DaemonProcess):
-    """``kvtier daemon`` serving only a host tier: ``slots`` slots of ``slot_bytes`` on the
-    Unix socket ``sock``, its segment named ``name`` (/dev/shm/kvtier-NAME)."""
+    """``kvtier daemon`` serving a host tier: ``slots`` slots of ``slot_bytes`` on the
+    Unix socket ``sock``, its segment named ``name`` (/dev/shm/kvtier-NAME); with
+    ``redis_url`` it also writes behind to Redis and restores from it (``redis_prefix``)."""
 
-    def __init__(self, sock: Path, name: str, *, slots: int = 8, slot_bytes: int = 4096
-                 ) -> None:
+    def __init__(self, sock: Path, name: str, *, slots: int = 8, slot_bytes: int = 4096,
+                 redis_url: str | None = None, redis_prefix: str = "kvtier") -> None:
+        redis = ["--redis-url", redis_url, "--redis-prefix", redis_prefix] if redis_url else []
         super().__init__("--cpu-bytes", str(slots * slot_bytes), "--slot-bytes",
                          str(slot_bytes), "--host-tier-socket", str(sock),
-                         "--host-tier-name", name)
+                         "--host-tier-name", name, *redis)
         self.sock = sock
         self.name = name
 

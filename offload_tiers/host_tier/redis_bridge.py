@@ -1,0 +1,186 @@
+"""The daemon's Redis behind the host tier: write-behind, restores and probes for engines.
+
+With ``kvtier daemon --cpu-bytes N --redis-url URL`` the daemon holds the host's one Redis
+connection for the engines that attach with ``host_tier_redis``:
+
+* **write-behind**: a commit that names a Redis key (``Commit.redis``) is read back from
+  its slot (verified: header, save id, checksum) and queued to Redis under that key, in the
+  Redis tier's own format, with the save id the engine chose (TP ranks' shards of one save
+  share it). A save the directory drops as a duplicate is not written again: two engines
+  storing one prefix write it to Redis once;
+* **restores**: ``Restore`` reads values from Redis straight into slots leased to the
+  daemon's own row, checked by the Redis tier (header, key, save id, checksum), commits
+  them under the engines' host digests, and answers where they are. Every engine on the
+  host then finds them in the host tier;
+* **probes**: ``Probe`` answers which save of each key Redis holds (a header read).
+
+Redis I/O runs on this module's threads, never on the daemon's socket loop; replies go
+back through ``post`` (run on the loop). Nothing read from Redis is trusted before the
+Redis tier's checks; nothing is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from offload_tiers.host_tier.client import new_save_id
+from offload_tiers.host_tier.directory import HostDirectory, Location
+from offload_tiers.host_tier.protocol import EntryTuple
+from offload_tiers.keys import BlockKey
+
+log = logging.getLogger("kvtier.host_tier")
+
+#: (host digest, where the save lies, its Redis key, the Redis save id)
+WriteItem = tuple[bytes, Location, BlockKey, int]
+#: (host digest, Redis key, Redis save id asked for, payload length)
+RestoreItem = tuple[bytes, BlockKey, int, int]
+
+
+@dataclass(slots=True)
+class BridgeCounters:
+    redis_writes_queued: int = 0
+    redis_writes: int = 0
+    redis_write_failures: int = 0
+    redis_writes_skipped: int = 0  # the slot was reused before its bytes were read back
+    redis_probes: int = 0
+    redis_restores_asked: int = 0
+    redis_restored: int = 0
+    redis_restore_misses: int = 0  # not in Redis, invalid, another save, or no slot
+    redis_restores_already_held: int = 0  # answered from the directory, no Redis read
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class RedisBridge:
+    """Redis write-behind and restores for one host tier (``directory``, under ``lock``)."""
+
+    def __init__(self, redis: Any, directory: HostDirectory, lock: threading.RLock,
+                 post: Callable[[Callable[[], None]], None], *, request_threads: int = 2
+                 ) -> None:
+        self.redis = redis
+        self.directory = directory
+        self.segment = directory.segment
+        self.lock = lock
+        self._post = post
+        with lock:
+            row = directory.attach_client()
+        if row is None:
+            raise ValueError("the host tier has no client row left for its Redis bridge")
+        self.row = row  # the daemon's own row: restores are leased and committed under it
+        self.counters = BridgeCounters()
+        self._counter_lock = threading.Lock()
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvtier-host-redis-write")
+        self._requests = ThreadPoolExecutor(request_threads,
+                                            thread_name_prefix="kvtier-host-redis-read")
+
+    # ------------------------------------------------------------ callers (the loop)
+    def write_behind(self, items: list[WriteItem]) -> None:
+        if items:
+            self._writes.submit(self._write, items)
+
+    def probe(self, keys: list[BlockKey], reply: Callable[[list[int]], None]) -> None:
+        self._requests.submit(self._probe, keys, reply)
+
+    def restore(self, items: list[RestoreItem],
+                reply: Callable[[list[EntryTuple | None]], None]) -> None:
+        self._requests.submit(self._restore, items, reply)
+
+    def stats(self) -> dict[str, Any]:
+        with self._counter_lock:
+            out: dict[str, Any] = self.counters.as_dict()
+        st = self.redis.stats()
+        out.update(redis_available=int(bool(st["available"])), redis_write_queue=st["queue_depth"],
+                   redis_write_queue_bytes=st["queue_bytes"], redis_url=st["url"])
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish queued work (bounded by the Redis tier's own timeouts), then close Redis."""
+        self._requests.shutdown(wait=True, cancel_futures=True)
+        self._writes.shutdown(wait=True)
+        self.redis.close(timeout=timeout)
+
+    # ------------------------------------------------------------ threads
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    def _write(self, items: list[WriteItem]) -> None:
+        for digest, where, key, save_id in items:
+            payload = np.empty(where.length, dtype=np.uint8)
+            if not self.segment.read_into(where.slot, digest, where.save_id, payload):
+                self._count(redis_writes_skipped=1)
+                continue
+            self._count(redis_writes_queued=1)
+            self.redis.submit_put(key, payload, save_id=save_id, on_done=self._written)
+
+    def _written(self, stored: bool) -> None:
+        self._count(**{"redis_writes" if stored else "redis_write_failures": 1})
+
+    def _probe(self, keys: list[BlockKey], reply: Callable[[list[int]], None]) -> None:
+        self._count(redis_probes=len(keys))
+        try:
+            ids: Sequence[int | None] = self.redis.save_ids_many(keys)
+        except Exception:
+            log.exception("host tier: Redis probe failed")
+            ids = [None] * len(keys)
+        answer = [i or 0 for i in ids]
+        self._post(lambda: reply(answer))
+
+    def _restore(self, items: list[RestoreItem],
+                 reply: Callable[[list[EntryTuple | None]], None]) -> None:
+        out: list[EntryTuple | None] = [None] * len(items)
+        todo: list[int] = []
+        already = 0
+        with self.lock:
+            for i, (digest, _key, _save, length) in enumerate(items):
+                held = self.directory.entries.get(digest)
+                if held is not None and held.length == length:
+                    out[i] = (digest, held.slot, held.save_id, held.length)
+                    already += 1
+                elif held is None and 0 < length <= self.segment.slot_bytes:
+                    todo.append(i)
+            slots = self.directory.lease(self.row, len(todo))
+        pairs = list(zip(todo, slots, strict=False))
+        got: list[bool] = []
+        if pairs:
+            rows = [self.segment.begin_write(slot)[:items[i][3]] for i, slot in pairs]
+            try:
+                got = self.redis.get_many_into([items[i][1] for i, _ in pairs], rows,
+                                               save_ids=[items[i][2] or None for i, _ in pairs])
+            except Exception:
+                log.exception("host tier: Redis restore failed")
+                got = [False] * len(pairs)
+        written = []
+        for (i, slot), ok in zip(pairs, got, strict=True):
+            if ok:
+                save_id = new_save_id()
+                self.segment.commit_write(slot, items[i][0], save_id, items[i][3])
+                written.append((i, slot, save_id))
+        with self.lock:
+            restored = 0
+            for i, slot, save_id in written:
+                digest, _key, _save, length = items[i]
+                if self.directory.commit(self.row, slot, digest, save_id, length):
+                    out[i] = (digest, slot, save_id, length)
+                    restored += 1
+                elif (held := self.directory.entries.get(digest)) is not None \
+                        and held.length == length:  # another restore of it came first
+                    out[i] = (digest, held.slot, held.save_id, held.length)
+                    already += 1
+            committed = {slot for _, slot, _ in written}
+            for _, slot in pairs:
+                if slot not in committed:
+                    self.directory.abandon(self.row, slot)
+        self._count(redis_restores_asked=len(items), redis_restored=restored,
+                    redis_restores_already_held=already,
+                    redis_restore_misses=len(items) - restored - already)
+        self._post(lambda: reply(out))

@@ -1,0 +1,220 @@
+"""The host tier's Redis, held by the daemon: write-behind, restores and probes.
+
+A real ``kvtier daemon --cpu-bytes N --redis-url URL`` process, real Redis (the machine's,
+under a prefix of the test's own; a server of the test's own where it is killed), clients
+in this process over the real Unix socket. What Redis holds is read back with a
+``RedisTier`` of the test's, in the format every kvtier engine reads. Waits are on the
+daemon's /stats or a client's state, never on time.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis as redis_py
+
+from connector.vllm_connector.daemon_redis import key_tuple
+from offload_tiers.host_tier.client import HostTierClient, new_save_id
+from offload_tiers.host_tier.protocol import Probe
+from offload_tiers.keys import BlockKey, BlockKind
+from offload_tiers.redis.tier import RedisTier
+from offload_tiers.shared_segment import digest
+from tests.support.daemon_proc import HostTierDaemon
+from tests.support.redis_server import RedisServer
+
+SLOT = 4096
+WAIT_S = 60  # bounds a hung wait only; nothing is ordered by it
+
+
+def key(i: int, kind: BlockKind = BlockKind.FULL, tokens: int = 16) -> BlockKey:
+    return BlockKey("f" * 32, 0, i.to_bytes(32, "big"), tokens, kind)
+
+
+def payload(i: int, n: int = 3000) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[HostTierDaemon]:
+    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                          slots=8, slot_bytes=SLOT, redis_url=redis_url,
+                          redis_prefix=key_prefix).start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.remove_files()
+
+
+@pytest.fixture
+def tier(redis_url: str, key_prefix: str) -> Iterator[RedisTier]:
+    t = RedisTier.from_url(redis_url, prefix=key_prefix, strict=True)
+    yield t
+    t.close()
+
+
+def client(daemon: HostTierDaemon, **kw: Any) -> HostTierClient:
+    c = HostTierClient(str(daemon.sock), label="test", lease_batch=2, retry_s=0.05, **kw).start()
+    assert c.wait_until(lambda c: c.available and (kw.get("subscribe") or len(c._pool) >= 1),
+                        WAIT_S), c.last_error
+    return c
+
+
+def commit_one(c: HostTierClient, k: BlockKey, data: bytes, redis_save_id: int) -> bytes:
+    """Write ``data`` into a leased slot and commit it, naming its Redis key."""
+    d = digest(repr(k).encode())
+    slot = c.take_slots(1)[0]
+    save_id = new_save_id()
+    assert c.segment is not None
+    c.segment.write(slot, d, save_id, data)
+    c.commit([(d, slot, save_id, len(data))], [(key_tuple(k), redis_save_id)])
+    return d
+
+
+def test_a_commit_naming_a_key_is_written_behind_in_the_redis_tiers_format(
+        daemon: HostTierDaemon, tier: RedisTier) -> None:
+    c = client(daemon)
+    try:
+        assert c.redis is True
+        data = payload(1)
+        commit_one(c, key(1), data, redis_save_id=777)
+        stats = daemon.wait_for(lambda s: s["host_tier"]["redis_writes"] >= 1,
+                                what="the daemon's write-behind")["host_tier"]
+        assert stats["redis_write_failures"] == stats["redis_writes_skipped"] == 0
+        assert tier.save_ids_many([key(1)]) == [777]
+        assert bytes(tier.get(key(1)) or b"") == data
+    finally:
+        c.close()
+
+
+def test_two_engines_committing_one_key_write_it_to_redis_once(
+        daemon: HostTierDaemon, tier: RedisTier) -> None:
+    a, b = client(daemon), client(daemon)
+    try:
+        data = payload(2)
+        commit_one(a, key(2), data, redis_save_id=5)
+        daemon.wait_for(lambda s: s["host_tier"]["redis_writes"] >= 1, what="a's write")
+        commit_one(b, key(2), data, redis_save_id=6)
+        stats = daemon.wait_for(lambda s: s["host_tier"]["duplicates_dropped"] >= 1,
+                                what="b's duplicate commit")["host_tier"]
+        assert stats["redis_writes_queued"] == stats["redis_writes"] == 1
+        assert tier.save_ids_many([key(2)]) == [5]  # a's save, not overwritten by b's
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_restore_reads_redis_into_a_slot_every_client_then_sees(
+        daemon: HostTierDaemon, tier: RedisTier) -> None:
+    data = [payload(10 + i) for i in range(3)]
+    assert tier.put_many([(key(10 + i), d) for i, d in enumerate(data)],
+                         save_ids=[100, 101, 102]) == 3
+    c = client(daemon)
+    watcher = client(daemon, subscribe=True)
+    try:
+        assert c.probe([key_tuple(key(10)), key_tuple(key(99))], WAIT_S) == [100, 0]
+        digests = [digest(b"r%d" % i) for i in range(4)]
+        items = [(digests[i], key_tuple(key(10 + i)), 100 + i, len(data[i])) for i in range(3)]
+        items.append((digests[3], key_tuple(key(99)), 1, 3000))  # not in Redis
+        where = c.restore(items, WAIT_S)
+        assert where is not None and where[3] is None
+        assert c.segment is not None
+        for i in range(3):
+            w = where[i]
+            assert w is not None and w.length == len(data[i])
+            out = bytearray(w.length)
+            assert c.segment.read_into(w.slot, digests[i], w.save_id, out)
+            assert bytes(out) == data[i]
+        # the reply came after the mirror update: a subscriber has every entry
+        assert watcher.wait_until(lambda w: all(d in w.mirror for d in digests[:3]), WAIT_S)
+        assert digests[3] not in watcher.mirror
+        again = c.restore(items[:1], WAIT_S)
+        assert again == where[:1]
+        tier_stats = daemon.tier()
+        assert tier_stats["redis_restored"] == 3
+        assert tier_stats["redis_restore_misses"] == 1
+        assert tier_stats["redis_restores_already_held"] == 1
+        assert tier_stats["entries"] == 3
+    finally:
+        c.close()
+        watcher.close()
+
+
+def test_a_restore_of_another_save_or_a_corrupt_value_is_a_miss(
+        daemon: HostTierDaemon, tier: RedisTier, redis_url: str, key_prefix: str) -> None:
+    assert tier.put_many([(key(20), payload(20))], save_ids=[200]) == 1
+    raw = redis_py.Redis.from_url(redis_url)
+    name = f"{key_prefix}:{key(21).name}".encode()
+    raw.set(name, b"not a kvtier value at all" * 10)
+    c = client(daemon)
+    try:
+        where = c.restore([(digest(b"x20"), key_tuple(key(20)), 201, 3000),  # another save
+                           (digest(b"x21"), key_tuple(key(21)), 1, 250)], WAIT_S)
+        assert where == [None, None]
+        stats = daemon.tier()
+        assert stats["entries"] == 0 and stats["redis_restore_misses"] == 2
+        # the slots the daemon leased for them went back: none lost, none served
+        assert stats["free_slots"] + stats["leased_slots"] == stats["num_slots"]
+    finally:
+        c.close()
+
+
+def test_a_bad_key_closes_that_connection_only(daemon: HostTierDaemon) -> None:
+    good = client(daemon)
+    bad = client(daemon)
+    try:
+        placeholder = ("f" * 32, 0, b"\1" * 32, 16, int(BlockKind.PLACEHOLDER))
+        bad._send(Probe(1, [placeholder]))
+        daemon.wait_for(lambda s: s["host_tier"]["protocol_errors"] == 1,
+                        what="the daemon refusing the bad key")
+        assert good.probe([key_tuple(key(30))], WAIT_S) == [0]
+    finally:
+        good.close()
+        bad.close()
+
+
+def test_without_redis_the_daemon_offers_none(tmp_path: Path) -> None:
+    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                          slot_bytes=SLOT).start()
+    try:
+        c = client(proc)
+        assert c.redis is False
+        assert c.probe([key_tuple(key(1))], WAIT_S) is None
+        assert c.restore([(digest(b"a"), key_tuple(key(1)), 1, 10)], WAIT_S) is None
+        assert proc.tier()["redis"] is False
+        c.close()
+    finally:
+        proc.kill()
+        proc.remove_files()
+
+
+def test_redis_gone_restores_miss_writes_fail_and_the_host_tier_serves_on(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                          slot_bytes=SLOT, redis_url=redis_server.url,
+                          redis_prefix=prefix).start()
+    try:
+        c = client(proc)
+        redis_server.stop()
+        d = commit_one(c, key(40), payload(40), redis_save_id=1)
+        proc.wait_for(lambda s: s["host_tier"]["redis_write_failures"] >= 1,
+                      what="the write-behind failing with Redis gone", timeout=WAIT_S)
+        assert c.restore([(digest(b"y"), key_tuple(key(41)), 1, 3000)], WAIT_S) == [None]
+        assert c.probe([key_tuple(key(41))], WAIT_S) == [0]
+        tier = proc.tier()
+        assert tier["entries"] == 1 and tier["commits"] == 1  # the host tier kept its save
+        watcher = client(proc, subscribe=True)
+        where = watcher.mirror[d]
+        out = bytearray(where.length)
+        assert watcher.read_into(d, where, out) and bytes(out) == payload(40)
+        watcher.close()
+        c.close()
+    finally:
+        proc.kill()
+        proc.remove_files()
