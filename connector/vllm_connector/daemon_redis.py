@@ -80,6 +80,11 @@ class DaemonRedis:
             ok[i] = good
         return ok
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Nothing queued here: saves ride the host-tier commits (the worker's
+        ``flush_host`` waits for those); the daemon's write-behind is its own."""
+        return True
+
     def stats(self) -> dict[str, Any]:
         """The Redis tier's outage counters the worker follows (the daemon keeps the real
         ones: ``kvtier daemon``'s /stats)."""

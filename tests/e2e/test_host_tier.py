@@ -5,8 +5,9 @@ their own) on the tiny Llama, a real daemon process. Engine A computes two promp
 exits; engine B, a new process with an empty CPU tier of its own, restores their prefixes
 from the daemon's segment; a third engine given the same prefix stores nothing twice; two
 TP=2 engines share a prefix shard by shard; an engine SIGKILLed mid-save leaves nothing
-served; the daemon SIGKILLed under an engine. The outputs equal vLLM's without kvtier (the
-engine host's baseline engine). Waits are on the daemon's /stats, never on time.
+served; the daemon SIGKILLed under an engine; engines that reach Redis only through the
+daemon (``host_tier_redis``). The outputs equal vLLM's without kvtier (the engine host's
+baseline engine). Waits are on the daemon's /stats, never on time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_py
 
 from connector.demo.tiny_models import prompt_words
 from tests.support.connector_runner import run_in_subprocess
@@ -209,3 +211,66 @@ def test_the_daemon_killed_mid_run_the_engine_serves_on_with_identical_output(
     for name in ("A2", "B2"):
         assert runs[name]["token_ids"] == baseline[name]["token_ids"], name
     assert run["stats"]["load_errors"] == 0
+
+
+# ---------------------------------------------------------------- the daemon's Redis
+@pytest.fixture(scope="module")
+def redis_daemons(tmp_path_factory: pytest.TempPathFactory, redis_url: str
+                  ) -> Iterator[dict[str, Any]]:
+    """Engines with ``host_tier_redis`` (no Redis connection of their own) on a daemon that
+    holds Redis: engine A stores PROMPT_B, the daemon writes it behind and is SIGKILLed; a
+    new daemon (an empty segment) and a new engine asking B2 restore it from Redis."""
+    sock = tmp_path_factory.mktemp("host-tier-redis") / "run" / "host.sock"
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    extra = {"cpu_bytes": 16 << 20, "host_tier_socket": str(sock), "host_tier_redis": True}
+    daemons = []
+
+    def start() -> HostTierDaemon:
+        daemons.append(HostTierDaemon(sock, f"e2e-redis-{uuid.uuid4().hex[:12]}", slots=256,
+                                      slot_bytes=64 << 10, redis_url=redis_url,
+                                      redis_prefix=prefix).start())
+        return daemons[-1]
+
+    try:
+        first_daemon = start()
+        stored = run_in_subprocess({"model": "llama", "extra": extra,
+                                    "steps": [["generate", "B1", PROMPT_B]]})
+        written = stored["stats"]["redis_saves_via_daemon"]
+        first_tier = first_daemon.wait_for(
+            lambda s: s["host_tier"]["redis_writes"] >= written,
+            what=f"the daemon writing engine A's {written} saves behind")["host_tier"]
+        first_daemon.kill()
+        second_daemon = start()
+        restored = run_in_subprocess({"model": "llama", "extra": extra,
+                                      "steps": [["generate", "B2", B2]]})
+        yield {"stored": stored, "first_tier": first_tier, "restored": restored,
+               "second_tier": second_daemon.tier()}
+    finally:
+        for d in daemons:
+            d.kill()
+            d.remove_files()
+        keys = redis_py.Redis.from_url(redis_url)
+        doomed = list(keys.scan_iter(match=f"{prefix}*", count=1000))
+        if doomed:
+            keys.delete(*doomed)
+
+
+def test_engines_on_the_daemons_redis_store_through_it_and_restore_after_it_restarts(
+        baseline: dict[str, dict[str, Any]], redis_daemons: dict[str, Any]) -> None:
+    """The engines open no Redis connection: their saves reach Redis through the daemon's
+    write-behind, and after the daemon restarts (its segment empty) a new engine's prefix
+    comes back from Redis through the daemon, with vLLM's output."""
+    blocks = PREFIX_TOKENS // 32
+    stored = redis_daemons["stored"]["stats"]
+    assert stored["redis_saves_via_daemon"] == blocks == stored["blocks_written_host"]
+    assert redis_daemons["first_tier"]["redis_writes"] == blocks
+    assert redis_daemons["first_tier"]["redis_write_failures"] == 0
+    run = by_name(redis_daemons["restored"])["B2"]
+    assert run["delta"].get("hit_tokens_redis", 0) == PREFIX_TOKENS
+    assert run["num_cached_tokens"] == PREFIX_TOKENS
+    assert run["token_ids"] == baseline["B2"]["token_ids"]
+    assert redis_daemons["restored"]["stats"]["load_errors"] == 0
+    tier = redis_daemons["second_tier"]
+    # restored into the new daemon's segment: every engine on the host now finds them there
+    assert tier["redis_restored"] == blocks
+    assert tier["entries"] >= blocks
