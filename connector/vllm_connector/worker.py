@@ -486,7 +486,7 @@ class TieredWorker:
                 save_id = new_host_save_id()
                 segment.commit_write(slot, d, save_id, nbytes)
                 saves.append((d, slot, save_id, nbytes))
-                behind.append((key_tuple(key), op.save_id)
+                behind.append((key_tuple(key), op.save_id, self.tp_rank == 0)
                               if op.to_redis and self._daemon_redis else None)
         except Exception:
             log.exception("kvtier: committing host-tier writes failed")

@@ -26,8 +26,9 @@ _LEN = struct.Struct(">I")
 EntryTuple = tuple[bytes, int, int, int]
 #: a Redis key (offload_tiers.keys.BlockKey): (fingerprint, group, block hash, tokens, kind)
 KeyTuple = tuple[str, int, bytes, int, int]
-#: write a committed save behind to Redis: (its Redis key, the save id its value carries)
-RedisWrite = tuple[KeyTuple, int]
+#: write a committed save behind to Redis: (its Redis key, the save id its value carries,
+#: whether to announce the key on the presence stream once written: TP rank 0's shard)
+RedisWrite = tuple[KeyTuple, int, bool]
 
 
 class Hello(msgspec.Struct, tag="hello"):

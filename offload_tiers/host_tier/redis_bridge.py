@@ -7,7 +7,9 @@ connection for the engines that attach with ``host_tier_redis``:
   its slot (verified: header, save id, checksum) and queued to Redis under that key, in the
   Redis tier's own format, with the save id the engine chose (TP ranks' shards of one save
   share it). A save the directory drops as a duplicate is not written again: two engines
-  storing one prefix write it to Redis once;
+  storing one prefix write it to Redis once. Once written, TP rank 0's shard is announced
+  on the prefix's presence stream (``announcer``), as engines announce their own writes, so
+  engines with a Redis connection of their own learn the key without a walk;
 * **restores**: ``Restore`` reads values from Redis straight into slots leased to the
   daemon's own row, checked by the Redis tier (header, key, save id, checksum), commits
   them under the engines' host digests, and answers where they are. Every engine on the
@@ -37,8 +39,8 @@ from offload_tiers.keys import BlockKey
 
 log = logging.getLogger("kvtier.host_tier")
 
-#: (host digest, where the save lies, its Redis key, the Redis save id)
-WriteItem = tuple[bytes, Location, BlockKey, int]
+#: (host digest, where the save lies, its Redis key, the Redis save id, announce it)
+WriteItem = tuple[bytes, Location, BlockKey, int, bool]
 #: (host digest, Redis key, Redis save id asked for, payload length)
 RestoreItem = tuple[bytes, BlockKey, int, int]
 
@@ -63,13 +65,14 @@ class RedisBridge:
     """Redis write-behind and restores for one host tier (``directory``, under ``lock``)."""
 
     def __init__(self, redis: Any, directory: HostDirectory, lock: threading.RLock,
-                 post: Callable[[Callable[[], None]], None], *, request_threads: int = 2
-                 ) -> None:
+                 post: Callable[[Callable[[], None]], None], *, request_threads: int = 2,
+                 announcer: Any = None) -> None:
         self.redis = redis
         self.directory = directory
         self.segment = directory.segment
         self.lock = lock
         self._post = post
+        self.announcer = announcer
         with lock:
             row = directory.attach_client()
         if row is None:
@@ -99,6 +102,8 @@ class RedisBridge:
         st = self.redis.stats()
         out.update(redis_available=int(bool(st["available"])), redis_write_queue=st["queue_depth"],
                    redis_write_queue_bytes=st["queue_bytes"], redis_url=st["url"])
+        if self.announcer is not None:
+            out["redis_announced"] = int(self.announcer.stats()["announced"])
         return out
 
     def close(self, timeout: float = 5.0) -> None:
@@ -106,6 +111,8 @@ class RedisBridge:
         self._requests.shutdown(wait=True, cancel_futures=True)
         self._writes.shutdown(wait=True)
         self.redis.close(timeout=timeout)
+        if self.announcer is not None:
+            self.announcer.close(timeout)
 
     # ------------------------------------------------------------ threads
     def _count(self, **deltas: int) -> None:
@@ -114,16 +121,21 @@ class RedisBridge:
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
     def _write(self, items: list[WriteItem]) -> None:
-        for digest, where, key, save_id in items:
+        for digest, where, key, save_id, announce in items:
             payload = np.empty(where.length, dtype=np.uint8)
             if not self.segment.read_into(where.slot, digest, where.save_id, payload):
                 self._count(redis_writes_skipped=1)
                 continue
             self._count(redis_writes_queued=1)
-            self.redis.submit_put(key, payload, save_id=save_id, on_done=self._written)
+            self.redis.submit_put(key, payload, save_id=save_id,
+                                  on_done=self._written(key if announce else None))
 
-    def _written(self, stored: bool) -> None:
-        self._count(**{"redis_writes" if stored else "redis_write_failures": 1})
+    def _written(self, announce: BlockKey | None) -> Callable[[bool], None]:
+        def done(stored: bool) -> None:
+            self._count(**{"redis_writes" if stored else "redis_write_failures": 1})
+            if stored and announce is not None and self.announcer is not None:
+                self.announcer.announce([announce.name.encode()])
+        return done
 
     def _probe(self, keys: list[BlockKey], reply: Callable[[list[int]], None]) -> None:
         self._count(redis_probes=len(keys))

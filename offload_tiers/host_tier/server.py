@@ -95,7 +95,7 @@ class HostTierServer:
 
     def __init__(self, *, name: str, cpu_bytes: int, slot_bytes: int, socket_path: str,
                  max_clients: int = 256, mode: int = 0o600, group: int | None = None,
-                 redis: Any = None) -> None:
+                 redis: Any = None, announcer: Any = None) -> None:
         if slot_bytes < 1:
             raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
         num_slots = cpu_bytes // slot_bytes
@@ -125,6 +125,7 @@ class HostTierServer:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._redis = redis  # a RedisTier: write-behind and restores for the clients
+        self._announcer = announcer  # a PresenceFeed: the keys written behind, announced
         self.bridge: RedisBridge | None = None
         self._posted: deque[Callable[[], None]] = deque()  # run on the loop (bridge replies)
 
@@ -141,7 +142,8 @@ class HostTierServer:
         self.huge_pages = segment.advise_huge_pages()
         self.directory = HostDirectory(segment, pins)
         if self._redis is not None:
-            self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post)
+            self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post,
+                                      announcer=self._announcer)
         self._listener = self._listen()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -334,7 +336,7 @@ class HostTierServer:
                 target = msg.redis[i] if msg.redis else None
                 if ok and target is not None and self.bridge is not None:
                     behind.append((digest, Location(slot, save_id, length),
-                                   _block_key(target[0]), target[1]))
+                                   _block_key(target[0]), target[1], target[2]))
             self._send(conn, Committed(kept, dropped))
             if self.bridge is not None:
                 self.bridge.write_behind(behind)

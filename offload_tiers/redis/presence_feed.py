@@ -66,7 +66,10 @@ class PresenceFeed:
 
     def __init__(self, factory: ClientFactory, prefix: str, *, max_keys: int = 1 << 20,
                  scan_keys_per_s: float = 200_000.0, block_ms: int = 100,
-                 backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0) -> None:
+                 backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
+                 learn: bool = True) -> None:
+        """``learn=False``: announce only (no walk of key names, no reading of the stream),
+        e.g. for a process that writes on engines' behalf and looks nothing up."""
         if scan_keys_per_s <= 0:
             raise ValueError(f"scan_keys_per_s must be positive, got {scan_keys_per_s}")
         self._factory = factory
@@ -85,7 +88,8 @@ class PresenceFeed:
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self._cursor = b"0-0"
-        self._need_walk = True
+        self.learn = learn
+        self._need_walk = learn
         self.synced = False
         self.disabled = ""  # why the feed stopped for good ("" while it runs)
         self._n = dict.fromkeys(("announced", "learned_stream", "learned_scan", "walks",
@@ -141,7 +145,10 @@ class PresenceFeed:
                 if self._need_walk:
                     self._walk(client)
                 self._flush(client)
-                self._read(client, block=True)
+                if self.learn:
+                    self._read(client, block=True)
+                else:
+                    self._stop.wait(self.block_ms / 1000)
                 if self._health.recovered():
                     log.info("kvtier presence feed: Redis %s answers again", self._health.label)
             except _Stop:
@@ -161,7 +168,7 @@ class PresenceFeed:
 
     def _failed(self, exc: BaseException) -> None:
         self.synced = False
-        self._need_walk = True
+        self._need_walk = self.learn
         close_quietly(self._client)
         self._client = None
         with self._lock:

@@ -22,6 +22,8 @@ from connector.vllm_connector.daemon_redis import key_tuple
 from offload_tiers.host_tier.client import HostTierClient, new_save_id
 from offload_tiers.host_tier.protocol import Probe
 from offload_tiers.keys import BlockKey, BlockKind
+from offload_tiers.presence import name_digest, unpack_digests
+from offload_tiers.redis.presence_feed import announce_stream
 from offload_tiers.redis.tier import RedisTier
 from offload_tiers.shared_segment import digest
 from tests.support.daemon_proc import HostTierDaemon
@@ -65,29 +67,39 @@ def client(daemon: HostTierDaemon, **kw: Any) -> HostTierClient:
     return c
 
 
-def commit_one(c: HostTierClient, k: BlockKey, data: bytes, redis_save_id: int) -> bytes:
+def commit_one(c: HostTierClient, k: BlockKey, data: bytes, redis_save_id: int,
+               announce: bool = True) -> bytes:
     """Write ``data`` into a leased slot and commit it, naming its Redis key."""
     d = digest(repr(k).encode())
     slot = c.take_slots(1)[0]
     save_id = new_save_id()
     assert c.segment is not None
     c.segment.write(slot, d, save_id, data)
-    c.commit([(d, slot, save_id, len(data))], [(key_tuple(k), redis_save_id)])
+    c.commit([(d, slot, save_id, len(data))], [(key_tuple(k), redis_save_id, announce)])
     return d
 
 
-def test_a_commit_naming_a_key_is_written_behind_in_the_redis_tiers_format(
-        daemon: HostTierDaemon, tier: RedisTier) -> None:
+def test_a_commit_naming_a_key_is_written_behind_and_announced(
+        daemon: HostTierDaemon, tier: RedisTier, redis_url: str, key_prefix: str) -> None:
+    """In the Redis tier's format (read back by a RedisTier, save id kept); rank 0's shard
+    announced on the presence stream, as an engine announces its own writes, another
+    rank's not."""
     c = client(daemon)
     try:
         assert c.redis is True
         data = payload(1)
         commit_one(c, key(1), data, redis_save_id=777)
-        stats = daemon.wait_for(lambda s: s["host_tier"]["redis_writes"] >= 1,
-                                what="the daemon's write-behind")["host_tier"]
+        commit_one(c, key(3), payload(3), redis_save_id=778, announce=False)
+        stats = daemon.wait_for(lambda s: s["host_tier"]["redis_writes"] >= 2
+                                and s["host_tier"]["redis_announced"] >= 1,
+                                what="the daemon's write-behind and announcement")["host_tier"]
         assert stats["redis_write_failures"] == stats["redis_writes_skipped"] == 0
-        assert tier.save_ids_many([key(1)]) == [777]
+        assert stats["redis_announced"] == 1
+        assert tier.save_ids_many([key(1), key(3)]) == [777, 778]
         assert bytes(tier.get(key(1)) or b"") == data
+        stream = redis_py.Redis.from_url(redis_url).xrange(announce_stream(key_prefix))
+        announced = {int(d) for _, fields in stream for d in unpack_digests(fields[b"d"])}
+        assert announced == {name_digest(key(1).name.encode())}
     finally:
         c.close()
 
