@@ -180,7 +180,7 @@ def _make_host_tier(cfg: DaemonConfig) -> Any:
         except KeyError:
             raise ValueError(f"host_tier_group {cfg.host_tier_group!r} is not a group on "
                              "this host") from None
-    redis = announcer = None
+    redis = presence_feed = None
     if cfg.redis_url is not None:  # write-behind and restores for host_tier_redis engines
         from offload_tiers.redis.tier import RedisTier
 
@@ -191,25 +191,30 @@ def _make_host_tier(cfg: DaemonConfig) -> Any:
             log.warning("kvtier daemon: Redis at %s is not answering (%s); the host tier "
                         "writes behind and restores once it does", redis.target.redacted,
                         redis.last_error)
-        announcer = _announcer(cfg)
+        presence_feed = _presence_feed(cfg)
     return HostTierServer(name=cfg.host_tier_name, cpu_bytes=cfg.cpu_bytes,
                           slot_bytes=cfg.slot_bytes, socket_path=cfg.host_tier_socket_path,
                           max_clients=cfg.host_tier_max_clients,
                           mode=0o600 if group is None else 0o660, group=group, redis=redis,
-                          announcer=announcer)
+                          presence_feed=presence_feed)
 
 
-def _announcer(cfg: DaemonConfig) -> Any:
-    """Announces what the host tier writes behind on the prefix's presence stream (as
-    engines announce their own writes), on its own thread and connection; learns nothing."""
+def _presence_feed(cfg: DaemonConfig) -> Any:
+    """The host tier's presence feed: announces what it writes behind on the prefix's
+    presence stream (as engines announce their own writes) and learns what Redis holds
+    (a walk of the key names, then every engine's announcements) for the engines that
+    reach Redis only through the daemon; its own thread and connection."""
     from offload_tiers.redis.client import ClientFactory
     from offload_tiers.redis.presence_feed import PresenceFeed
     from offload_tiers.redis.url import parse_redis_url
 
     assert cfg.redis_url is not None
-    factory = ClientFactory(parse_redis_url(cfg.redis_url), timeout_s=cfg.redis_timeout_s,
+    # its blocking reads wait up to a tenth of a second: a generous timeout (a timeout costs
+    # a walk of the key names; nothing waits on this thread)
+    factory = ClientFactory(parse_redis_url(cfg.redis_url),
+                            timeout_s=max(cfg.redis_timeout_s, 5.0),
                             ssl_ca_certs=cfg.redis_ssl_ca_certs)
-    return PresenceFeed(factory, cfg.redis_prefix, learn=False).start()
+    return PresenceFeed(factory, cfg.redis_prefix).start()
 
 
 def _rss_bytes() -> int:

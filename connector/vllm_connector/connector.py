@@ -14,6 +14,7 @@ server, tensor parallelism and data parallelism (each DP engine is its own engin
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -230,13 +231,16 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._weights = WeightVersionSource()
         self._generation = Generation(self._weights.read())
         self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
+        host = SchedulerHost(host_connect(self.config.host_tier_socket, "scheduler",
+                                          subscribe=True), int(parallel.world_size)) \
+            if self.config.host_tier_socket else None
+        # host_tier_redis: the summary of what Redis holds comes from the daemon
+        presence = functools.partial(RedisPresence.from_daemon, host.client) \
+            if self.config.host_tier_redis and host is not None else RedisPresence.from_config
         self.scheduler = TieredScheduler(
             self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
             int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block,
-            presence=RedisPresence.from_config,
-            host=SchedulerHost(host_connect(self.config.host_tier_socket, "scheduler",
-                                            subscribe=True), int(parallel.world_size))
-            if self.config.host_tier_socket else None)
+            presence=presence, host=host)
         log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
                  "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
                  hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())

@@ -9,7 +9,10 @@ A :class:`~offload_tiers.presence.PresenceFilter` of Redis key-name digests, fed
 
 The feed reads Redis on its own thread, not on the scheduler's path, and not through the
 workers: worker reports travel only while the engine steps, so a summary fed by them would
-be stale exactly when a request reaches an idle engine.
+be stale exactly when a request reaches an idle engine. An engine that reaches Redis only
+through the host tier's daemon (``host_tier_redis``) gets the daemon's feed instead
+(:class:`DaemonFeed`: pushed over the scheduler half's host-tier connection, read from its
+mirror thread's buffer; the daemon announces what it writes behind).
 
 A key's presence unit is its name under TP rank 0's fingerprint (the names every engine of
 this namespace writes and scans), which depends on rank 0's tensor layout: the rank-0
@@ -66,6 +69,15 @@ class RedisPresence:
                             scan_keys_per_s=config.presence_scan_keys_per_s)
         return cls(config, world_size, counters, feed.start())
 
+    @classmethod
+    def from_daemon(cls, client: Any, config: TieredConfig, world_size: int,
+                    counters: ConnectorCounters) -> RedisPresence | None:
+        """The summary fed by the host tier's daemon (``host_tier_redis``); None when the
+        summary is off."""
+        if not config.presence:
+            return None
+        return cls(config, world_size, counters, DaemonFeed(client))
+
     def set_layout(self, layout: str) -> None:
         if layout != self.layout:
             self.layout = layout
@@ -75,8 +87,8 @@ class RedisPresence:
         """Take in what the feed learned (every step, and before a look-up); True when the
         feed is synced."""
         synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
-        learned = self.feed.take()
-        if learned:
+        learned = self.feed.take()  # a list, or an array (the daemon's feed)
+        if len(learned):
             self.filter.add_many(learned)
             self.counters.add("presence_learned", len(learned))
         self.counters.set_gauge("presence_synced", int(synced))
@@ -119,3 +131,29 @@ class RedisPresence:
 
     def close(self) -> None:
         self.feed.close()
+
+
+class DaemonFeed:
+    """The daemon's presence feed as a :class:`RedisPresence` reads a feed: digests the
+    daemon pushed to this subscriber, and whether it is synced (it is not while the
+    daemon is gone or its own feed walks). Announcing is the daemon's (it announces what it
+    writes behind): this engine writes nothing to Redis itself."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    @property
+    def synced(self) -> bool:
+        return bool(self.client.available and self.client.presence_synced)
+
+    def take(self) -> Any:
+        return self.client.take_presence()
+
+    def announce_digests(self, digests: Any) -> None:
+        """Nothing to do: the daemon announces the saves it writes behind."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"synced": int(self.synced)}
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Nothing of its own: the host-tier client is the scheduler half's."""

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from offload_tiers._types import BytesLike
 from offload_tiers.host_tier.directory import Location
 from offload_tiers.host_tier.pins import PinTable
@@ -39,6 +41,7 @@ from offload_tiers.host_tier.protocol import (
     KeyTuple,
     Lease,
     Leased,
+    Presence,
     Probe,
     Probed,
     ProtocolError,
@@ -53,6 +56,7 @@ from offload_tiers.host_tier.protocol import (
     frame,
     split_frames,
 )
+from offload_tiers.presence import unpack_digests
 from offload_tiers.shared_segment import SharedSegment
 
 log = logging.getLogger("kvtier.host_tier")
@@ -125,6 +129,9 @@ class HostTierClient:
         self._writer: threading.Thread | None = None
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
+        # the daemon's presence feed, for a subscriber: digests not yet taken, and synced
+        self._presence: list[np.ndarray] = []
+        self.presence_synced = False
         self._replies: dict[int, Probed | Restored | None] = {}  # id -> answer (None: waiting)
 
     # ------------------------------------------------------------ lifecycle
@@ -257,6 +264,13 @@ class HostTierClient:
             return None
         return [None if w is None else Location(w[1], w[2], w[3]) for w in reply.where]
 
+    def take_presence(self) -> np.ndarray:
+        """Key-name digests the daemon learned Redis holds, since the last call (a new
+        connection starts with the daemon's whole window of them)."""
+        with self._cond:
+            parts, self._presence = self._presence, []
+        return np.concatenate(parts) if parts else np.zeros(0, dtype="<u8")
+
     def _request(self, build: Callable[[int], ToDaemon], timeout: float
                  ) -> Probed | Restored | None:
         with self._cond:
@@ -350,6 +364,8 @@ class HostTierClient:
             self.mirror = {d: Location(slot, save_id, length)
                            for d, slot, save_id, length in message.entries}
             self._attached = _Attached(message)
+            self._presence = [unpack_digests(message.presence)] if message.presence else []
+            self.presence_synced = message.presence_synced
             self.counters.connects += 1
             self.last_error = ""
         elif isinstance(message, Changes):
@@ -364,6 +380,10 @@ class HostTierClient:
         elif isinstance(message, Committed):
             self.counters.commits_kept += len(message.kept)
             self.counters.commits_dropped += len(message.dropped)
+        elif isinstance(message, Presence):
+            if message.digests:
+                self._presence.append(unpack_digests(message.digests))
+            self.presence_synced = message.synced
         elif isinstance(message, (Probed, Restored)):
             if message.id in self._replies:  # else: its asker gave up waiting
                 self._replies[message.id] = message
@@ -382,6 +402,7 @@ class HostTierClient:
             self._pool.clear()
             self._lease_pending = False
             self._replies.clear()  # a waiting request wakes to no answer
+            self.presence_synced = False
             self._cond.notify_all()
 
     @staticmethod

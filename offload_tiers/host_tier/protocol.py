@@ -4,7 +4,8 @@ Client to daemon: ``Hello`` (first, once), ``Lease``, ``Commit``, ``Touch``, and
 daemon has Redis (``Welcome.redis``) ``Probe`` and ``Restore``.
 Daemon to client: ``Welcome`` (answers Hello, with the directory's snapshot when the
 client subscribes), ``Leased``, ``Committed``, ``Changes`` (a subscriber's mirror updates,
-in the order they happened), ``Probed`` and ``Restored`` (each answers the request of its
+in the order they happened), ``Presence`` (to subscribers, where the daemon has Redis: key
+names it learned Redis holds), ``Probed`` and ``Restored`` (each answers the request of its
 ``id``), ``Refused`` (then the daemon closes the connection).
 
 A frame is a 4-byte big-endian length and that many bytes; anything else (a frame over
@@ -78,6 +79,10 @@ class Welcome(msgspec.Struct, tag="welcome"):
     slot_bytes: int
     entries: list[EntryTuple] = []
     redis: bool = False  # the daemon writes commits behind to Redis and restores from it
+    # a subscriber's start of the presence summary: the digests (offload_tiers.presence,
+    # packed) of the key names the daemon learned Redis holds, the newest last
+    presence: bytes = b""
+    presence_synced: bool = False  # the daemon's walk of the key names is complete
 
 
 class Leased(msgspec.Struct, tag="leased"):
@@ -92,6 +97,14 @@ class Committed(msgspec.Struct, tag="committed"):
 class Changes(msgspec.Struct, tag="changes"):
     added: list[EntryTuple]
     removed: list[bytes]
+
+
+class Presence(msgspec.Struct, tag="presence"):
+    """Key-name digests (packed) the daemon learned since its last ``Presence``, and
+    whether its feed is synced (walked the names since its last Redis failure)."""
+
+    digests: bytes
+    synced: bool
 
 
 class Probed(msgspec.Struct, tag="probed"):
@@ -109,7 +122,7 @@ class Refused(msgspec.Struct, tag="refused"):
 
 
 ToDaemon = Hello | Lease | Commit | Touch | Probe | Restore
-ToClient = Welcome | Leased | Committed | Changes | Probed | Restored | Refused
+ToClient = Welcome | Leased | Committed | Changes | Presence | Probed | Restored | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _to_daemon = msgspec.msgpack.Decoder(ToDaemon)

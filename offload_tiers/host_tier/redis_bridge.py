@@ -8,8 +8,13 @@ connection for the engines that attach with ``host_tier_redis``:
   Redis tier's own format, with the save id the engine chose (TP ranks' shards of one save
   share it). A save the directory drops as a duplicate is not written again: two engines
   storing one prefix write it to Redis once. Once written, TP rank 0's shard is announced
-  on the prefix's presence stream (``announcer``), as engines announce their own writes, so
+  on the prefix's presence stream (``feed``), as engines announce their own writes, so
   engines with a Redis connection of their own learn the key without a walk;
+* **presence**: the feed also walks the prefix's key names and reads every engine's
+  announcements; what it learns is pushed to subscribers (``Presence``; a new one gets the
+  last :data:`PRESENCE_WINDOW` digests in its ``Welcome``), so an engine without a Redis
+  connection keeps the same summary of what Redis may hold as one with its own (misses no
+  engine announced are answered without a probe);
 * **restores**: ``Restore`` reads values from Redis straight into slots leased to the
   daemon's own row, checked by the Redis tier (header, key, save id, checksum), commits
   them under the engines' host digests, and answers where they are. Every engine on the
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -38,6 +44,12 @@ from offload_tiers.host_tier.protocol import EntryTuple
 from offload_tiers.keys import BlockKey
 
 log = logging.getLogger("kvtier.host_tier")
+
+#: Key-name digests the daemon keeps for new subscribers (8 bytes each: 8 MiB), as many as
+#: an engine's presence summary remembers by default (``presence_capacity``).
+PRESENCE_WINDOW = 1 << 20
+#: How often learned digests are pushed to subscribers.
+PRESENCE_PUSH_S = 0.05
 
 #: (host digest, where the save lies, its Redis key, the Redis save id, announce it)
 WriteItem = tuple[bytes, Location, BlockKey, int, bool]
@@ -66,13 +78,27 @@ class RedisBridge:
 
     def __init__(self, redis: Any, directory: HostDirectory, lock: threading.RLock,
                  post: Callable[[Callable[[], None]], None], *, request_threads: int = 2,
-                 announcer: Any = None) -> None:
+                 feed: Any = None, push: Callable[[np.ndarray, bool], None] | None = None,
+                 window: int = PRESENCE_WINDOW) -> None:
+        """``feed``: a started PresenceFeed (announces; learns when its ``learn``);
+        ``push(digests, synced)``, run on the loop, sends learned digests to subscribers."""
         self.redis = redis
         self.directory = directory
         self.segment = directory.segment
         self.lock = lock
         self._post = post
-        self.announcer = announcer
+        self.feed = feed
+        self._push = push
+        self._window = window
+        self._learned: deque[np.ndarray] = deque()  # the newest ``window`` digests, in order
+        self._learned_count = 0
+        self._synced = False
+        self._stop = threading.Event()
+        self._pump: threading.Thread | None = None
+        if feed is not None and getattr(feed, "learn", False) and push is not None:
+            self._pump = threading.Thread(target=self._pump_presence, daemon=True,
+                                          name="kvtier-host-presence")
+            self._pump.start()
         with lock:
             row = directory.attach_client()
         if row is None:
@@ -102,17 +128,49 @@ class RedisBridge:
         st = self.redis.stats()
         out.update(redis_available=int(bool(st["available"])), redis_write_queue=st["queue_depth"],
                    redis_write_queue_bytes=st["queue_bytes"], redis_url=st["url"])
-        if self.announcer is not None:
-            out["redis_announced"] = int(self.announcer.stats()["announced"])
+        if self.feed is not None:
+            fs = self.feed.stats()
+            out.update(redis_announced=int(fs["announced"]), presence_synced=int(fs["synced"]),
+                       presence_learned=int(fs["learned_stream"]) + int(fs["learned_scan"]),
+                       presence_window=self._learned_count)
         return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Finish queued work (bounded by the Redis tier's own timeouts), then close Redis."""
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join()
         self._requests.shutdown(wait=True, cancel_futures=True)
         self._writes.shutdown(wait=True)
         self.redis.close(timeout=timeout)
-        if self.announcer is not None:
-            self.announcer.close(timeout)
+        if self.feed is not None:
+            self.feed.close(timeout)
+
+    def presence_snapshot(self) -> tuple[np.ndarray, bool]:
+        """The newest learned digests (up to the window) and whether the feed is synced:
+        a new subscriber's start (later ones arrive pushed)."""
+        with self._counter_lock:
+            parts = list(self._learned)
+            synced = self._synced
+        return (np.concatenate(parts) if parts else np.zeros(0, dtype="<u8")), synced
+
+    def _pump_presence(self) -> None:
+        """Move what the feed learned into the window and to subscribers (via the loop)."""
+        assert self.feed is not None and self._push is not None
+        push = self._push
+        while not self._stop.wait(PRESENCE_PUSH_S):
+            synced = bool(self.feed.synced)  # read before draining: the walk's come first
+            learned = np.asarray(self.feed.take(), dtype="<u8")
+            with self._counter_lock:
+                changed = bool(len(learned)) or synced != self._synced
+                if len(learned):
+                    self._learned.append(learned)
+                    self._learned_count += len(learned)
+                    while self._learned_count - len(self._learned[0]) >= self._window:
+                        self._learned_count -= len(self._learned.popleft())
+                self._synced = synced
+            if changed:
+                self._post(lambda d=learned, s=synced: push(d, s))
 
     # ------------------------------------------------------------ threads
     def _count(self, **deltas: int) -> None:
@@ -133,8 +191,8 @@ class RedisBridge:
     def _written(self, announce: BlockKey | None) -> Callable[[bool], None]:
         def done(stored: bool) -> None:
             self._count(**{"redis_writes" if stored else "redis_write_failures": 1})
-            if stored and announce is not None and self.announcer is not None:
-                self.announcer.announce([announce.name.encode()])
+            if stored and announce is not None and self.feed is not None:
+                self.feed.announce([announce.name.encode()])
         return done
 
     def _probe(self, keys: list[BlockKey], reply: Callable[[list[int]], None]) -> None:

@@ -50,6 +50,7 @@ from offload_tiers.host_tier.protocol import (
     KeyTuple,
     Lease,
     Leased,
+    Presence,
     Probe,
     Probed,
     ProtocolError,
@@ -95,7 +96,7 @@ class HostTierServer:
 
     def __init__(self, *, name: str, cpu_bytes: int, slot_bytes: int, socket_path: str,
                  max_clients: int = 256, mode: int = 0o600, group: int | None = None,
-                 redis: Any = None, announcer: Any = None) -> None:
+                 redis: Any = None, presence_feed: Any = None) -> None:
         if slot_bytes < 1:
             raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
         num_slots = cpu_bytes // slot_bytes
@@ -125,7 +126,8 @@ class HostTierServer:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._redis = redis  # a RedisTier: write-behind and restores for the clients
-        self._announcer = announcer  # a PresenceFeed: the keys written behind, announced
+        # a PresenceFeed: announces what is written behind, learns what Redis holds
+        self._presence_feed = presence_feed
         self.bridge: RedisBridge | None = None
         self._posted: deque[Callable[[], None]] = deque()  # run on the loop (bridge replies)
 
@@ -143,7 +145,7 @@ class HostTierServer:
         self.directory = HostDirectory(segment, pins)
         if self._redis is not None:
             self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post,
-                                      announcer=self._announcer)
+                                      feed=self._presence_feed, push=self._push_presence)
         self._listener = self._listen()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
@@ -314,9 +316,14 @@ class HostTierServer:
             conn.row, conn.label, conn.subscribed = row, msg.label[:200], msg.subscribe
             entries = ([(d, w.slot, w.save_id, w.length) for d, w in directory.entries.items()]
                        if msg.subscribe else [])
+            presence, synced = (self.bridge.presence_snapshot()
+                                if msg.subscribe and self.bridge is not None
+                                else (None, False))
             self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
                                      self.pins_path, row, self.num_slots, self.slot_bytes,
-                                     entries, redis=self.bridge is not None))
+                                     entries, redis=self.bridge is not None,
+                                     presence=presence.tobytes() if presence is not None
+                                     else b"", presence_synced=synced))
             return
         if conn.row is None:
             raise ProtocolError(f"{type(msg).__name__} before hello")
@@ -356,6 +363,14 @@ class HostTierServer:
             else:
                 self.bridge.restore(items, self._replier(
                     conn, lambda where, i=msg.id: Restored(i, where)))
+
+    def _push_presence(self, digests: Any, synced: bool) -> None:
+        """Send what the presence feed learned to every subscriber (on the loop)."""
+        message = Presence(digests.tobytes(), synced)
+        for conn in list(self._conns.values()):
+            if conn.subscribed:
+                self._send(conn, message)
+                self._flush(conn)
 
     def _post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread (from the bridge's threads)."""

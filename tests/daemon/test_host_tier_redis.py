@@ -23,8 +23,10 @@ from offload_tiers.host_tier.client import HostTierClient, new_save_id
 from offload_tiers.host_tier.protocol import Probe
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.presence import name_digest, unpack_digests
-from offload_tiers.redis.presence_feed import announce_stream
+from offload_tiers.redis.client import ClientFactory
+from offload_tiers.redis.presence_feed import PresenceFeed, announce_stream
 from offload_tiers.redis.tier import RedisTier
+from offload_tiers.redis.url import parse_redis_url
 from offload_tiers.shared_segment import digest
 from tests.support.daemon_proc import HostTierDaemon
 from tests.support.redis_server import RedisServer
@@ -226,6 +228,62 @@ def test_redis_gone_restores_miss_writes_fail_and_the_host_tier_serves_on(
         out = bytearray(where.length)
         assert watcher.read_into(d, where, out) and bytes(out) == payload(40)
         watcher.close()
+        c.close()
+    finally:
+        proc.kill()
+        proc.remove_files()
+
+
+def test_subscribers_get_the_daemons_presence_summary(
+        daemon: HostTierDaemon, redis_url: str, key_prefix: str) -> None:
+    """What the daemon learns Redis holds reaches its subscribers (engines' scheduler
+    halves without Redis): a key another engine announces, a key the daemon writes behind
+    itself (announced by it, read back from the stream); a later subscriber starts with
+    both in its welcome."""
+    first = client(daemon, subscribe=True)
+    writer = client(daemon)
+    other = PresenceFeed(ClientFactory(parse_redis_url(redis_url), timeout_s=5.0), key_prefix,
+                         learn=False).start()
+    seen: set[int] = set()
+    want = {name_digest(k.name.encode()) for k in (key(51), key(52))}
+
+    def learned(c: HostTierClient) -> bool:
+        seen.update(int(d) for d in c.take_presence())
+        return c.presence_synced and want <= seen
+
+    try:
+        other.announce([key(51).name.encode()])
+        commit_one(writer, key(52), payload(52), redis_save_id=9)
+        assert first.wait_until(learned, WAIT_S)
+        later = client(daemon, subscribe=True)
+        assert later.presence_synced
+        assert want <= {int(d) for d in later.take_presence()}
+        stats = daemon.tier()
+        assert stats["presence_synced"] == 1 and stats["presence_window"] >= 2
+        later.close()
+    finally:
+        other.close()
+        first.close()
+        writer.close()
+
+
+def test_a_daemon_started_on_a_full_prefix_walks_it_for_its_subscribers(
+        tmp_path: Path, redis_url: str, key_prefix: str, tier: RedisTier) -> None:
+    """Keys stored before the daemon started (no announcement read by it) are learned by
+    its walk of the key names; its subscribers see the summary synced only after it."""
+    assert tier.put_many([(key(60 + i), payload(60 + i)) for i in range(5)]) == 5
+    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                          slot_bytes=SLOT, redis_url=redis_url, redis_prefix=key_prefix).start()
+    try:
+        c = client(proc, subscribe=True)
+        seen: set[int] = set()
+        want = {name_digest(key(60 + i).name.encode()) for i in range(5)}
+
+        def walked(c: HostTierClient) -> bool:
+            seen.update(int(d) for d in c.take_presence())
+            return c.presence_synced and want <= seen
+
+        assert c.wait_until(walked, WAIT_S)
         c.close()
     finally:
         proc.kill()

@@ -241,8 +241,11 @@ def redis_daemons(tmp_path_factory: pytest.TempPathFactory, redis_url: str
             what=f"the daemon writing engine A's {written} saves behind")["host_tier"]
         first_daemon.kill()
         second_daemon = start()
-        restored = run_in_subprocess({"model": "llama", "extra": extra,
-                                      "steps": [["generate", "B2", B2]]})
+        # its walk of the prefix's key names found A's keys: its summary is complete
+        second_daemon.wait_for(lambda s: s["host_tier"]["presence_synced"] == 1,
+                               what="the new daemon's walk of the key names")
+        restored = run_in_subprocess({"model": "llama", "extra": extra, "steps": [
+            ["generate", "B2", B2], ["generate", "C2", C2]]})
         yield {"stored": stored, "first_tier": first_tier, "restored": restored,
                "second_tier": second_daemon.tier()}
     finally:
@@ -259,7 +262,8 @@ def test_engines_on_the_daemons_redis_store_through_it_and_restore_after_it_rest
         baseline: dict[str, dict[str, Any]], redis_daemons: dict[str, Any]) -> None:
     """The engines open no Redis connection: their saves reach Redis through the daemon's
     write-behind, and after the daemon restarts (its segment empty) a new engine's prefix
-    comes back from Redis through the daemon, with vLLM's output."""
+    comes back from Redis through the daemon, with vLLM's output; a prompt nobody stored is
+    answered from the daemon's presence summary, without a probe."""
     blocks = PREFIX_TOKENS // 32
     stored = redis_daemons["stored"]["stats"]
     assert stored["redis_saves_via_daemon"] == blocks == stored["blocks_written_host"]
@@ -270,6 +274,12 @@ def test_engines_on_the_daemons_redis_store_through_it_and_restore_after_it_rest
     assert run["num_cached_tokens"] == PREFIX_TOKENS
     assert run["token_ids"] == baseline["B2"]["token_ids"]
     assert redis_daemons["restored"]["stats"]["load_errors"] == 0
+    fresh = by_name(redis_daemons["restored"])["C2"]
+    assert fresh["delta"].get("presence_known_absent", 0) >= 1
+    assert fresh["delta"].get("probe_waits", 0) == 0  # scheduled in the step it arrived
+    assert fresh["num_cached_tokens"] == 0
+    assert fresh["token_ids"] == baseline["C2"]["token_ids"]
+    assert redis_daemons["restored"]["stats"]["presence_learned"] >= blocks
     tier = redis_daemons["second_tier"]
     # restored into the new daemon's segment: every engine on the host now finds them there
     assert tier["redis_restored"] == blocks
