@@ -24,6 +24,7 @@ and deletes its keys at the end. Exit status 0 only when every output is identic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -157,12 +158,19 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
              + (" (and the host tier)" if args.host_tier else ""))
     model_dir = model_path(args.model)
     run_id = uuid.uuid4().hex[:10]
-    host = DemoHostTier(run_id, HOST_TIER_BYTES, HOST_SLOT_BYTES) if args.host_tier else None
+    host = None
+    if args.host_tier:
+        # with Redis the daemon holds the one Redis connection (host_tier_redis engines)
+        host = DemoHostTier(run_id, HOST_TIER_BYTES, HOST_SLOT_BYTES,
+                            redis_url_env=REDIS_URL_ENV if choice.url else None,
+                            redis_prefix=redis_prefix(run_id), secrets=_secrets(choice))
     try:
         if host is not None:
             host.start()
             _say(f"[demo] host tier: kvtier daemon (pid {host.pid}), "
-                 f"{HOST_TIER_BYTES >> 20} MiB of shared memory, socket {host.socket}")
+                 f"{HOST_TIER_BYTES >> 20} MiB of shared memory, socket {host.socket}"
+                 + ("; it holds the Redis connection (the engines open none)"
+                    if choice.url else ""))
         engines = _run_engines(args, choice, model_dir, workload, run_id, host)
     finally:
         if host is not None:
@@ -170,20 +178,31 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     return _result(args, choice, workload, engines, time.monotonic() - t_start)
 
 
+def redis_prefix(run_id: str) -> str:
+    """The demo run's own Redis key prefix (its keys are deleted at the end)."""
+    return f"kvtier-demo-{run_id}"
+
+
+def _secrets(choice: RedisChoice) -> dict[str, str]:
+    """The Redis URL (password included) for child processes' environments only: spec
+    files, logs and outputs in --log-dir never hold it (vLLM prints its config)."""
+    return {REDIS_URL_ENV: choice.url} if choice.url else {}
+
+
 def _run_engines(args: argparse.Namespace, choice: RedisChoice, model_dir: Path,
                  workload: Workload, run_id: str, host: DemoHostTier | None) -> Engines:
     from connector.demo.engine import run_engine
 
     log_dir = Path(args.log_dir) if args.log_dir else None
-    prefix = f"kvtier-demo-{run_id}"
-    # The URL (password included) reaches the child engines by their environment only: the
-    # spec files, logs and outputs in --log-dir never hold it (vLLM prints its config).
-    secrets = {REDIS_URL_ENV: choice.url} if choice.url else {}
+    prefix = redis_prefix(run_id)
+    secrets = _secrets(choice)
     extra: dict[str, Any] = {"cpu_bytes": CPU_TIER_BYTES, "redis_prefix": prefix}
-    if choice.url:
-        extra["redis_url_env"] = REDIS_URL_ENV
     if host is not None:
         extra["host_tier_socket"] = host.socket
+        if choice.url:
+            extra["host_tier_redis"] = True  # Redis through the daemon
+    elif choice.url:
+        extra["redis_url_env"] = REDIS_URL_ENV
     if args.debug_corrupt_loads:  # negative control for the "identical" column (tests)
         extra["debug_corrupt_loads"] = True
     ktc = kvtier_transfer_config(extra)
@@ -215,10 +234,14 @@ def _run_engines(args: argparse.Namespace, choice: RedisChoice, model_dir: Path,
             _say("[demo] 3/3 skipped: without Redis or the host tier nothing outlives the "
                  "engine process")
     finally:
+        host_stats = None
+        if host is not None:  # stopped first: it writes what it queued for Redis
+            with contextlib.suppress(OSError):  # a daemon gone: no stats, the error stands
+                host_stats = host.stats()
+            host.stop()
         if choice.reachable and choice.url:
             cleaned = delete_redis_prefix(choice.url, prefix)
-    return Engines(base, reference, first, restart, prefix, cleaned,
-                   host.stats() if host is not None else None)
+    return Engines(base, reference, first, restart, prefix, cleaned, host_stats)
 
 
 def _result(args: argparse.Namespace, choice: RedisChoice, workload: Workload,
@@ -300,7 +323,8 @@ def _print_result(result: dict[str, Any]) -> None:
         print(f"host tier (kvtier daemon, shared memory, removed afterwards): {st['entries']} "
               f"entries in {st['num_slots']} slots, {st['bytes_used'] / (1 << 20):.1f} MiB, "
               f"{st['commits']} saves committed, {st['duplicates_dropped']} duplicates "
-              "dropped")
+              "dropped" + (f"; it wrote {st['redis_writes']} of them to Redis (the engines "
+                           "hold no Redis connection)" if st.get("redis") else ""))
     print()
     print(render_table(rows, host_column=bool(host.get("used"))))
     print()

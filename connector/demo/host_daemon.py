@@ -3,13 +3,16 @@
 The daemon holds the host's shared CPU tier (a segment in ``/dev/shm`` and a Unix socket
 in a private temporary directory); the demo's kvtier engines attach to it by the socket.
 It outlives each engine, so an engine restarted on the same host restores its prefixes
-from it without Redis. Stopped (SIGTERM: it removes its socket, segment and pin table)
-when the demo ends. Does not import vLLM.
+from it without Redis. With Redis, the daemon holds the Redis connection (the engines set
+``host_tier_redis`` and open none): its URL reaches the daemon by its environment only.
+Stopped (SIGTERM: it writes what it queued for Redis, removes its socket, segment and pin
+table) when the demo ends. Does not import vLLM.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,10 +35,17 @@ class HostTierStartError(RuntimeError):
 class DemoHostTier:
     """A host-tier daemon for one demo run: ``socket`` to give the engines, ``stats()``."""
 
-    def __init__(self, run_id: str, cpu_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, run_id: str, cpu_bytes: int, slot_bytes: int, *,
+                 redis_url_env: str | None = None, redis_prefix: str | None = None,
+                 secrets: dict[str, str] | None = None) -> None:
+        """``redis_url_env``: the variable of ``secrets`` holding the Redis URL the daemon
+        writes behind to and restores from (under ``redis_prefix``); None: no Redis."""
         self.name = f"demo-{run_id}"
         self.cpu_bytes = cpu_bytes
         self.slot_bytes = slot_bytes
+        self.redis_url_env = redis_url_env
+        self.redis_prefix = redis_prefix
+        self._secrets = dict(secrets or {})
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-demo-host-"))  # mode 0700
         self.socket = str(self._dir / "host.sock")
         self._proc: subprocess.Popen[str] | None = None
@@ -48,8 +58,11 @@ class DemoHostTier:
                str(self.cpu_bytes), "--slot-bytes", str(self.slot_bytes),
                "--host-tier-socket", self.socket, "--host-tier-name", self.name,
                "--http", "127.0.0.1:0"]
+        if self.redis_url_env:
+            cmd += ["--redis-url-env", self.redis_url_env,
+                    "--redis-prefix", self.redis_prefix or "kvtier"]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
+                                      text=True, env={**os.environ, **self._secrets})
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             self._lines.append(line.rstrip())

@@ -26,13 +26,9 @@ WAIT_S = 60.0
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[HostTierDaemon]:
-    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"halves-{uuid.uuid4().hex[:12]}",
-                          slots=256, slot_bytes=8192).start()
-    try:
+    with HostTierDaemon(tmp_path / "run" / "host.sock", f"halves-{uuid.uuid4().hex[:12]}",
+                        slots=256, slot_bytes=8192).running() as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.remove_files()
 
 
 @pytest.fixture

@@ -37,12 +37,9 @@ def sock_path(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def daemon(sock_path: Path) -> Iterator[HostTierDaemon]:
-    proc = HostTierDaemon(sock_path, f"test-{uuid.uuid4().hex[:12]}", slot_bytes=SLOT).start()
-    try:
+    with HostTierDaemon(sock_path, f"test-{uuid.uuid4().hex[:12]}",
+                        slot_bytes=SLOT).running() as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.remove_files()
 
 
 def client(sock: Path, **kw: Any) -> HostTierClient:

@@ -45,14 +45,10 @@ def payload(i: int, n: int = 3000) -> bytes:
 
 @pytest.fixture
 def daemon(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[HostTierDaemon]:
-    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
-                          slots=8, slot_bytes=SLOT, redis_url=redis_url,
-                          redis_prefix=key_prefix).start()
-    try:
+    with HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                        slots=8, slot_bytes=SLOT, redis_url=redis_url,
+                        redis_prefix=key_prefix).running() as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.remove_files()
 
 
 @pytest.fixture
@@ -193,27 +189,22 @@ def test_a_bad_key_closes_that_connection_only(daemon: HostTierDaemon) -> None:
 
 
 def test_without_redis_the_daemon_offers_none(tmp_path: Path) -> None:
-    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
-                          slot_bytes=SLOT).start()
-    try:
+    with HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                        slot_bytes=SLOT).running() as proc:
         c = client(proc)
         assert c.redis is False
         assert c.probe([key_tuple(key(1))], WAIT_S) is None
         assert c.restore([(digest(b"a"), key_tuple(key(1)), 1, 10)], WAIT_S) is None
         assert proc.tier()["redis"] is False
         c.close()
-    finally:
-        proc.kill()
-        proc.remove_files()
 
 
 def test_redis_gone_restores_miss_writes_fail_and_the_host_tier_serves_on(
         tmp_path: Path, redis_server: RedisServer) -> None:
     prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
-    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
-                          slot_bytes=SLOT, redis_url=redis_server.url,
-                          redis_prefix=prefix).start()
-    try:
+    with HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                        slot_bytes=SLOT, redis_url=redis_server.url,
+                        redis_prefix=prefix).running() as proc:
         c = client(proc)
         redis_server.stop()
         d = commit_one(c, key(40), payload(40), redis_save_id=1)
@@ -229,9 +220,6 @@ def test_redis_gone_restores_miss_writes_fail_and_the_host_tier_serves_on(
         assert watcher.read_into(d, where, out) and bytes(out) == payload(40)
         watcher.close()
         c.close()
-    finally:
-        proc.kill()
-        proc.remove_files()
 
 
 def test_subscribers_get_the_daemons_presence_summary(
@@ -272,9 +260,9 @@ def test_a_daemon_started_on_a_full_prefix_walks_it_for_its_subscribers(
     """Keys stored before the daemon started (no announcement read by it) are learned by
     its walk of the key names; its subscribers see the summary synced only after it."""
     assert tier.put_many([(key(60 + i), payload(60 + i)) for i in range(5)]) == 5
-    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
-                          slot_bytes=SLOT, redis_url=redis_url, redis_prefix=key_prefix).start()
-    try:
+    with HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                        slot_bytes=SLOT, redis_url=redis_url,
+                        redis_prefix=key_prefix).running() as proc:
         c = client(proc, subscribe=True)
         seen: set[int] = set()
         want = {name_digest(key(60 + i).name.encode()) for i in range(5)}
@@ -285,6 +273,3 @@ def test_a_daemon_started_on_a_full_prefix_walks_it_for_its_subscribers(
 
         assert c.wait_until(walked, WAIT_S)
         c.close()
-    finally:
-        proc.kill()
-        proc.remove_files()

@@ -159,6 +159,39 @@ def test_demo_host_tier_restart_restores_without_redis(
     assert "host tier" in proc.stdout and "CPU + host tier" in proc.stdout
 
 
+def test_demo_host_tier_with_redis_the_daemon_holds_the_connection(
+        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict],
+        secret_redis: SecretRedis) -> None:
+    """``--host-tier`` with a Redis that requires a password: the daemon holds the one
+    Redis connection (its URL by environment), the engines set ``host_tier_redis`` and hold
+    none; the daemon writes their saves behind; the restarted engine restores from the host
+    tier, outputs identical; the run's keys are gone afterwards and the password appears in
+    nothing the demo printed or left."""
+    proc, data = _run_demo(tmp_path, "--redis-url", secret_redis.user_url, "--host-tier",
+                           *_reference(with_redis))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert data["mode"] == "cpu+host+redis"
+    assert data["outputs_identical"] is True
+    restart = _rows(data)["kvtier: engine restarted (new process)"]
+    assert restart["host_tokens"] > 0
+    assert restart["cpu_tokens"] == restart["redis_tokens"] == 0
+    stats = data["host_tier"]["stats"]
+    assert stats["redis"] is True
+    assert stats["redis_writes"] > 0 and stats["redis_write_failures"] == 0
+    assert data["redis"]["keys_cleaned"] >= stats["redis_writes"]
+    client = redis.Redis.from_url(secret_redis.user_url)
+    assert list(client.scan_iter(match=f"{data['redis']['key_prefix']}:*", count=1000)) == []
+    specs = [p.read_text() for p in (tmp_path / "logs").glob("*.spec.json")]
+    kvtier_specs = [t for t in specs if "host_tier_socket" in t]
+    assert kvtier_specs and all("host_tier_redis" in t and "redis_url_env" not in t
+                                for t in kvtier_specs)
+    assert "the engines hold no Redis connection" in proc.stdout
+    files = sorted(p for p in (tmp_path / "logs").rglob("*") if p.is_file())
+    for text in [proc.stdout, proc.stderr, json.dumps(data)] + [
+            p.read_text(errors="replace") for p in files]:
+        assert secret_redis.found_in(text) == []
+
+
 def test_demo_detects_wrong_outputs(
         tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict]) -> None:
     """Negative control: kvtier's test-only switch corrupts every loaded block; the demo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,16 @@ class HostTierDaemon(DaemonProcess):
 
     def tier(self) -> dict[str, Any]:
         return self.stats()["host_tier"]
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[HostTierDaemon]:
+        """Started; killed and its files removed on exit."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.kill()
+            self.remove_files()
 
     def remove_files(self) -> None:
         """The segment and pin table a killed daemon leaves behind."""
