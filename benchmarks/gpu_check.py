@@ -12,15 +12,17 @@ against an independent per-block read, scatters the slots into other blocks of z
 tensors and checks those bytes (and that no other block changed), and runs the host tier's
 restore path: the same bytes written into a real shared segment (``SharedSegment``, a file
 under ``/dev/shm``; on CUDA its mapping page-locked with ``cudaHostRegister`` as the worker
-does, ``connector/vllm_connector/pinned.py``), checked in place, scattered straight from
+does, ``connector/vllm_connector/pinned.py``): blocks gathered straight from the KV tensors
+into its slots (a save), then the slab's bytes checked in place, scattered straight from
 there, and the seqlock unchanged after.
 
 Then throughput: gather and scatter of a Llama-3-8B-shaped group (32 layers, 16-token blocks,
 8 KV heads x 128, bf16: 2 MiB per block) against a plain torch copy of the same number of
 bytes between the same device and pinned host memory (the bus's limit as torch reaches it),
-and the scatter from the shared segment, registered and (for comparison) staged, best of
-several repetitions, interleaved. JSON ``ratios.gather_vs_copy``, ``ratios.scatter_vs_copy``
-and ``ratios.segment_scatter_vs_copy``. Exit status 1 when any byte differs.
+the scatter from the shared segment, registered and (for comparison) staged, and the gather
+straight into it (a CUDA worker's host-tier save), best of several repetitions, interleaved.
+JSON ``ratios.gather_vs_copy``, ``scatter_vs_copy``, ``segment_scatter_vs_copy`` and
+``segment_gather_vs_copy``. Exit status 1 when any byte differs.
 """
 
 from __future__ import annotations
@@ -162,16 +164,28 @@ def check_case(name: str, caches: Caches, dims: dict[str, list[int]], blocks: in
     # straight from there (page-locked on CUDA), and no write began meanwhile.
     from_segment = _zeroed(caches)
     with _segment(slots[-1] + 1, layout.slot_bytes + 64) as segment:
-        keys = [digest(f"{name}:{slot}".encode()) for slot in slots]
-        for slot, key in zip(slots, keys, strict=True):
-            segment.write(slot, key, slot + 1, slab[slot, :layout.slot_bytes])
-        seqs = segment.verify_many(slots, keys, [s + 1 for s in slots],
-                                   [layout.slot_bytes] * len(slots))
         pins = HostRegistration(segment.memory()) if caches_device(caches) == "cuda" else None
+        locked = pins is not None and pins.ok
+        keys = [digest(f"{name}:{slot}".encode()) for slot in slots]
         try:
+            # a save straight from the KV tensors into the segment (the CUDA worker's)
+            for slot in slots:
+                segment.begin_write(slot)
+            mover.gather(0, ids, slots, dest=torch.from_numpy(segment.payloads),
+                         dest_pinned=locked)
+            for slot, key in zip(slots, keys, strict=True):
+                segment.commit_write(slot, key, slot + 1, layout.slot_bytes)
+            seqs = segment.verify_many(slots, keys, [s + 1 for s in slots],
+                                       [layout.slot_bytes] * len(slots))
+            gathered_ok = None not in seqs and all(
+                bytes(segment.payloads[slot, :layout.slot_bytes])
+                == bytes(slab[slot, :layout.slot_bytes]) for slot in slots)
+            for slot, key in zip(slots, keys, strict=True):  # the restore reads the slab's
+                segment.write(slot, key, slot + 1, slab[slot, :layout.slot_bytes])
+            seqs = segment.verify_many(slots, keys, [s + 1 for s in slots],
+                                       [layout.slot_bytes] * len(slots))
             BlockTransfer(from_segment, layout, slab).scatter(
-                0, dest, slots, source=segment.payloads,
-                source_pinned=pins is not None and pins.ok)
+                0, dest, slots, source=segment.payloads, source_pinned=locked)
         finally:
             if pins is not None:
                 pins.close()
@@ -184,6 +198,7 @@ def check_case(name: str, caches: Caches, dims: dict[str, list[int]], blocks: in
     return {"layout": name, "blocks_checked": count, "slot_bytes": layout.slot_bytes,
             "gather_byte_exact": gather_ok, "scatter_byte_exact": scatter_ok,
             "other_blocks_untouched": untouched, "segment_scatter_byte_exact": segment_ok,
+            "segment_gather_byte_exact": gathered_ok,
             "segment_page_locked": pins is not None and pins.ok,
             "segment_page_locked_why": "" if pins is None else pins.why}
 
@@ -249,8 +264,11 @@ def throughput(device: str, layers: int, blocks: int, moved: int, reps: int,
             segment.write(slot, digest(b"%d" % slot), slot + 1, slab[slot, :layout.slot_bytes])
         pins = HostRegistration(segment.memory()) if device == "cuda" else None
         locked = pins is not None and pins.ok
+        rows = torch.from_numpy(segment.payloads)
         runs["segment_scatter"] = lambda: mover.scatter(
             0, ids, slots, source=segment.payloads, source_pinned=locked)
+        runs["segment_gather"] = lambda: mover.gather(0, ids, slots, dest=rows,
+                                                      dest_pinned=locked)
         if locked:  # the same rows, not registered: what a worker without the pins gets
             runs["segment_scatter_staged"] = lambda: mover.scatter(
                 0, ids, slots, source=segment.payloads, source_pinned=False)
@@ -289,19 +307,21 @@ def main(argv: list[str] | None = None) -> int:
              else throughput(device, 32, 512, 128, 10, gen))
     exact = all(c["gather_byte_exact"] and c["scatter_byte_exact"]
                 and c["other_blocks_untouched"] and c["segment_scatter_byte_exact"]
-                for c in cases)
+                and c["segment_gather_byte_exact"] for c in cases)
     ratios = {"gather_vs_copy": speed["gbps"]["gather"] / speed["gbps"]["d2h"],
               "scatter_vs_copy": speed["gbps"]["scatter"] / speed["gbps"]["h2d"],
-              "segment_scatter_vs_copy": speed["gbps"]["segment_scatter"] / speed["gbps"]["h2d"]}
+              "segment_scatter_vs_copy": speed["gbps"]["segment_scatter"] / speed["gbps"]["h2d"],
+              "segment_gather_vs_copy": speed["gbps"]["segment_gather"] / speed["gbps"]["d2h"]}
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"kvtier gpu_check on {name} (torch {torch.__version__})")
     print(f"{'layout':<24}{'slot bytes':>12}{'gather':>9}{'scatter':>9}{'others':>9}"
-          f"{'segment':>9}")
+          f"{'seg in':>9}{'seg out':>9}")
     for c in cases:
         print(f"{c['layout']:<24}{c['slot_bytes']:>12}"
               f"{'exact' if c['gather_byte_exact'] else 'DIFFER':>9}"
               f"{'exact' if c['scatter_byte_exact'] else 'DIFFER':>9}"
               f"{'same' if c['other_blocks_untouched'] else 'CHANGED':>9}"
+              f"{'exact' if c['segment_gather_byte_exact'] else 'DIFFER':>9}"
               f"{'exact' if c['segment_scatter_byte_exact'] else 'DIFFER':>9}")
     g = speed["gbps"]
     print(f"\n{speed['blocks']} blocks of {speed['block_bytes']} B ({speed['bytes'] / 2**20:.0f}"
@@ -314,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         f"not page-locked: {speed['segment_page_locked_why'] or 'CPU'}")
     print(f"  scatter from the shared segment ({locked}) {g['segment_scatter']:8.2f}"
           f"   ratio {ratios['segment_scatter_vs_copy']:.2f}")
+    print(f"  gather into the shared segment ({locked}) {g['segment_gather']:8.2f}"
+          f"   ratio {ratios['segment_gather_vs_copy']:.2f}")
     if "segment_scatter_staged" in g:
         print(f"  scatter from the shared segment, not registered (staged) "
               f"{g['segment_scatter_staged']:8.2f}")

@@ -84,11 +84,13 @@ class BlockTransfer:
                                                       typed.movedim(0, s.block_dim))
 
     def gather(self, group: int, block_ids: list[int], slots: list[int], *,
-               dest: torch.Tensor | None = None) -> int:
+               dest: torch.Tensor | None = None, dest_pinned: bool = False) -> int:
         """Copy blocks ``block_ids`` of ``group`` into slab rows ``slots``; bytes copied.
 
-        ``dest`` replaces the slab (a uint8 ``[rows, >= slot bytes]`` buffer of the caller's).
-        Returns once the bytes are in place.
+        ``dest`` replaces the slab (a uint8 ``[rows, >= group bytes]`` buffer of the
+        caller's, rows possibly strided: the host tier's shared segment); ``dest_pinned``
+        says its memory is page-locked (each row then crosses in one DMA). Returns once the
+        bytes are in place.
         """
         if not block_ids:
             return 0
@@ -97,8 +99,8 @@ class BlockTransfer:
         ids = self._ids(block_ids)
         n = len(block_ids)
         if self._cuda:
-            self._gather_cuda(layout, ids, slots, target, pinned=dest is None
-                              and self._slab_pinned)
+            self._gather_cuda(layout, ids, slots, target,
+                              pinned=self._slab_pinned if dest is None else dest_pinned)
             return n * layout.nbytes
         target_np = self._slab_np if dest is None else dest.numpy()
         runs = _paired_runs(block_ids, slots)

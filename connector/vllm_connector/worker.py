@@ -461,7 +461,22 @@ class TieredWorker:
         ops = ops[:len(slots)]
         for slot in slots:
             segment.begin_write(slot)
-        segment.payloads[slots, :nbytes] = self.slab[[op.slot for op in ops], :nbytes]
+        assert self.transfer is not None
+        try:
+            if self.transfer.device.type == "cuda":
+                # straight from the KV tensors: one DMA per slot into the page-locked
+                # segment (a host memcpy from the slab would hold the step at memcpy speed)
+                pinned = self._segment_pins.pinned(segment, segment.memory())
+                self.transfer.gather(group, [op.block_id for op in ops], slots,
+                                     dest=torch.from_numpy(segment.payloads), dest_pinned=pinned)
+            else:
+                segment.payloads[slots, :nbytes] = self.slab[[op.slot for op in ops], :nbytes]
+        except Exception:
+            log.exception("kvtier: copying saves into the host tier failed; not offered")
+            for slot in slots:
+                segment.invalidate(slot)  # never committed: the daemon frees it at exit
+            self.counters.add("host_store_drops", len(ops))
+            return set()
         future = self._io.submit(self._commit_host, segment, ops, slots, nbytes)
         self._host_commits.add(future)
         future.add_done_callback(self._host_commits.discard)

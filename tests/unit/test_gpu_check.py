@@ -23,9 +23,11 @@ def test_every_layout_round_trips_byte_exact_and_reports_ratios(tmp_path: Path) 
     for case in report["cases"]:
         assert case["gather_byte_exact"] and case["scatter_byte_exact"], case
         assert case["other_blocks_untouched"] and case["segment_scatter_byte_exact"], case
+        assert case["segment_gather_byte_exact"], case
         assert case["segment_page_locked"] is False  # nothing to page-lock on the CPU
     assert report["ratios"]["gather_vs_copy"] > 0 and report["ratios"]["scatter_vs_copy"] > 0
     assert report["ratios"]["segment_scatter_vs_copy"] > 0
+    assert report["ratios"]["segment_gather_vs_copy"] > 0
 
 
 class _CorruptingTransfer(BlockTransfer):
