@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks import gpu_check
+from connector.vllm_connector.layout import build_layout
 from connector.vllm_connector.transfer import BlockTransfer, slot_runs
+from offload_tiers.cpu_tier import allocate_slab
 
 
 def test_every_layout_round_trips_byte_exact_and_reports_ratios(tmp_path: Path) -> None:
@@ -51,3 +54,30 @@ def test_a_wrong_byte_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path:
 def test_slot_runs_group_consecutive_slots() -> None:
     assert slot_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
     assert slot_runs([]) == []
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_block_first", "flashinfer_nhd",
+                                  "flashinfer_hnd", "mla", "mla_fp8", "mamba_page"])
+def test_packing_straight_into_columns_equals_the_select_then_copy(name: str) -> None:
+    """The CUDA path's packing (each tensor's blocks selected straight into their columns
+    of the packed buffer) gives the bytes the plain select-reorder-copy gives, in every
+    layout (here on CPU tensors; gpu_check runs it on CUDA)."""
+    gen = torch.Generator().manual_seed(1)
+    if name == "mamba_page":
+        caches, dims = gpu_check._mamba(2, 12, "cpu", gen)
+        kind = "mamba"
+    else:
+        caches, dims = gpu_check._attention(name, 2, 12, 16, 4, 64, "cpu", gen)
+        kind = "attention"
+    layout = build_layout(caches, [(0, kind, 16, sorted(caches))], 12, dims)
+    slab, owner = allocate_slab(4, layout.slot_bytes)
+    mover = BlockTransfer(caches, layout, slab)
+    group = mover.group(0)
+    ids = torch.tensor([7, 2, 3, 11])
+    direct = torch.zeros((4, group.nbytes), dtype=torch.uint8)
+    plain = torch.zeros_like(direct)
+    for s in group.slices:
+        mover._read_into(s, ids, direct)
+        plain[:, s.offset:s.offset + s.nbytes] = mover._read(s, ids, 4)
+    assert torch.equal(direct, plain)
+    del owner
