@@ -247,16 +247,18 @@ def host_tier(d: dict[str, Any]) -> str:
 def gpu(d: dict[str, Any]) -> str:
     g, r, t = d["throughput"]["gbps"], d["ratios"], d["throughput"]
     exact = "byte-exact" if d["byte_exact"] else "NOT byte-exact"
-    out = (f"on an {d['device']} (torch {d['torch']}): all {len(d['cases'])} layouts {exact} "
-           f"both ways and from the shared segment; {t['blocks']} blocks of "
-           f"{t['block_bytes'] / 2**20:.0f} MiB gathered at {g['gather']:.1f} GB/s "
-           f"({x(r['gather_vs_copy'])} a plain device-to-host copy's {g['d2h']:.1f}), scattered "
-           f"at {g['scatter']:.1f} GB/s ({x(r['scatter_vs_copy'])} host-to-device's "
-           f"{g['h2d']:.1f}), scattered from the page-locked shared segment at "
-           f"{g['segment_scatter']:.1f} GB/s ({x(r['segment_scatter_vs_copy'])})")
-    if "segment_scatter_staged" in g:
-        out += f" against {g['segment_scatter_staged']:.1f} GB/s unregistered (staged)"
-    return out + f" ({d['_measured']['date']}, commit {d['_measured']['commit']})"
+    staged = (f"; {g['segment_scatter_staged']:.1f} GB/s unregistered, staged"
+              if "segment_scatter_staged" in g else "")
+    return (f"on an {d['device']} (torch {d['torch']}): all {len(d['cases'])} layouts {exact} "
+            f"both ways and through the shared segment; {t['blocks']} blocks of "
+            f"{t['block_bytes'] / 2**20:.0f} MiB gathered at {g['gather']:.1f} GB/s "
+            f"({x(r['gather_vs_copy'])} a plain device-to-host copy's {g['d2h']:.1f}), "
+            f"scattered at {g['scatter']:.1f} GB/s ({x(r['scatter_vs_copy'])} host-to-device's "
+            f"{g['h2d']:.1f}), scattered from the page-locked shared segment at "
+            f"{g['segment_scatter']:.1f} GB/s ({x(r['segment_scatter_vs_copy'])}{staged}) and "
+            f"gathered straight into it at {g['segment_gather']:.1f} GB/s "
+            f"({x(r['segment_gather_vs_copy'])}) ({d['_measured']['date']}, commit "
+            f"{d['_measured']['commit']})")
 
 
 #: span name -> (JSON files under benchmarks/results, renderer)
