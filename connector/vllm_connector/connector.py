@@ -261,6 +261,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                             subscribe=False) if self.config.host_tier_socket else None
         if self.config.host_tier_redis and host is not None:
             redis = DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
+            if host.available and not host.redis:
+                log.warning("kvtier: host_tier_redis is set but the daemon at %s holds no "
+                            "Redis (start it with --redis-url); serving without Redis",
+                            self.config.host_tier_socket)
         self.worker = TieredWorker(self.config, rank, self.tp_size, num_slots, redis, host)
 
     # ================================================================ helpers
