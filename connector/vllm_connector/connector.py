@@ -14,7 +14,6 @@ server, tensor parallelism and data parallelism (each DP engine is its own engin
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -50,7 +49,7 @@ from connector.vllm_connector.config import (
     check_parallel_shape,
     load_config,
 )
-from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis
+from connector.vllm_connector.daemon_redis import worker_redis
 from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.host import connect as host_connect
@@ -62,7 +61,7 @@ from connector.vllm_connector.namespace import (
     slot_count,
 )
 from connector.vllm_connector.plan import StepPlan, WorkerReport
-from connector.vllm_connector.presence import RedisPresence
+from connector.vllm_connector.presence import presence_source
 from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
@@ -70,7 +69,7 @@ from connector.vllm_connector.scheduler import (
     Tier,
     TieredScheduler,
 )
-from connector.vllm_connector.worker import TieredWorker, make_redis_tier
+from connector.vllm_connector.worker import TieredWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -234,9 +233,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         host = SchedulerHost(host_connect(self.config.host_tier_socket, "scheduler",
                                           subscribe=True), int(parallel.world_size)) \
             if self.config.host_tier_socket else None
-        # host_tier_redis: the summary of what Redis holds comes from the daemon
-        presence = functools.partial(RedisPresence.from_daemon, host.client) \
-            if self.config.host_tier_redis and host is not None else RedisPresence.from_config
+        presence = presence_source(self.config, host.client if host is not None else None)
         self.scheduler = TieredScheduler(
             self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
             int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block,
@@ -255,12 +252,11 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def _start_worker(self, num_slots: int) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        redis = make_redis_tier(self.config) if self.config.redis_url else None
         rank = int(get_tensor_model_parallel_rank())
         host = host_connect(self.config.host_tier_socket, f"worker rank {rank}",
                             subscribe=False) if self.config.host_tier_socket else None
+        redis = worker_redis(self.config, host)
         if self.config.host_tier_redis and host is not None:
-            redis = DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
             if host.available and not host.redis:
                 log.warning("kvtier: host_tier_redis is set but the daemon at %s holds no "
                             "Redis (start it with --redis-url); serving without Redis",

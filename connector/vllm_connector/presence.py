@@ -23,6 +23,7 @@ not synced (walking the key names, or after a Redis failure), every miss asks Re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +132,15 @@ class RedisPresence:
 
     def close(self) -> None:
         self.feed.close()
+
+
+def presence_source(config: TieredConfig, host_client: Any) -> Any:
+    """How the scheduler half builds its summary: from the daemon's feed for a
+    ``host_tier_redis`` engine (``host_client``: its subscribed host-tier client), else
+    from Redis (``RedisPresence.from_config``)."""
+    if config.host_tier_redis and host_client is not None:
+        return functools.partial(RedisPresence.from_daemon, host_client)
+    return RedisPresence.from_config
 
 
 class DaemonFeed:

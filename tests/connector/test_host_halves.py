@@ -135,3 +135,49 @@ def test_a_shard_reused_after_the_lookup_fails_the_restore_and_frees_the_pins(
     assert snap["host_misses_at_fetch"] == 1 and snap["failed_restores"] == 1
     assert snap["hit_tokens_host"] == 0
     assert _pins_held(second) == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_with_host_tier_redis_every_rank_restores_through_a_new_daemon(
+        tmp_path: Path, redis_url: str, key_prefix: str, tp: int) -> None:
+    """``host_tier_redis``: no Redis connection in either half. Engine A's ranks store
+    through the daemon (written behind); the daemon is stopped and a new one, its segment
+    empty, walks Redis; engine B's scheduler learns the keys from the new daemon, its ranks
+    restore every shard from Redis through it, byte-exact."""
+    sock = tmp_path / "run" / "host.sock"
+    config = TieredConfig(cpu_bytes=1 << 20, host_tier_socket=str(sock), host_tier_redis=True,
+                          redis_prefix=key_prefix)
+
+    def daemon() -> HostTierDaemon:
+        return HostTierDaemon(sock, f"halves-{uuid.uuid4().hex[:12]}", slots=256,
+                              slot_bytes=8192, redis_url=redis_url, redis_prefix=key_prefix)
+
+    with daemon().running() as first_daemon:
+        first = Halves(config, tp_size=tp, presence=True)
+        assert all(rank.worker.redis is not None and rank.worker.redis.available
+                   for rank in first.ranks)
+        _store(first)
+        assert first.counter("redis_saves_via_daemon") == [3] * tp
+        first_daemon.wait_for(lambda s: s["host_tier"]["redis_writes"] == 3 * tp,
+                              what="the daemon writing every rank's shards behind")
+        first.close()
+    with daemon().running() as second_daemon:
+        second_daemon.wait_for(lambda s: s["host_tier"]["presence_synced"] == 1,
+                               what="the new daemon's walk of the key names")
+        second = Halves(config, tp_size=tp, presence=True)
+        try:
+            req = Req("b", 100)
+            assert second.lookup(req) == (96, True)  # probed through the daemon: in Redis
+            second.admit(req, [[Blk(7), Blk(8), Blk(9), Blk(10)]], 96)
+            result = second.step()
+            assert result.finished == {"b"} and result.failed == set()
+            for r1, r2 in zip(first.ranks, second.ranks, strict=True):
+                assert torch.equal(r1.kv["attn0"][[1, 2, 3]], r2.kv["attn0"][[7, 8, 9]])
+            snap = second.sched.counters.snapshot()
+            assert snap["hit_tokens_redis"] == 96 and snap["hit_tokens_host"] == 0
+            assert snap["presence_learned"] >= 3
+            assert second_daemon.tier()["redis_restored"] == 3 * tp
+            assert second.counter("bytes_fetched_redis") == [3 * second.ranks[0].worker
+                                                             ._nbytes(0)] * tp
+        finally:
+            second.close()

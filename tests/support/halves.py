@@ -3,7 +3,7 @@
 One :class:`TieredScheduler` (vLLM's engine-core process; with ``presence=True`` its presence
 summary's feed thread reads the real Redis, as in an engine) and ``tp_size`` :class:`TieredWorker`
 (one per TP rank, each with its own CPU KV tensors and, when ``redis_url`` is set, its own
-real :class:`RedisTier` built by ``make_redis_tier`` as the connector builds it). A step is:
+real :class:`RedisTier` built as the connector builds it: ``worker_redis``). A step is:
 
     plan = scheduler.plan(...)            # build_connector_meta
     worker.start_step(plan)  (each rank)  # start_load_kv
@@ -32,14 +32,15 @@ import torch
 from connector.identity.engine import EngineIdentity
 from connector.identity.generation import Generation
 from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.daemon_redis import worker_redis
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.layout import build_layout
 from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
-from connector.vllm_connector.presence import RedisPresence
+from connector.vllm_connector.presence import presence_source
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
-from connector.vllm_connector.worker import TieredWorker, make_redis_tier
+from connector.vllm_connector.worker import TieredWorker
 from offload_tiers.keys import BlockKey
 from tests.support.sched_doubles import Blk, Req
 
@@ -113,10 +114,10 @@ class Halves:
         self.num_slots = num_slots or slot_count(config.cpu_bytes, slot_bytes)
         self.ranks: list[Rank] = []
         for tp_rank, kv in enumerate(kvs):
-            redis = make_redis_tier(config) if config.redis_url else None
             host = host_connect(config.host_tier_socket, f"worker {tp_rank}", subscribe=False) \
                 if config.host_tier_socket else None
-            worker = TieredWorker(config, tp_rank, tp_size, self.num_slots, redis, host)
+            worker = TieredWorker(config, tp_rank, tp_size, self.num_slots,
+                                  worker_redis(config, host), host)
             worker.register(kv, layers, num_blocks)
             self.ranks.append(Rank(worker, kv))
         host_view = None
@@ -130,7 +131,8 @@ class Halves:
             config, self.groups, hash_unit, self.num_slots, slot_bytes, tp_size,
             self._fingerprint, lambda rid: self.blocks[rid],
             lambda bid: self.pool.get(bid, Blk(bid)),
-            presence=RedisPresence.from_config if presence else None, host=host_view)
+            presence=presence_source(config, host_view.client if host_view else None)
+            if presence else None, host=host_view)
 
     # ------------------------------------------------------------------ set-up helpers
     @staticmethod
