@@ -238,7 +238,10 @@ class HostTierServer:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                     while self._posted:
-                        self._posted.popleft()()
+                        try:
+                            self._posted.popleft()()
+                        except Exception:  # a reply that cannot go: never the loop
+                            log.exception("host tier: a Redis reply failed")
                 elif isinstance(key.fileobj, int) and key.fileobj in self._waiting_exit:
                     self._process_exited(key.fileobj)
                 else:
