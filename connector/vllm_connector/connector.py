@@ -230,8 +230,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._weights = WeightVersionSource()
         self._generation = Generation(self._weights.read())
         self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
-        host = SchedulerHost(host_connect(self.config.host_tier_socket, "scheduler",
-                                          subscribe=True), int(parallel.world_size)) \
+        host = SchedulerHost(host_connect(
+            self.config.host_tier_socket, "scheduler", subscribe=True,
+            presence=self.config.host_tier_redis and self.config.presence),
+            int(parallel.world_size)) \
             if self.config.host_tier_socket else None
         presence = presence_source(self.config, host.client if host is not None else None)
         self.scheduler = TieredScheduler(

@@ -108,12 +108,17 @@ class HostTierClient:
     """A connection to ``kvtier daemon``'s host tier at ``socket_path``."""
 
     def __init__(self, socket_path: str, *, label: str = "", subscribe: bool = False,
-                 lease_batch: int = 64, retry_s: float = 1.0) -> None:
+                 lease_batch: int = 64, retry_s: float = 1.0, presence: bool = False,
+                 presence_window: int = 1 << 20) -> None:
         """``lease_batch``: slots kept leased ahead of need (0: this client never writes,
         e.g. a scheduler half, and leases none)."""
         self.socket_path = socket_path
         self.label = label
         self.subscribe = subscribe
+        # a subscriber that takes the daemon's presence feed (take_presence); at most
+        # ``presence_window`` digests wait untaken (the oldest go: a summary keeps no more)
+        self.presence = presence and subscribe
+        self.presence_window = presence_window
         self.lease_batch = lease_batch
         self.retry_s = retry_s
         self.counters = ClientCounters()
@@ -130,7 +135,8 @@ class HostTierClient:
         self._thread: threading.Thread | None = None
         self._request_ids = itertools.count(1)
         # the daemon's presence feed, for a subscriber: digests not yet taken, and synced
-        self._presence: list[np.ndarray] = []
+        self._presence: deque[np.ndarray] = deque()
+        self._presence_count = 0
         self.presence_synced = False
         self._replies: dict[int, Probed | Restored | None] = {}  # id -> answer (None: waiting)
 
@@ -268,8 +274,16 @@ class HostTierClient:
         """Key-name digests the daemon learned Redis holds, since the last call (a new
         connection starts with the daemon's whole window of them)."""
         with self._cond:
-            parts, self._presence = self._presence, []
+            parts, self._presence, self._presence_count = list(self._presence), deque(), 0
         return np.concatenate(parts) if parts else np.zeros(0, dtype="<u8")
+
+    def _learn(self, digests: np.ndarray) -> None:
+        if not len(digests):
+            return
+        self._presence.append(digests)
+        self._presence_count += len(digests)
+        while self._presence_count - len(self._presence[0]) >= self.presence_window:
+            self._presence_count -= len(self._presence.popleft())
 
     def _request(self, build: Callable[[int], ToDaemon], timeout: float
                  ) -> Probed | Restored | None:
@@ -318,7 +332,7 @@ class HostTierClient:
             sock.connect(self.socket_path)
             self._sock = sock
             sock.sendall(frame(Hello(PROTOCOL_VERSION, os.getpid(), self.label,
-                                     self.subscribe)))
+                                     self.subscribe, self.presence)))
             inbox = bytearray()
             while not self._attached:
                 if not self._receive(sock, inbox):
@@ -364,7 +378,9 @@ class HostTierClient:
             self.mirror = {d: Location(slot, save_id, length)
                            for d, slot, save_id, length in message.entries}
             self._attached = _Attached(message)
-            self._presence = [unpack_digests(message.presence)] if message.presence else []
+            self._presence.clear()
+            self._presence_count = 0
+            self._learn(unpack_digests(message.presence))
             self.presence_synced = message.presence_synced
             self.counters.connects += 1
             self.last_error = ""
@@ -381,8 +397,7 @@ class HostTierClient:
             self.counters.commits_kept += len(message.kept)
             self.counters.commits_dropped += len(message.dropped)
         elif isinstance(message, Presence):
-            if message.digests:
-                self._presence.append(unpack_digests(message.digests))
+            self._learn(unpack_digests(message.digests))
             self.presence_synced = message.synced
         elif isinstance(message, (Probed, Restored)):
             if message.id in self._replies:  # else: its asker gave up waiting

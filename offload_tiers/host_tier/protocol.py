@@ -37,6 +37,7 @@ class Hello(msgspec.Struct, tag="hello"):
     pid: int
     label: str
     subscribe: bool = False
+    presence: bool = False  # a subscriber that wants the daemon's presence feed
 
 
 class Lease(msgspec.Struct, tag="lease"):

@@ -85,6 +85,7 @@ class _Conn:
     row: int | None = None
     label: str = ""
     subscribed: bool = False
+    presence: bool = False  # a subscriber that takes the presence feed
     refused: bool = False
     inbox: bytearray = field(default_factory=bytearray)
     outbox: bytearray = field(default_factory=bytearray)
@@ -317,10 +318,11 @@ class HostTierServer:
                 self._refuse(conn, f"all {self.max_clients} client rows are taken")
                 return
             conn.row, conn.label, conn.subscribed = row, msg.label[:200], msg.subscribe
+            conn.presence = msg.subscribe and msg.presence
             entries = ([(d, w.slot, w.save_id, w.length) for d, w in directory.entries.items()]
                        if msg.subscribe else [])
             presence, synced = (self.bridge.presence_snapshot()
-                                if msg.subscribe and self.bridge is not None
+                                if conn.presence and self.bridge is not None
                                 else (None, False))
             self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
                                      self.pins_path, row, self.num_slots, self.slot_bytes,
@@ -371,7 +373,7 @@ class HostTierServer:
         """Send what the presence feed learned to every subscriber (on the loop)."""
         message = Presence(digests.tobytes(), synced)
         for conn in list(self._conns.values()):
-            if conn.subscribed:
+            if conn.presence:
                 self._send(conn, message)
                 self._flush(conn)
 

@@ -228,7 +228,8 @@ def test_subscribers_get_the_daemons_presence_summary(
     halves without Redis): a key another engine announces, a key the daemon writes behind
     itself (announced by it, read back from the stream); a later subscriber starts with
     both in its welcome."""
-    first = client(daemon, subscribe=True)
+    first = client(daemon, subscribe=True, presence=True)
+    plain = client(daemon, subscribe=True)  # a mirror only (an engine with its own Redis)
     writer = client(daemon)
     other = PresenceFeed(ClientFactory(parse_redis_url(redis_url), timeout_s=5.0), key_prefix,
                          learn=False).start()
@@ -243,15 +244,18 @@ def test_subscribers_get_the_daemons_presence_summary(
         other.announce([key(51).name.encode()])
         commit_one(writer, key(52), payload(52), redis_save_id=9)
         assert first.wait_until(learned, WAIT_S)
-        later = client(daemon, subscribe=True)
+        later = client(daemon, subscribe=True, presence=True)
         assert later.presence_synced
         assert want <= {int(d) for d in later.take_presence()}
         stats = daemon.tier()
         assert stats["presence_synced"] == 1 and stats["presence_window"] >= 2
+        # the daemon pushes the feed only to subscribers that take it: nothing piles up
+        assert len(plain.take_presence()) == 0 and not plain.presence_synced
         later.close()
     finally:
         other.close()
         first.close()
+        plain.close()
         writer.close()
 
 
@@ -263,7 +267,7 @@ def test_a_daemon_started_on_a_full_prefix_walks_it_for_its_subscribers(
     with HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
                         slot_bytes=SLOT, redis_url=redis_url,
                         redis_prefix=key_prefix).running() as proc:
-        c = client(proc, subscribe=True)
+        c = client(proc, subscribe=True, presence=True)
         seen: set[int] = set()
         want = {name_digest(key(60 + i).name.encode()) for i in range(5)}
 
@@ -273,3 +277,16 @@ def test_a_daemon_started_on_a_full_prefix_walks_it_for_its_subscribers(
 
         assert c.wait_until(walked, WAIT_S)
         c.close()
+
+
+def test_untaken_digests_are_bounded_by_the_window(tmp_path: Path) -> None:
+    """A subscriber that does not take the feed for a while keeps at most its window of
+    digests, the newest (a summary remembers no more); pure bookkeeping, no daemon."""
+    c = HostTierClient(str(tmp_path / "none.sock"), subscribe=True, presence=True,
+                       presence_window=10)
+    for start in range(0, 40, 4):
+        c._learn(np.arange(start, start + 4, dtype="<u8"))
+    kept = c.take_presence()
+    assert 10 <= len(kept) < 14 and kept[-1] == 39
+    assert list(kept) == list(range(40 - len(kept), 40))
+    assert len(c.take_presence()) == 0

@@ -122,8 +122,9 @@ class Halves:
             self.ranks.append(Rank(worker, kv))
         host_view = None
         if config.host_tier_socket:  # rank 0's layout as vLLM's handshake brings it
-            host_view = SchedulerHost(host_connect(config.host_tier_socket, "scheduler",
-                                                   subscribe=True), tp_size)
+            host_view = SchedulerHost(host_connect(
+                config.host_tier_socket, "scheduler", subscribe=True,
+                presence=config.host_tier_redis and presence), tp_size)
             layout = self.ranks[0].worker.layout
             assert layout is not None
             host_view.set_layout(layout.descriptor())
