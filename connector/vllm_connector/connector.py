@@ -49,7 +49,6 @@ from connector.vllm_connector.config import (
     check_parallel_shape,
     load_config,
 )
-from connector.vllm_connector.daemon_redis import worker_redis
 from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.host import connect as host_connect
@@ -69,7 +68,7 @@ from connector.vllm_connector.scheduler import (
     Tier,
     TieredScheduler,
 )
-from connector.vllm_connector.worker import TieredWorker
+from connector.vllm_connector.worker import TieredWorker, worker_redis
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -36,18 +36,6 @@ from offload_tiers.keys import BlockKey
 DAEMON_REDIS_TIMEOUT_S = 10.0
 
 
-def worker_redis(config: Any, host: HostTierClient | None) -> Any:
-    """The Redis a worker uses: its own (``redis_url``), the daemon's (``host_tier_redis``),
-    or None."""
-    if config.host_tier_redis and host is not None:
-        return DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
-    if config.redis_url:
-        from connector.vllm_connector.worker import make_redis_tier
-
-        return make_redis_tier(config)
-    return None
-
-
 def key_tuple(key: BlockKey) -> KeyTuple:
     """``key`` as the host tier's protocol carries it."""
     return (key.fingerprint, key.group, key.block_hash, key.num_tokens, int(key.kind))

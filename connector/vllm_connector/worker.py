@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.daemon_redis import DaemonRedis, key_tuple
+from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
 from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
@@ -73,6 +73,16 @@ def make_redis_tier(config: TieredConfig) -> Any:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)
     return redis
+
+
+def worker_redis(config: TieredConfig, host: HostTierClient | None) -> Any:
+    """The Redis a worker uses: its own (``redis_url``), the daemon's (``host_tier_redis``),
+    or None."""
+    if config.host_tier_redis and host is not None:
+        return DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
+    if config.redis_url:
+        return make_redis_tier(config)
+    return None
 
 
 class TieredWorker:

@@ -130,9 +130,11 @@ class RedisBridge:
                    redis_write_queue_bytes=st["queue_bytes"], redis_url=st["url"])
         if self.feed is not None:
             fs = self.feed.stats()
-            out.update(redis_announced=int(fs["announced"]), presence_synced=int(fs["synced"]),
+            with self._counter_lock:  # what subscribers have been sent, not the feed's own
+                synced, window = self._synced, self._learned_count
+            out.update(redis_announced=int(fs["announced"]), presence_synced=int(synced),
                        presence_learned=int(fs["learned_stream"]) + int(fs["learned_scan"]),
-                       presence_window=self._learned_count)
+                       presence_window=window)
         return out
 
     def close(self, timeout: float = 5.0) -> None:

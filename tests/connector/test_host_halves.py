@@ -166,6 +166,13 @@ def test_with_host_tier_redis_every_rank_restores_through_a_new_daemon(
                                what="the new daemon's walk of the key names")
         second = Halves(config, tp_size=tp, presence=True)
         try:
+            # attached, the summary synced (on a loaded machine the welcome can come after
+            # the engine's start-up wait: the engine then serves without it until it does)
+            host = second.sched.host
+            assert host is not None
+            assert host.client.wait_until(lambda c: c.available and c.presence_synced, WAIT_S)
+            assert all(r.worker.host is not None and r.worker.host.wait_until(
+                lambda c: c.available and c.redis, WAIT_S) for r in second.ranks)
             req = Req("b", 100)
             assert second.lookup(req) == (96, True)  # probed through the daemon: in Redis
             second.admit(req, [[Blk(7), Blk(8), Blk(9), Blk(10)]], 96)

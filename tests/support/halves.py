@@ -32,7 +32,6 @@ import torch
 from connector.identity.engine import EngineIdentity
 from connector.identity.generation import Generation
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.daemon_redis import worker_redis
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.layout import build_layout
@@ -40,7 +39,7 @@ from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.presence import presence_source
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
-from connector.vllm_connector.worker import TieredWorker
+from connector.vllm_connector.worker import TieredWorker, worker_redis
 from offload_tiers.keys import BlockKey
 from tests.support.sched_doubles import Blk, Req
 
