@@ -261,6 +261,16 @@ def gpu(d: dict[str, Any]) -> str:
             f"{d['_measured']['commit']})")
 
 
+def gil(d: dict[str, Any]) -> str:
+    g = d["gbps"]
+    loops = ", ".join(f"{g[k]:.2f} GB/s at {k.split(', ')[1]}" for k in g
+                      if k.startswith("python loop"))
+    return (f"{d['values']} Redis reads of {d['value_bytes'] // 1024} KiB on one thread: "
+            f"{g['alone']:.2f} GB/s alone; beside a thread holding the GIL in a Python loop "
+            f"{loops} switch interval; beside a loop that yields each turn "
+            f"{g['sched_yield loop, 5 ms']:.2f} GB/s ({when(d)})")
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -278,6 +288,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "route": (("route.json",), route),
     "host-tier": (("host_tier.json",), host_tier),
     "gpu": (("gpu_check.json",), gpu),
+    "gil": (("gil.json",), gil),
 }
 
 

@@ -30,6 +30,7 @@ import torch
 
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
+from connector.vllm_connector.gil import short_switch_interval
 from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
@@ -294,8 +295,10 @@ class TieredWorker:
         try:
             if self.redis is not None and from_redis:
                 dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in from_redis]
-                got = self.redis.get_many_into([self.storage_key(op.key) for op in from_redis],
-                                               dests, save_ids=[op.save_id for op in from_redis])
+                with short_switch_interval():  # the GIL comes back sooner after each recv
+                    got = self.redis.get_many_into(
+                        [self.storage_key(op.key) for op in from_redis], dests,
+                        save_ids=[op.save_id for op in from_redis])
                 oks.update(zip((op.job for op in from_redis), got, strict=True))
         except Exception:
             log.exception("kvtier: fetching from Redis failed")
