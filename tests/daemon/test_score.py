@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -59,15 +58,7 @@ class BlockStored033(kv.BlockStored, tag="BlockStored"):
 
 def _ports(n: int) -> int:
     """A port P with P..P+n-1 free (vLLM offsets DP rank r to P + r)."""
-    while True:
-        port = free_port()
-        try:
-            for r in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + r))
-            return port
-        except OSError:
-            continue
+    return free_port(span=n)
 
 
 class Engines:
