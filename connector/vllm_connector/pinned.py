@@ -9,6 +9,7 @@ registered with ``cudaHostRegister`` instead, and unregistered before it is unma
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -58,23 +59,23 @@ class HostRegistration:
 
 class PinnedMapping:
     """Keeps one mapping (the host tier's current segment) registered: a new one replaces
-    the old, which is unregistered first. ``pinned(owner, memory)`` is cheap after the
-    first call for the same owner."""
+    the old, which is unregistered first. ``pinned(segment)`` is cheap after the first
+    call for the same segment (and free when disabled: off CUDA)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._owner: object | None = None
         self._registration: HostRegistration | None = None
 
-    def pinned(self, owner: object, memory: np.ndarray) -> bool:
-        """Whether ``memory`` (all of ``owner``'s mapping) is page-locked now; registers it
-        on first sight of ``owner`` (only when enabled: on CUDA)."""
+    def pinned(self, segment: Any) -> bool:
+        """Whether ``segment``'s whole mapping (``segment.memory()``) is page-locked now;
+        registers it on first sight of ``segment`` (only when enabled: on CUDA)."""
         if not self.enabled:
             return False
-        if owner is not self._owner:
+        if segment is not self._owner:
             self.close()
-            self._owner = owner
-            self._registration = HostRegistration(memory)
+            self._owner = segment
+            self._registration = HostRegistration(segment.memory())
             if self._registration.ok:
                 log.info("kvtier: host-tier segment page-locked for CUDA (%d bytes)",
                          self._registration.nbytes)

@@ -237,7 +237,7 @@ class TieredWorker:
                 slots = [shard[1] for _, shard in pairs]
                 t0 = time.perf_counter_ns()
                 try:
-                    pinned = self._segment_pins.pinned(segment, segment.memory())
+                    pinned = self._segment_pins.pinned(segment)
                     moved = self.transfer.scatter(group, [op.block_id for op, _ in pairs], slots,
                                                   corrupt=corrupt, source=segment.payloads,
                                                   source_pinned=pinned)
@@ -479,7 +479,7 @@ class TieredWorker:
             if self.transfer.device.type == "cuda":
                 # straight from the KV tensors: one DMA per slot into the page-locked
                 # segment (a host memcpy from the slab would hold the step at memcpy speed)
-                pinned = self._segment_pins.pinned(segment, segment.memory())
+                pinned = self._segment_pins.pinned(segment)
                 self.transfer.gather(group, [op.block_id for op in ops], slots,
                                      dest=torch.from_numpy(segment.payloads), dest_pinned=pinned)
             else:

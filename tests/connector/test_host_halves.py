@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.daemon_redis import DaemonRedis
 from connector.vllm_connector.host import host_digest
+from connector.vllm_connector.presence import DaemonFeed
 from tests.support.daemon_proc import HostTierDaemon
 from tests.support.halves import BS, Blk, Halves, Req
 
@@ -154,8 +156,12 @@ def test_with_host_tier_redis_every_rank_restores_through_a_new_daemon(
 
     with daemon().running() as first_daemon:
         first = Halves(config, tp_size=tp, presence=True)
-        assert all(rank.worker.redis is not None and rank.worker.redis.available
+        # no Redis connection of their own: the workers' Redis is the daemon's, and so is
+        # the scheduler's summary
+        assert all(isinstance(rank.worker.redis, DaemonRedis) and rank.worker.redis.available
                    for rank in first.ranks)
+        assert first.sched.presence is not None
+        assert isinstance(first.sched.presence.feed, DaemonFeed)
         _store(first)
         assert first.counter("redis_saves_via_daemon") == [3] * tp
         first_daemon.wait_for(lambda s: s["host_tier"]["redis_writes"] == 3 * tp,

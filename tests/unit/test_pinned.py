@@ -26,7 +26,7 @@ def test_without_cuda_nothing_is_registered_and_the_reason_is_given(tmp_path: Pa
 def test_a_disabled_mapping_never_registers(tmp_path: Path) -> None:
     pins = PinnedMapping(enabled=False)
     with SharedSegment.create(str(tmp_path / "seg"), 2, 128) as segment:
-        assert pins.pinned(segment, segment.memory()) is False
+        assert pins.pinned(segment) is False
     pins.close()
 
 
@@ -36,9 +36,9 @@ def test_a_new_segment_replaces_the_registered_one(tmp_path: Path) -> None:
     pins = PinnedMapping(enabled=True)
     first = SharedSegment.create(str(tmp_path / "a"), 2, 128)
     second = SharedSegment.create(str(tmp_path / "b"), 2, 128)
-    assert pins.pinned(first, first.memory()) is torch.cuda.is_available()
+    assert pins.pinned(first) is torch.cuda.is_available()
     held = pins._registration
-    assert pins.pinned(second, second.memory()) is torch.cuda.is_available()
+    assert pins.pinned(second) is torch.cuda.is_available()
     assert pins._registration is not held and held is not None and held._array is None
     pins.close()
     first.close()
