@@ -82,6 +82,7 @@ from connector.demo.cli import choose_redis, delete_redis_prefix, model_path  # 
 from connector.demo.engine import EngineRunError  # noqa: E402
 from connector.demo.presets import kvtier_transfer_config  # noqa: E402
 from connector.demo.report import Row, render_table, summarize  # noqa: E402
+from connector.demo.tiny_models import PROMPT_SEED_PERIOD  # noqa: E402
 from connector.demo.workload import Workload  # noqa: E402
 
 CPU_BYTES = 256 << 20
@@ -110,6 +111,11 @@ QUICK = Workload(conversations=3, turns=2, system_words=200, user_words=40, max_
 NOHIT = Workload(conversations=16, turns=1, system_words=448, user_words=32, max_tokens=16,
                  shared_system=False)
 NOHIT_TIMES = ("wall_s", "tree_cpu_s")
+# The no-hit passes' system-prompt seeds: NOHIT_FIRST_SEED up to below PROMPT_SEED_PERIOD,
+# so all distinct modulo it (the shared workload's is 7).
+NOHIT_FIRST_SEED = 16
+# Passes (warm-up included) whose prompts are all distinct (see ``_nohit_phase``).
+MAX_NOHIT_PASSES = (PROMPT_SEED_PERIOD - NOHIT_FIRST_SEED) // NOHIT.conversations
 # vLLM's own cost of a connector: every hook a no-op.
 NULL = {"kv_connector": "NullConnector", "kv_role": "kv_both",
         "kv_connector_module_path": "benchmarks.peers.null_connector"}
@@ -123,12 +129,19 @@ def _model_dir(model: str) -> str:
     return str(model_path(model))
 
 
-def _nohit_phase(name: str, seed: int) -> dict[str, Any]:
-    """A pass whose prompts share no prefix with each other or anything else run.
+def _nohit_phase(name: str, index: int) -> dict[str, Any]:
+    """No-hit pass ``index`` (0: the warm-up): prompts that share no prefix with each other,
+    with any other pass of the run, or with the shared workload.
 
-    Each request's system prompt is seeded ``seed + 1 + conv``: seeds 100 apart per pass
-    keep every prompt of the run distinct (the shared workload uses seed 7).
+    Each request's system prompt is seeded ``seed + 1 + conv``; :func:`prompt_words` repeats
+    itself for seeds :data:`PROMPT_SEED_PERIOD` apart, so every pass takes its own window of
+    ``NOHIT.conversations`` seeds within one period (before this, passes 508 seeds apart
+    repeated the warm-up's prompts and half their requests hit vLLM's prefix cache).
     """
+    if not 0 <= index < MAX_NOHIT_PASSES:
+        raise ValueError(f"no-hit pass {index}: only {MAX_NOHIT_PASSES} passes (warm-up "
+                         "included) have prompts of their own (the tiny vocabulary repeats)")
+    seed = NOHIT_FIRST_SEED + index * NOHIT.conversations - 1  # system seeds seed+1...
     return {"name": name, "workload": asdict(replace(NOHIT, seed=seed))}
 
 
@@ -183,8 +196,7 @@ def _interleaved(engines: dict[str, EngineProc], reps: int, gap_s: float
     names = list(engines)
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
     for rep in [-1, *range(reps)]:  # -1: one unmeasured warm-up pass each
-        phase = _nohit_phase("warmup", 500) if rep < 0 else _nohit_phase(f"nohit-{rep}",
-                                                                        1000 + 100 * rep)
+        phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
         order = names[rep % len(names):] + names[:rep % len(names)] if rep >= 0 else names
         for name in order:
             time.sleep(gap_s)
@@ -305,6 +317,12 @@ def _paired(runs: dict[str, Any], config: str, key: str) -> list[float]:
     return [mine[n] / ref[n] for n in mine if n in ref]
 
 
+def _nohit_cached(phases: dict[str, dict[str, Any]]) -> int:
+    """Prompt tokens vLLM found cached in the no-hit passes: 0 unless they hit after all."""
+    return sum(r["cached_tokens"] for n, p in phases.items() if n.startswith("nohit")
+               for r in p["requests"])
+
+
 def _nohit_identical(runs: dict[str, Any], config: str) -> bool | None:
     mine, ref = runs.get(config, {}), runs["none"]
     names = [n for n in mine if n.startswith("nohit")]
@@ -394,6 +412,7 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
             "nohit_paired_ratios": {f"{c}{suffix}": _paired(runs, c, key) for c in configs[1:]
                                     for key, suffix in TIME_SUFFIX.items()},
             "nohit_passes": {c: len(_nohit_values(runs[c], "wall_s")) for c in configs},
+            "nohit_cached_tokens": {c: _nohit_cached(runs[c]) for c in configs},
             "nohit_ttft_split": {c: _ttft_split(runs[c]) for c in configs},
             "overhead_no_hit": overhead,
             "nohit_outputs_identical": {c: _nohit_identical(runs, c) for c in configs[1:]},
@@ -426,6 +445,9 @@ def _print_model(model: str, result: dict[str, Any], d: dict[str, Any]) -> list[
           + ", ".join(f"{k}={v}" for k, v in d["recomputed_after_restart"].items()))
     print("no-hit passes per config: " + ", ".join(
         f"{k}={v}" for k, v in d["nohit_passes"].items()))
+    if any(d["nohit_cached_tokens"].values()):
+        print("WARNING: the no-hit passes hit vLLM's prefix cache after all (cached tokens: "
+              + ", ".join(f"{k}={v}" for k, v in d["nohit_cached_tokens"].items()) + ")")
     for key, what in (("wall_s", "wall s"), ("tree_cpu_s", "tree CPU s")):
         for stat, label in (("nohit_fastest_pass", "fastest"), ("nohit_median_pass", "median")):
             print(f"no-hit pass ({label}), {what}: ".ljust(36) + ", ".join(
@@ -469,6 +491,9 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     workload = QUICK if args.quick else FULL
     reps = args.reps or (4 if args.quick else 10)
+    if reps >= MAX_NOHIT_PASSES:
+        parser.error(f"--reps: at most {MAX_NOHIT_PASSES - 1} (each pass needs prompts of "
+                     "its own)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     choice = choose_redis(args.redis_url)
     if not choice.reachable:

@@ -126,7 +126,14 @@ def prefill_llama(path: Path | None = None) -> Path:
     return _build(path or cache_root() / "prefill-llama", make)
 
 
+#: Seeds of :func:`prompt_words` that differ by a multiple of this give the same prompt.
+PROMPT_SEED_PERIOD = VOCAB_SIZE - 4
+
+
 def prompt_words(seed: int, n: int, offset: int = 0) -> str:
-    """A deterministic prompt of ``n`` vocabulary words (no specials) for workloads."""
-    span = VOCAB_SIZE - 4
+    """A deterministic prompt of ``n`` vocabulary words (no specials) for workloads.
+
+    Word ``i`` depends on ``seed`` modulo :data:`PROMPT_SEED_PERIOD` only: seeds meant to
+    give prompts that share no prefix must differ modulo it."""
+    span = PROMPT_SEED_PERIOD
     return " ".join(f"w{(seed * 7919 + (i + offset) * 104729) % span}" for i in range(n))
