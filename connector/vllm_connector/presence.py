@@ -51,6 +51,8 @@ class RedisPresence:
         self.counters = counters
         self.layout: str | None = None
         self._rank0: BoundedCache[str, str] = BoundedCache(_RANK0_CACHE_MAX)
+        self._stored: list[int] = []  # this engine's stores since the last refresh
+        self._confirmed: list[int] = []  # keys probes found since the last refresh
         counters.set_gauge("presence_memory_bytes", self.filter.memory_bytes)
 
     @classmethod
@@ -67,7 +69,8 @@ class RedisPresence:
                                 timeout_s=max(config.redis_timeout_s, _FEED_TIMEOUT_S),
                                 ssl_ca_certs=config.redis_ssl_ca_certs)
         feed = PresenceFeed(factory, config.redis_prefix, max_keys=config.presence_capacity,
-                            scan_keys_per_s=config.presence_scan_keys_per_s)
+                            scan_keys_per_s=config.presence_scan_keys_per_s,
+                            skip_own=True)  # this engine's stores reach its filter directly
         return cls(config, world_size, counters, feed.start())
 
     @classmethod
@@ -85,8 +88,9 @@ class RedisPresence:
             self._rank0.clear()
 
     def refresh(self) -> bool:
-        """Take in what the feed learned (every step, and before a look-up); True when the
-        feed is synced."""
+        """Take in what the feed learned and what this engine stored or probed (every step,
+        and before a look-up); True when the feed is synced."""
+        self._take_own()
         synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
         learned = self.feed.take()  # a list, or an array (the daemon's feed)
         if len(learned):
@@ -114,21 +118,32 @@ class RedisPresence:
         if self.layout is None:
             assert self.filter.added == 0, "ask ready() first"
             return [False] * len(keys)
+        self._take_own()
         found = self.filter.may_contain_many([self._digest(k) for k in keys])
         return [bool(f) for f in found]
 
     def stored(self, key: BlockKey) -> None:
-        """This engine stored ``key`` (every rank): remember it and tell the others."""
+        """This engine stored ``key`` (every rank): remember it and tell the others (at the
+        next refresh or look-up, one filter update and one announcement for all)."""
         if self.layout is None:
             return  # not yet told rank 0's layout (it comes with the first worker report)
-        digest = self._digest(key)
-        self.filter.add(digest)
-        self.feed.announce_digests([digest])
+        self._stored.append(self._digest(key))
 
     def confirmed(self, key: BlockKey) -> None:
         """A probe found ``key`` in Redis."""
         if self.layout is not None:
-            self.filter.add(self._digest(key))
+            self._confirmed.append(self._digest(key))
+
+    def _take_own(self) -> None:
+        """Add this engine's stores and probe answers to the filter, in one update; queue the
+        stores' announcement."""
+        if self._stored:
+            stored, self._stored = self._stored, []
+            self.filter.add_many(stored + self._confirmed)
+            self.feed.announce_digests(stored)
+        elif self._confirmed:
+            self.filter.add_many(self._confirmed)
+        self._confirmed = []
 
     def close(self) -> None:
         self.feed.close()

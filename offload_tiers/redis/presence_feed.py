@@ -67,9 +67,11 @@ class PresenceFeed:
     def __init__(self, factory: ClientFactory, prefix: str, *, max_keys: int = 1 << 20,
                  scan_keys_per_s: float = 200_000.0, block_ms: int = 100,
                  backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
-                 learn: bool = True) -> None:
+                 learn: bool = True, skip_own: bool = False) -> None:
         """``learn=False``: announce only (no walk of key names, no reading of the stream),
-        e.g. for a process that writes on engines' behalf and looks nothing up."""
+        e.g. for a process that writes on engines' behalf and looks nothing up.
+        ``skip_own``: do not hand back this feed's own announcements read from the stream
+        (for a caller that remembers what it announced)."""
         if scan_keys_per_s <= 0:
             raise ValueError(f"scan_keys_per_s must be positive, got {scan_keys_per_s}")
         self._factory = factory
@@ -90,10 +92,12 @@ class PresenceFeed:
         self._cursor = b"0-0"
         self.learn = learn
         self._need_walk = learn
+        self._skip_own = skip_own
+        self._own_ids: dict[bytes, None] = {}  # ids of own entries not read back yet
         self.synced = False
         self.disabled = ""  # why the feed stopped for good ("" while it runs)
         self._n = dict.fromkeys(("announced", "learned_stream", "learned_scan", "walks",
-                                 "bad_entries", "failures"), 0)
+                                 "bad_entries", "own_skipped", "failures"), 0)
 
     # ------------------------------------------------------------------ caller's side
     def start(self) -> PresenceFeed:
@@ -227,12 +231,16 @@ class PresenceFeed:
         for i in range(0, len(out), BATCH_MAX):
             chunk = out[i:i + BATCH_MAX]
             try:
-                client.xadd(self.stream, {b"d": pack_digests(chunk)}, maxlen=STREAM_MAXLEN,
-                            approximate=True)
+                entry_id = client.xadd(self.stream, {b"d": pack_digests(chunk)},
+                                       maxlen=STREAM_MAXLEN, approximate=True)
             except Exception:
                 with self._lock:  # keep what was not sent for the next try
                     self._outgoing[:0] = out[i:]
                 raise
+            if self._skip_own:
+                self._own_ids[entry_id] = None
+                while len(self._own_ids) > STREAM_MAXLEN:  # never read back (trimmed, reset)
+                    del self._own_ids[next(iter(self._own_ids))]
             with self._lock:
                 self._n["announced"] += len(chunk)
 
@@ -242,9 +250,13 @@ class PresenceFeed:
                              block=self.block_ms if block else None)
         entries = _entries(reply)
         digests: list[int] = []
-        bad = 0
+        bad = own = 0
         for entry_id, fields in entries:
             self._cursor = entry_id
+            if entry_id in self._own_ids:
+                del self._own_ids[entry_id]
+                own += 1
+                continue
             data = fields.get(b"d") if isinstance(fields, dict) else None
             try:
                 if not isinstance(data, bytes):
@@ -252,6 +264,9 @@ class PresenceFeed:
                 digests.extend(int(d) for d in unpack_digests(data))
             except ValueError:
                 bad += 1
+        if own:
+            with self._lock:
+                self._n["own_skipped"] += own
         if bad:
             with self._lock:
                 self._n["bad_entries"] += bad

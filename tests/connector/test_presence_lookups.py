@@ -122,6 +122,8 @@ def test_own_saves_are_announced_and_probe_answers_remembered() -> None:
     req = Req("r", 100)
     key = s.key(req, FP, LLAMA[0], 32)
     s.presence.stored(key)
+    assert feed.announced == []  # batched: announced with the step's other stores
+    assert s.presence.refresh()
     assert feed.announced == [_stored_name_digest(key)]
     assert s.presence.may_hold([key]) == [True]
     other = s.key(req, FP, LLAMA[0], 64)

@@ -77,6 +77,25 @@ def test_a_second_feed_learns_what_the_first_stored_and_what_redis_held(
     assert b.synced and b.stats()["bad_entries"] == 0
 
 
+def test_a_feed_that_skips_its_own_announcements_still_learns_the_others(
+        redis_url: str, key_prefix: str, feeds: list[PresenceFeed]) -> None:
+    mine = _feed(redis_url, key_prefix, skip_own=True)
+    other = _feed(redis_url, key_prefix)
+    feeds += [mine, other]
+    assert wait_until(lambda: mine.synced and other.synced)
+    own = [key(i, hash_salt="own").name.encode() for i in range(600)]  # two XADD batches
+    theirs = [key(i, hash_salt="theirs").name.encode() for i in range(5)]
+    mine.announce(own)
+    assert wait_until(lambda: mine.stats()["announced"] == 600)
+    other.announce(theirs)
+    learned = Learned(mine)
+    assert wait_until(lambda: learned.has({name_digest(n) for n in theirs}))
+    # the other feed's entry comes after both of this one's: both were read and skipped
+    assert mine.stats()["own_skipped"] == 2
+    assert not learned.digests & {name_digest(n) for n in own}
+    assert Learned(other).has({name_digest(n) for n in own + theirs})
+
+
 def test_foreign_stream_entries_are_skipped_and_counted(
         redis_url: str, key_prefix: str, feeds: list[PresenceFeed]) -> None:
     raw = redis.Redis.from_url(redis_url)
