@@ -477,7 +477,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--with-cpu-only", action="store_true",
                         help="also run kvtier with the CPU tier only (c')")
     parser.add_argument("--reps", type=int, default=None,
-                        help="no-hit passes per config (default 4 quick, 10 full)")
+                        help="no-hit passes per config (default 6 quick, 10 full)")
     parser.add_argument("--gap-s", type=float, default=1.5,
                         help="pause before each no-hit pass (engines stop spinning)")
     parser.add_argument("--reserved-cpus", default="1",
@@ -490,7 +490,7 @@ def main(argv: list[str]) -> int:
 
     t0 = time.monotonic()
     workload = QUICK if args.quick else FULL
-    reps = args.reps or (4 if args.quick else 10)
+    reps = args.reps or (6 if args.quick else 10)
     if reps >= MAX_NOHIT_PASSES:
         parser.error(f"--reps: at most {MAX_NOHIT_PASSES - 1} (each pass needs prompts of "
                      "its own)")

@@ -151,7 +151,8 @@ def e2e(d: dict[str, Any]) -> str:
 
 def stall(d: dict[str, Any]) -> str:
     r = d["ratios"]
-    return (f"decoding ITL p99 vs no connector: kvtier {x(r.get('itl_p99_vs_no_connector'))}, "
+    return (f"ITL p99 (vLLM's histogram, engine timestamps) vs no connector: kvtier "
+            f"{x(r.get('itl_p99_vs_no_connector'))}, "
             f"native {x(r.get('native_itl_p99_vs_no_connector'))} (p50 "
             f"{x(r.get('itl_p50_vs_no_connector'))} / "
             f"{x(r.get('native_itl_p50_vs_no_connector'))}); restoring TTFT p50 "

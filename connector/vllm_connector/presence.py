@@ -27,12 +27,16 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.keys import BlockKey
 from offload_tiers.presence import PresenceFilter, name_digest
 
+#: Digests that wait for the next look-up before the filter takes them in at once.
+_PENDING_MAX = 1 << 16
 #: Base fingerprints whose rank-0 fingerprints are kept.
 _RANK0_CACHE_MAX = 4096
 #: The feed's socket timeout floor: its blocking reads wait up to a tenth of a second, and a
@@ -52,7 +56,8 @@ class RedisPresence:
         self.layout: str | None = None
         self._rank0: BoundedCache[str, str] = BoundedCache(_RANK0_CACHE_MAX)
         self._stored: list[int] = []  # this engine's stores since the last refresh
-        self._confirmed: list[int] = []  # keys probes found since the last refresh
+        self._pending: list[Any] = []  # digests not in the filter yet (lists or arrays)
+        self._pending_n = 0
         counters.set_gauge("presence_memory_bytes", self.filter.memory_bytes)
 
     @classmethod
@@ -88,14 +93,20 @@ class RedisPresence:
             self._rank0.clear()
 
     def refresh(self) -> bool:
-        """Take in what the feed learned and what this engine stored or probed (every step,
-        and before a look-up); True when the feed is synced."""
-        self._take_own()
+        """Every step: announce this engine's stores and collect what the feed learned; True
+        when the feed is synced. The filter takes them in at the next look-up (or once
+        :data:`_PENDING_MAX` digests wait): one update per look-up, none per step."""
+        if self._stored:
+            self.feed.announce_digests(self._stored)
+            self._pend(self._stored)
+            self._stored = []
         synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
         learned = self.feed.take()  # a list, or an array (the daemon's feed)
         if len(learned):
-            self.filter.add_many(learned)
+            self._pend(learned)
             self.counters.add("presence_learned", len(learned))
+        if self._pending_n >= _PENDING_MAX:
+            self._merge()
         self.counters.set_gauge("presence_synced", int(synced))
         return synced
 
@@ -103,7 +114,9 @@ class RedisPresence:
         """True when an "absent" answer can be trusted (up to what is still in flight):
         the feed is synced and rank 0's layout known — or nothing at all was learned (an
         empty prefix holds no key whatever its names)."""
-        return self.refresh() and (self.layout is not None or self.filter.added == 0)
+        synced = self.refresh()
+        self._merge()
+        return synced and (self.layout is not None or self.filter.added == 0)
 
     def _digest(self, key: BlockKey) -> int:
         assert self.layout is not None
@@ -115,16 +128,16 @@ class RedisPresence:
 
     def may_hold(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: False = no kvtier engine announced it (Redis is not asked)."""
+        self._merge()
         if self.layout is None:
             assert self.filter.added == 0, "ask ready() first"
             return [False] * len(keys)
-        self._take_own()
         found = self.filter.may_contain_many([self._digest(k) for k in keys])
         return [bool(f) for f in found]
 
     def stored(self, key: BlockKey) -> None:
         """This engine stored ``key`` (every rank): remember it and tell the others (at the
-        next refresh or look-up, one filter update and one announcement for all)."""
+        step's refresh, one announcement for all)."""
         if self.layout is None:
             return  # not yet told rank 0's layout (it comes with the first worker report)
         self._stored.append(self._digest(key))
@@ -132,18 +145,19 @@ class RedisPresence:
     def confirmed(self, key: BlockKey) -> None:
         """A probe found ``key`` in Redis."""
         if self.layout is not None:
-            self._confirmed.append(self._digest(key))
+            self._pend([self._digest(key)])
 
-    def _take_own(self) -> None:
-        """Add this engine's stores and probe answers to the filter, in one update; queue the
-        stores' announcement."""
-        if self._stored:
-            stored, self._stored = self._stored, []
-            self.filter.add_many(stored + self._confirmed)
-            self.feed.announce_digests(stored)
-        elif self._confirmed:
-            self.filter.add_many(self._confirmed)
-        self._confirmed = []
+    def _pend(self, digests: Any) -> None:
+        self._pending.append(digests)
+        self._pending_n += len(digests)
+
+    def _merge(self) -> None:
+        """Add every digest waiting to the filter, in one update."""
+        if not self._pending:
+            return
+        self.filter.add_many(np.concatenate([np.asarray(d, dtype=np.uint64)
+                                             for d in self._pending]))
+        self._pending, self._pending_n = [], 0
 
     def close(self) -> None:
         self.feed.close()

@@ -1,0 +1,71 @@
+"""bench_stall's engine-side ITL: vLLM's histogram read from /metrics, the window's share of
+it, and its percentiles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.bench_stall import (
+    ITL_BUCKETS_S,
+    _per_bucket,
+    hist_percentile,
+    itl_bucket_args,
+    itl_histogram,
+)
+
+
+def _metrics(cumulative: dict[float, float], engine: str) -> str:
+    """/metrics lines as prometheus_client writes a histogram (cumulative, +Inf last)."""
+    lines = ["# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency",
+             "# TYPE vllm:inter_token_latency_seconds histogram"]
+    running = 0.0
+    for bound in ITL_BUCKETS_S:
+        running = cumulative.get(bound, running)
+        lines.append(f'vllm:inter_token_latency_seconds_bucket{{engine="{engine}",'
+                     f'le="{bound!r}",model_name="m"}} {running}')
+    lines.append(f'vllm:inter_token_latency_seconds_bucket{{engine="{engine}",le="+Inf",'
+                 f'model_name="m"}} {cumulative.get(math.inf, running)}')
+    lines.append(f'vllm:inter_token_latency_seconds_count{{engine="{engine}"}} {running}')
+    return "\n".join(lines)
+
+
+def test_the_histogram_is_read_and_summed_over_label_sets() -> None:
+    text = _metrics({0.005: 10.0, 0.01: 30.0}, "0") + "\n" + _metrics({0.005: 1.0}, "1")
+    counts = itl_histogram(text)
+    assert len(counts) == len(ITL_BUCKETS_S) + 1
+    assert counts[ITL_BUCKETS_S.index(0.005)] == 11.0
+    assert counts[ITL_BUCKETS_S.index(0.01)] == 31.0
+    assert counts[-1] == 31.0
+
+
+def test_a_server_without_the_fine_buckets_is_refused() -> None:
+    text = 'vllm:inter_token_latency_seconds_bucket{le="0.3",model_name="m"} 3.0'
+    with pytest.raises(ValueError, match="itl_bucket_args"):
+        itl_histogram(text)
+
+
+def test_the_window_gets_what_was_added_between_two_scrapes() -> None:
+    start = itl_histogram(_metrics({0.005: 10.0, 0.01: 30.0}, "0"))
+    end = itl_histogram(_metrics({0.005: 14.0, 0.01: 40.0, 0.05: 41.0}, "0"))
+    window = _per_bucket(start, end)
+    assert window[ITL_BUCKETS_S.index(0.005)] == 4.0  # 4 new ITLs of at most 5 ms
+    assert window[ITL_BUCKETS_S.index(0.01)] == 6.0  # 6 new ones within (9.5, 10] ms
+    assert window[ITL_BUCKETS_S.index(0.05)] == 1.0
+    assert sum(window) == 11.0
+
+
+def test_percentiles_interpolate_within_a_bucket() -> None:
+    counts = [0.0] * (len(ITL_BUCKETS_S) + 1)
+    counts[ITL_BUCKETS_S.index(0.005)] = 98.0  # (4.5, 5] ms
+    counts[ITL_BUCKETS_S.index(0.05)] = 2.0  # (49, 50] ms
+    assert hist_percentile(counts, 50) == pytest.approx(0.0045 + 0.0005 * 50 / 98)
+    assert hist_percentile(counts, 99) == pytest.approx(0.049 + 0.001 * 0.5)
+    assert math.isnan(hist_percentile([0.0] * len(counts), 99))
+
+
+def test_the_server_argument_names_the_same_buckets() -> None:
+    flag, value = itl_bucket_args()
+    assert flag == "--custom-histogram-buckets"
+    assert f'"inter_token_latency": [{ITL_BUCKETS_S[0]}' in value
