@@ -41,6 +41,12 @@ client and the API server got a core: on this 2-core machine they arrive in burs
 client ITL p50 of 0.02 ms in a run of 2026-12-04), so they are reported beside it, not
 used for the ratios' headline.
 
+Every server prefills at most 256 tokens per step (``--max-num-batched-tokens``, chunked
+prefill, as latency-minded deployments run). With vLLM's default budget a 1024-token prompt
+is one step ~10x a decode step, prefill steps are about 1 % of the window's ITL samples, and
+the p99 falls between the two modes: one config's per-round p99 ranged 0.1-100 ms
+(2026-12-04). ``--max-num-batched-tokens 0`` runs vLLM's default.
+
 Reported per config: ITL p50/p99 (engine), client ITL p50/p99 and idle p50,
 restoring requests' TTFT p50/p90 and cached
 tokens (``--enable-prompt-tokens-details``), store requests' TTFT p50, kvtier's
@@ -119,6 +125,10 @@ class Shape:
     decode_prompt_tokens: int = 16
     max_model_len: int = 2048
     max_num_seqs: int = 16
+    # vLLM's token budget per step (chunked prefill): a 1024-token prompt is prefilled over 4
+    # steps. Without it, one step prefills the whole prompt (~10x a decode step) and the ITL
+    # p99 lands between the two modes: a round's p99 was 8 ms or 90 ms in the same config.
+    max_num_batched_tokens: int = 256
 
 
 FULL = Shape(rounds=16, restores=6, stores=6, prefix_tokens=1536, suffix_tokens=40,
@@ -404,10 +414,16 @@ def _server(model_dir: Path, log_dir: Path, name: str, shape: Shape,
     server = OpenAIServer(model_dir, log_dir / f"{name}.log", kv_transfer_config=ktc,
                           max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
                           extra_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-                                      *itl_bucket_args()],
+                                      *_budget_args(shape), *itl_bucket_args()],
                           env=env).start(timeout_s=600)
     _say(f"{name}: healthy after {time.monotonic() - t0:.0f} s (port {server.port})")
     return server
+
+
+def _budget_args(shape: Shape) -> list[str]:
+    """``--max-num-batched-tokens`` for the shape's budget (none for 0: vLLM's default)."""
+    budget = shape.max_num_batched_tokens
+    return ["--max-num-batched-tokens", str(budget)] if budget else []
 
 
 def _reset(server: OpenAIServer) -> None:
@@ -642,6 +658,9 @@ def main(argv: list[str]) -> int:
                              "'vllm': vLLM's own default, which differs with a connector)")
     parser.add_argument("--gap-s", type=float, default=1.5,
                         help="pause before each round (the server that ran stops spinning)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="vLLM's token budget per step (default: the shape's, 256; 0: "
+                             "vLLM's own, which prefills a 1024-token prompt in one step)")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args(argv)
     env = server_env(None if args.reserved_cpus == "vllm" else int(args.reserved_cpus))
@@ -649,6 +668,8 @@ def main(argv: list[str]) -> int:
     shape = QUICK if args.quick else FULL
     if args.rounds:
         shape = Shape(**{**asdict(shape), "rounds": args.rounds})
+    if args.max_num_batched_tokens is not None:
+        shape = Shape(**{**asdict(shape), "max_num_batched_tokens": args.max_num_batched_tokens})
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if c not in CONFIGS:
@@ -665,7 +686,9 @@ def main(argv: list[str]) -> int:
     for name, value in per.get("native", {}).items():
         ratios[f"native_{name}"] = value
 
-    print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama; {shape.rounds} rounds x "
+    budget = shape.max_num_batched_tokens or "vLLM's default"
+    print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama, token budget {budget} "
+          f"per step; {shape.rounds} rounds x "
           f"({shape.restores} restores of a {shape.prefix_tokens}-token prefix + "
           f"{shape.suffix_tokens} new, {shape.stores} stores of {shape.store_tokens} tokens, "
           f"one every {shape.interval_s / 2:.3f} s) beside one decoding stream; kvtier's "

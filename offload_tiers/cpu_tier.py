@@ -35,6 +35,7 @@ import numpy as np
 
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
+from offload_tiers.prefault import populate_in_background
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +99,17 @@ def _allocate(num_slots: int, slot_bytes: int, pin: bool) -> tuple[np.ndarray, o
 
         tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=True)
         return tensor.numpy(), tensor  # keep the tensor alive: it owns the pinned memory
-    return np.empty((num_slots, slot_bytes), dtype=np.uint8), None
+    slab = np.empty((num_slots, slot_bytes), dtype=np.uint8)
+    populate_in_background(slab)  # no page fault on a slot's first write (page-locked: none)
+    return slab, None
 
 
 def allocate_slab(num_slots: int, slot_bytes: int,
                   pin: bool | None = None) -> tuple[np.ndarray, object | None]:
     """A ``(num_slots, slot_bytes)`` uint8 host array (page-locked when CUDA is present and
-    ``pin`` is not False) and the object that owns its memory (keep both alive)."""
+    ``pin`` is not False) and the object that owns its memory (keep both alive). Pageable
+    memory is faulted in by a background thread (:mod:`offload_tiers.prefault`): committed
+    from the start, as page-locked memory is."""
     return _allocate(num_slots, slot_bytes, _cuda_available() if pin is None else pin)
 
 
