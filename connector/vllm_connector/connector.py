@@ -298,6 +298,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         dims = declared_block_dims(self._vllm_config, self._kv_cache_config, kv_caches)
         layout = self.worker.register(kv_caches, groups, int(self._kv_cache_config.num_blocks),
                                       dims)
+        parallel = self._vllm_config.parallel_config
+        self.worker.adopt_spare_cores(int(parallel.tensor_parallel_size)
+                                      * int(parallel.pipeline_parallel_size)
+                                      * int(parallel.data_parallel_size))
         log.info("kvtier worker (TP rank %d/%d): %d slots of %d bytes, layout %s",
                  self.worker.tp_rank, self.tp_size, self.worker.num_slots, layout.slot_bytes,
                  layout.descriptor())

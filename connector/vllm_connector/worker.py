@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from connector.vllm_connector.affinity import SpareCores
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
 from connector.vllm_connector.gil import short_switch_interval
@@ -113,7 +114,9 @@ class TieredWorker:
         self._segment_pins = PinnedMapping(False)
         self.holds: list[BlockKey | None] = [None] * num_slots
         self._rank_fps: BoundedCache[str, str] = BoundedCache(RANK_FP_CACHE_MAX)
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io")
+        self._cores = SpareCores()  # on a CPU engine: the cores vLLM left free
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io",
+                                      initializer=self._cores.pin_current)
         self._lock = threading.Lock()
         self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
         self._waiting: dict[str, list[LoadOp]] = {}  # req -> loads waiting on its fetches
@@ -144,6 +147,12 @@ class TieredWorker:
         # on CUDA the host tier's segment is page-locked once, so loads from it are one DMA
         self._segment_pins = PinnedMapping(self.transfer.device.type == "cuda")
         return layout
+
+    def adopt_spare_cores(self, ranks: int) -> None:
+        """On the CPU, move this worker's kvtier threads off vLLM's OpenMP cores
+        (:mod:`connector.vllm_connector.affinity`); ``ranks``: the engine's workers."""
+        if self.transfer is not None and self.transfer.device.type == "cpu":
+            self._cores.adopt(ranks)
 
     def storage_key(self, key: BlockKey) -> BlockKey:
         """The key this rank stores ``key`` under (its own fingerprint)."""

@@ -1,0 +1,108 @@
+"""kvtier's threads in a vLLM CPU worker run on the cores vLLM reserved, not on the cores of
+the worker's OpenMP compute.
+
+vLLM's CPU worker binds its main thread and OpenMP threads to its cores (every core the
+process may use but ``VLLM_CPU_NUM_OF_RESERVED_CPU``, or ``VLLM_CPU_OMP_THREADS_BIND``), and
+a thread inherits its creator's binding: kvtier's Redis writer, fetch threads, host-tier
+client and prefault thread all ran on the compute cores, so their CPU time came out of the
+forward step (on this 2-core machine: the one core the worker computes on).
+
+:func:`spare_cpus` names the cores of this engine's process that no worker of the engine
+computes on: the cores the worker's parent (vLLM's engine core, never bound) may use, less
+the binding of every rank — known from an explicit ``VLLM_CPU_OMP_THREADS_BIND`` list
+(``"0-3|4-7"``), or from this thread's own binding when the engine is one rank (with
+several ranks bound automatically the others' cores are unknown: nothing is moved).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+#: Thread names of kvtier's own threads (every one starts so).
+THREAD_PREFIX = "kvtier"
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-3,6"`` -> {0, 1, 2, 3, 6}; ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU range: {part!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def bound_cpus(bind: str | None, ranks: int, own: set[int]) -> set[int] | None:
+    """The cores every rank's OpenMP threads are bound to: the union of an explicit
+    ``VLLM_CPU_OMP_THREADS_BIND`` (ranks separated by ``|``), or ``own`` for a single rank
+    bound automatically; None when unknown."""
+    if bind and bind not in ("auto", "nobind", "all"):
+        try:
+            return set().union(*(parse_cpu_list(rank) for rank in bind.split("|")))
+        except ValueError:
+            return None
+    return set(own) if ranks == 1 else None
+
+
+def spare_cpus(ranks: int) -> set[int] | None:
+    """Cores of this process's allowance that no rank computes on (see the module); None
+    when there are none, when they are unknown, or off Linux. Call from the worker's main
+    thread after vLLM bound it."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        allowed = os.sched_getaffinity(os.getppid())
+        own = os.sched_getaffinity(0)
+    except OSError:
+        return None
+    bound = bound_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), ranks, own)
+    if bound is None or not own < allowed:
+        return None  # not bound (nothing to avoid), or the others' cores unknown
+    return (allowed - bound) or None
+
+
+def move_threads(cpus: set[int]) -> int:
+    """Bind every live kvtier thread of this process to ``cpus``; how many were moved.
+    Threads they start inherit it."""
+    moved = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith(THREAD_PREFIX) and thread.native_id is not None:
+            try:
+                os.sched_setaffinity(thread.native_id, cpus)
+                moved += 1
+            except OSError:  # the thread just ended
+                continue
+    return moved
+
+
+class SpareCores:
+    """Where this worker's kvtier threads run: :meth:`pin_current` is a thread initializer
+    (for pools whose threads the main thread starts later)."""
+
+    def __init__(self) -> None:
+        self.cpus: set[int] | None = None
+
+    def adopt(self, ranks: int) -> None:
+        """Find the spare cores (after vLLM bound this thread) and move kvtier's threads
+        there; nothing when there are none."""
+        self.cpus = spare_cpus(ranks)
+        if self.cpus:
+            moved = move_threads(self.cpus)
+            log.info("kvtier: its threads run on CPUs %s, outside the worker's OpenMP "
+                     "cores (%d moved)", sorted(self.cpus), moved)
+
+    def pin_current(self) -> None:
+        if self.cpus:
+            try:
+                os.sched_setaffinity(0, self.cpus)
+            except OSError:
+                log.debug("kvtier: could not bind an I/O thread to %s", sorted(self.cpus))

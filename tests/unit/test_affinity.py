@@ -1,0 +1,94 @@
+"""kvtier's threads in a CPU worker leave the worker's OpenMP cores: the spare cores are
+found from the parent's allowance and the ranks' binding, and real threads are moved."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from connector.vllm_connector.affinity import (
+    SpareCores,
+    bound_cpus,
+    move_threads,
+    parse_cpu_list,
+    spare_cpus,
+)
+
+
+def test_cpu_lists_parse_as_vllm_writes_them() -> None:
+    assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    assert parse_cpu_list("5") == {5}
+    with pytest.raises(ValueError):
+        parse_cpu_list("3-1")
+
+
+def test_the_bound_cores_are_every_rank_s_or_unknown() -> None:
+    assert bound_cpus("0|1", ranks=2, own={0}) == {0, 1}  # TP=2 on 2 cores: none spare
+    assert bound_cpus("0-2|4-6", ranks=2, own={0, 1, 2}) == {0, 1, 2, 4, 5, 6}
+    assert bound_cpus(None, ranks=1, own={0}) == {0}
+    assert bound_cpus("auto", ranks=2, own={0}) is None  # the other rank's cores: unknown
+    assert bound_cpus("0-x", ranks=1, own={0}) is None
+
+
+@pytest.fixture
+def bound_to_first_cpu() -> Iterator[tuple[set[int], int]]:
+    """This thread bound to one core, as vLLM binds its worker's main thread."""
+    allowed = os.sched_getaffinity(os.getppid())
+    if len(allowed) < 2 or os.sched_getaffinity(0) != allowed:
+        pytest.skip("needs 2 CPUs, with this process allowed as many as its parent")
+    before = os.sched_getaffinity(0)
+    first = min(allowed)
+    os.sched_setaffinity(0, {first})
+    try:
+        yield allowed, first
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_kvtier_threads_move_to_the_spare_cores(
+        bound_to_first_cpu: tuple[set[int], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed, first = bound_to_first_cpu
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    spare = spare_cpus(ranks=1)
+    assert spare == allowed - {first}
+    assert spare_cpus(ranks=2) is None  # auto-bound ranks: the other's cores unknown
+    go = threading.Event()
+    ours = threading.Thread(target=go.wait, name="kvtier-test-io")
+    theirs = threading.Thread(target=go.wait, name="other-io")
+    ours.start()
+    theirs.start()
+    try:
+        assert os.sched_getaffinity(ours.native_id) == {first}  # inherited from its creator
+        assert move_threads(spare) >= 1
+        assert os.sched_getaffinity(ours.native_id) == spare
+        assert os.sched_getaffinity(theirs.native_id) == {first}  # not kvtier's: untouched
+        assert os.sched_getaffinity(0) == {first}
+    finally:
+        go.set()
+        ours.join()
+        theirs.join()
+
+
+def test_pool_threads_started_later_run_on_the_spare_cores(
+        bound_to_first_cpu: tuple[set[int], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed, first = bound_to_first_cpu
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(first))
+    cores = SpareCores()
+    cores.adopt(ranks=4)  # an explicit list names every rank's cores: the count is moot
+    assert cores.cpus == allowed - {first}
+    with ThreadPoolExecutor(1, thread_name_prefix="kvtier-io",
+                            initializer=cores.pin_current) as pool:
+        assert pool.submit(os.sched_getaffinity, 0).result() == cores.cpus
+
+
+def test_an_unbound_worker_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.sched_getaffinity(0) != os.sched_getaffinity(os.getppid()):
+        pytest.skip("this process is bound already")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cores = SpareCores()
+    cores.adopt(ranks=1)
+    assert cores.cpus is None
