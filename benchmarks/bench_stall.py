@@ -44,8 +44,8 @@ used for the ratios' headline.
 Every server prefills at most 256 tokens per step (``--max-num-batched-tokens``, chunked
 prefill, as latency-minded deployments run). With vLLM's default budget a 1024-token prompt
 is one step ~10x a decode step, prefill steps are about 1 % of the window's ITL samples, and
-the p99 falls between the two modes: one config's per-round p99 ranged 0.1-100 ms
-(2026-12-04). ``--max-num-batched-tokens 0`` runs vLLM's default.
+the p99 falls between the two modes: one config's per-round p99 ranged 8-102 ms in one
+run of 2026-12-04. ``--max-num-batched-tokens 0`` runs vLLM's default.
 
 Reported per config: ITL p50/p99 (engine), client ITL p50/p99 and idle p50,
 restoring requests' TTFT p50/p90 and cached
