@@ -28,7 +28,7 @@ check passed, so a corrupt value is always :class:`CorruptValue` and a stale one
 from __future__ import annotations
 
 import operator
-import secrets
+import random
 import struct
 from typing import NamedTuple
 
@@ -91,9 +91,14 @@ class HeaderFields(NamedTuple):
 
 
 def new_save_id() -> int:
-    """A random nonzero 32-bit save id (0 means "none given")."""
+    """A random nonzero 32-bit save id (0 means "none given").
+
+    It tells one save of a key from another (uniqueness, not secrecy: whoever can write the
+    Redis can write any value), so it comes from :mod:`random` (seeded from the OS at start
+    and again in a forked child), not from a system call per save as ``secrets`` would make
+    one on the scheduler's step."""
     while True:
-        save_id = secrets.randbits(32)
+        save_id = random.getrandbits(32)
         if save_id:
             return save_id
 

@@ -561,10 +561,10 @@ class TieredWorker:
             for op, view in remote:
                 self._on_written(op.job, view.nbytes)(all_ok)
             return
-        for (op, view), (key, _) in zip(remote, keyed, strict=True):
-            # The slot stays pinned by the scheduler until this job is reported: no copy.
-            self.redis.submit_put(key, view, on_done=self._on_written(op.job, view.nbytes),
-                                  save_id=op.save_id)
+        # One hand-over for the step's saves (one wake-up of the writer). Each slot stays
+        # pinned by the scheduler until its job is reported: no copy.
+        self.redis.submit_puts([(key, view, self._on_written(op.job, view.nbytes), op.save_id)
+                                for (op, view), (key, _) in zip(remote, keyed, strict=True)])
 
     def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
         self._report.saves[job] = [int(ok), 1, int(not gathered)]

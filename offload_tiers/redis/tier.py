@@ -510,18 +510,29 @@ class RedisTier:
         ``on_done(stored: bool)`` runs (called exactly once, also on a drop). ``save_id``:
         the save id the stored header carries.
         """
-        codec.validate_key(key)  # a bad key is the caller's error: say so now, not later
-        codec.validate_save_id(save_id)
+        return self.submit_puts([(key, payload, on_done, save_id)])[0]
+
+    def submit_puts(self, puts: Sequence[tuple[BlockKey, BytesLike, DoneCallback | None, int]]
+                    ) -> list[bool]:
+        """:meth:`submit_put` for several ``(key, payload, on_done, save_id)`` at once: one
+        queue lock and one wake-up of the writer for all (a step's saves). Per put, False =
+        dropped; every key and save id is checked before any is queued."""
+        for key, _, _, save_id in puts:
+            codec.validate_key(key)  # a bad key is the caller's error: say so now, not later
+            codec.validate_save_id(save_id)
         if not self._accepting():
             with self._lock:
-                self._n["dropped_unavailable"] += 1
-            if on_done is not None:
-                on_done(False)
-            return False
-        if on_done is None and not isinstance(payload, bytes):
-            payload = bytes(memoryview(payload).cast("B"))
-        nbytes = memoryview(payload).nbytes
-        return self._writer.submit(Item(key, payload, nbytes, on_done, save_id))
+                self._n["dropped_unavailable"] += len(puts)
+            for _, _, on_done, _ in puts:
+                if on_done is not None:
+                    on_done(False)
+            return [False] * len(puts)
+        items = []
+        for key, payload, on_done, save_id in puts:
+            if on_done is None and not isinstance(payload, bytes):
+                payload = bytes(memoryview(payload).cast("B"))
+            items.append(Item(key, payload, memoryview(payload).nbytes, on_done, save_id))
+        return self._writer.submit_many(items)
 
     def _accepting(self) -> bool:
         """Worth queueing a store? (A Cluster with one node down still takes the others'.)"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 
 import numpy as np
@@ -141,11 +142,25 @@ def test_save_id_out_of_range_is_a_value_error() -> None:
 
 def test_new_save_id_is_a_nonzero_u32(monkeypatch: pytest.MonkeyPatch) -> None:
     draws = iter([0, 0, 77])
-    monkeypatch.setattr(codec.secrets, "randbits", lambda bits: next(draws))
+    monkeypatch.setattr(codec.random, "getrandbits", lambda bits: next(draws))
     assert codec.new_save_id() == 77  # 0 ("none given") is drawn again
     monkeypatch.undo()
     ids = {codec.new_save_id() for _ in range(100)}
     assert all(0 < i < 1 << 32 for i in ids) and len(ids) > 90
+
+
+def test_a_forked_child_draws_other_save_ids_than_its_parent() -> None:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its ids, then out
+        os.write(write_end, struct.pack("<4I", *(codec.new_save_id() for _ in range(4))))
+        os._exit(0)
+    os.close(write_end)
+    child = struct.unpack("<4I", os.read(read_end, 16))
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    parent = tuple(codec.new_save_id() for _ in range(4))
+    assert child != parent  # same state after the fork would give the same four
 
 
 def test_partial_value_never_answers_full_lookup() -> None:

@@ -250,3 +250,20 @@ def test_redis_absent_is_all_none_without_raising(tmp_path, key_prefix: str) -> 
         assert t.stats()["corrupt_deleted"] == 0 and not t.available
     finally:
         t.close(timeout=1)
+
+
+def test_submit_puts_queues_a_batch_with_save_ids_and_reports_each(tier: RedisTier) -> None:
+    keys = [key(i) for i in range(4)]
+    done: dict[int, list[bool]] = {i: [] for i in range(4)}
+    accepted = tier.submit_puts([(k, memoryview(payload(k, SIZE)), done[i].append, 20 + i)
+                                 for i, k in enumerate(keys)])
+    assert accepted == [True] * 4
+    assert tier.flush(10)
+    assert done == {i: [True] for i in range(4)}  # each reported exactly once
+    assert tier.save_ids_many(keys) == [20, 21, 22, 23]
+    assert [bytes(v) for v in tier.get_many(keys)] == [payload(k, SIZE) for k in keys]
+    queued = tier.stats()["queued"]
+    bad = dataclasses.replace(key(9), group=1 << 40)  # refused before anything is queued
+    with pytest.raises(ValueError, match="group"):
+        tier.submit_puts([(key(8), payload(key(8), SIZE), None, 1), (bad, b"x", None, 2)])
+    assert tier.stats()["queued"] == queued and tier.save_ids_many([key(8)]) == [None]

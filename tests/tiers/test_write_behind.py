@@ -72,3 +72,32 @@ def test_close_drops_what_it_cannot_write() -> None:
     assert results.count(False) >= 2
     gate.set()
     assert not wb.submit(Item("z", b"x", 1, results.append))
+
+
+def test_submit_many_hands_a_steps_items_over_as_one_batch() -> None:
+    entered, gate = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        batches.append([i.key for i in batch])
+        entered.set()
+        gate.wait(10)
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=4, max_bytes=10_000)
+    done: dict[str, bool] = {}
+
+    def item(name: str) -> Item:
+        return Item(name, b"x", 1, lambda ok, name=name: done.__setitem__(name, ok))
+
+    assert wb.submit(item("a"))
+    assert entered.wait(10)  # the writer holds "a" until the gate opens
+    # five at once into a queue of four: the fifth is dropped, reported False at once
+    assert wb.submit_many([item(n) for n in "bcdef"]) == [True] * 4 + [False]
+    assert done == {"f": False} and wb.dropped == 1 and wb.depth == 4
+    gate.set()
+    assert wb.flush(10)
+    assert batches == [["a"], ["b", "c", "d", "e"]]  # one wake-up took all four
+    assert all(done[n] for n in "abcde")
+    assert wb.submit_many([]) == []
+    wb.close()
