@@ -162,6 +162,18 @@ def stall(d: dict[str, Any]) -> str:
             f"{x(r.get('native_store_ttft_p50_vs_no_connector'))} ({when(d)})")
 
 
+def nohit_ttft(*runs: dict[str, Any]) -> str:
+    def cell(d: dict[str, Any], config: str) -> str:
+        ms = f"{config} {d['rows'][config]['median_ms']:.1f} ms"
+        ratio = d["ratios"].get(f"ttft_nohit_{config.replace('-', '_')}_vs_none")
+        return ms if ratio is None else f"{ms} ({x(ratio)})"
+
+    per_model = "; ".join(f"{d['model']}: " + ", ".join(cell(d, c) for c in d["rows"])
+                          for d in runs)
+    return (f"median TTFT of {runs[0]['rows']['none']['requests']} no-hit requests per config "
+            f"and model; {per_model} ({when(runs[0])})")
+
+
 def native(d: dict[str, Any]) -> str:
     rows = {(row["config"], row["phase"]): row for row in d["rows"]}
     k, f, n = (rows[(c, "restart")] for c in ("kvtier", "fs", "none"))
@@ -283,6 +295,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "janitor": (("janitor-64k.json", "janitor-2m.json"), janitor),
     "e2e": (("e2e.json",), e2e),
     "stall": (("stall.json",), stall),
+    "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
     "ttft": (("ttft.json",), ttft),
     "index": (("index.json",), index),

@@ -1,0 +1,152 @@
+"""Which part of kvtier a no-hit request waits for: TTFT per request, configs side by side.
+
+bench_e2e's no-hit overhead is a ratio of pass wall times, and a pass runs in a fast or a
+slow state of this machine (up to 1.6x within seconds), so its figures need many passes to
+move. This benchmark asks a narrower question with less noise: the **time to first token of
+every no-hit request** (bench_e2e's ``NOHIT`` prompts, one request at a time; vLLM's own
+``first_token_latency``), median over all requests of all passes, for
+
+* ``none`` — vLLM alone;
+* ``kvtier-cpu`` — kvtier with its CPU tier only;
+* ``kvtier`` — kvtier as deployed (CPU tier + Redis, write-behind, presence summary);
+* ``native`` (``--with-native``) — vLLM's OffloadingConnector (CPU).
+
+The engines (vLLM's default multiprocess executors) are alive together and take turns, the
+order rotated every pass, as in bench_e2e, with bench_e2e's engine environment
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: with vLLM's default a connector changes how many cores
+the worker's OpenMP gets). Ratios: each config's median TTFT over ``none``'s.
+
+Usage: python benchmarks/bench_nohit_ttft.py [--model hybrid] [--passes 5] [--with-native]
+       [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.bench_e2e import (  # noqa: E402
+    MAX_NOHIT_PASSES,
+    NATIVE_EXTRA,
+    NOHIT,
+    Bench,
+    _nohit_phase,
+)
+from benchmarks.e2e_engine import EngineProc  # noqa: E402
+from connector.demo.cli import choose_redis  # noqa: E402
+
+CONFIGS = ("none", "kvtier-cpu", "kvtier")
+
+
+def transfer_config(bench: Bench, config: str) -> dict[str, Any] | None:
+    if config == "none":
+        return None
+    if config == "native":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": dict(NATIVE_EXTRA)}
+    return bench.kvtier(redis=config == "kvtier")
+
+
+def summarize(ttfts: dict[str, list[float]], baseline: str = "none") -> dict[str, Any]:
+    """Per config: requests, median and p90 TTFT (ms); ratios of medians to ``baseline``'s."""
+    rows: dict[str, dict[str, float]] = {}
+    for config, values in ttfts.items():
+        ordered = sorted(values)
+        rows[config] = {"requests": len(ordered),
+                        "median_ms": 1e3 * statistics.median(ordered),
+                        "p90_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+    base = rows[baseline]["median_ms"]
+    ratios = {f"ttft_nohit_{c.replace('-', '_')}_vs_none": r["median_ms"] / base
+              for c, r in rows.items() if c != baseline}
+    return {"rows": rows, "ratios": ratios}
+
+
+def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float
+        ) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
+    """Per config, every no-hit request's TTFT; per pass, each config's wall time."""
+    engines: dict[str, EngineProc] = {}
+    ttfts: dict[str, list[float]] = {c: [] for c in configs}
+    walls: list[dict[str, float]] = []
+    try:
+        for config in configs:
+            engines[config] = bench.engine(config, model, transfer_config(bench, config),
+                                           NOHIT)
+        for rep in range(-1, passes):  # -1: one unmeasured warm-up pass each
+            phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            wall: dict[str, float] = {}
+            for config in order:
+                time.sleep(gap_s)  # the engine that just ran stops spinning
+                result = engines[config].run(phase)
+                if rep >= 0:
+                    cached = sum(r["cached_tokens"] for r in result["requests"])
+                    if cached:
+                        raise RuntimeError(f"{config}: {cached} tokens of a no-hit pass hit")
+                    ttfts[config].extend(r["ttft_s"] for r in result["requests"])
+                    wall[config] = result["wall_s"]
+            if rep >= 0:
+                walls.append(wall)
+                print(f"  pass {rep + 1}/{passes}: " + ", ".join(
+                    f"{c} {w:.3f} s" for c, w in wall.items()), file=sys.stderr, flush=True)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return ttfts, walls
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="hybrid", choices=("llama", "hybrid"))
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--with-native", action="store_true")
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--gap-s", type=float, default=1.5)
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    if not 1 <= args.passes < MAX_NOHIT_PASSES:
+        parser.error(f"--passes: 1 to {MAX_NOHIT_PASSES - 1}")
+    choice = choose_redis(args.redis_url)
+    configs = [c for c in CONFIGS if c != "kvtier" or choice.reachable]
+    if args.with_native:
+        configs.append("native")
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    bench = Bench(Path(f"/tmp/kvtier-bench-nohit-ttft-{os.getpid()}"), env,
+                  choice.url if choice.reachable else None)
+    t0 = time.monotonic()
+    try:
+        ttfts, walls = run(bench, args.model, configs, args.passes, args.gap_s)
+    finally:
+        bench.cleanup()
+    summary = summarize(ttfts)
+    print(f"\nbench_nohit_ttft — {args.model}, {args.passes} passes x {NOHIT.conversations} "
+          f"no-hit requests of {NOHIT.system_words + NOHIT.user_words} tokens, one at a "
+          f"time; engines alive together, taking turns; env {env}; Redis "
+          f"{choice.shown if choice.reachable else 'not reachable (kvtier skipped)'}")
+    print(f"{'config':<12} {'requests':>8} {'TTFT median':>12} {'TTFT p90':>10} {'vs none':>8}")
+    for config, row in summary["rows"].items():
+        ratio = summary["ratios"].get(f"ttft_nohit_{config.replace('-', '_')}_vs_none", 1.0)
+        print(f"{config:<12} {row['requests']:>8} {row['median_ms']:>9.1f} ms "
+              f"{row['p90_ms']:>7.1f} ms {ratio:>7.3f}x")
+    if args.json_path:
+        out = {**summary, "model": args.model, "passes": args.passes,
+               "workload": asdict(NOHIT), "engine_env": env, "pass_wall_s": walls,
+               "redis": {"used": choice.reachable, "url": choice.shown},
+               "elapsed_s": time.monotonic() - t0}
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
