@@ -118,6 +118,11 @@ class RedisTierError(RuntimeError):
     """Start-up failure reported by ``from_url(strict=True)`` (never contains the password)."""
 
 
+#: How long the write-behind thread waits for more stores once one arrives (see
+#: :mod:`offload_tiers.redis.write_behind`): the step that handed them over finishes first.
+WRITE_LINGER_S = 0.005
+
+
 class _Endpoint(Health):
     """A server (``main``) or Cluster node, and whether its memory policy was read."""
 
@@ -135,7 +140,8 @@ class RedisTier:
                  ttl_s: float | None = None, ttl_jitter: float = 0.1, max_inflight: int = 64,
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0, delete_corrupt: bool = True) -> None:
+                 backoff_max_s: float = 5.0, delete_corrupt: bool = True,
+                 write_linger_s: float = WRITE_LINGER_S) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not 0 <= ttl_jitter <= 1:
@@ -169,7 +175,7 @@ class RedisTier:
              "corrupt_changed", "corrupt_delete_failures"), 0)
         self._writer = WriteBehind(self._sink, max_items=write_queue_max,
                                    max_bytes=write_queue_max_bytes, tick=self._probe,
-                                   name="kvtier-redis-writer")
+                                   linger_s=write_linger_s, name="kvtier-redis-writer")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -180,12 +186,14 @@ class RedisTier:
                  write_queue_max_bytes: int = 512 << 20, cluster: bool | None = None,
                  ssl_ca_certs: str | None = None, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, strict: bool = False, delete_corrupt: bool = True,
-                 **redis_kwargs: Any) -> RedisTier:
+                 write_linger_s: float = WRITE_LINGER_S, **redis_kwargs: Any) -> RedisTier:
         """Connect to ``url``; with ``strict`` a failing first contact raises RedisTierError.
 
         ``redis_timeout_s`` bounds every network wait (and connecting, unless
-        ``connect_timeout_s``). Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``,
-        ``ssl_keyfile``, ``password``).
+        ``connect_timeout_s``). ``write_linger_s``: how long the write-behind thread waits
+        for more stores once one arrives (0: it writes at once; a flush never waits for it).
+        Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``, ``ssl_keyfile``,
+        ``password``).
         """
         if "socket_timeout_s" in redis_kwargs:  # the name before redis_timeout_s
             warnings.warn("RedisTier.from_url(socket_timeout_s=) is deprecated; use "
@@ -200,7 +208,7 @@ class RedisTier:
                    max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes,
                    write_queue_max=write_queue_max, write_queue_max_bytes=write_queue_max_bytes,
                    backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
-                   delete_corrupt=delete_corrupt)
+                   delete_corrupt=delete_corrupt, write_linger_s=write_linger_s)
         tier._probe(force=True)
         if strict and not tier.available:
             error = tier.last_error

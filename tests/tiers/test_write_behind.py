@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from offload_tiers.redis.write_behind import Item, WriteBehind
 from tests.tiers.faults import wait_until
 
@@ -101,3 +103,27 @@ def test_submit_many_hands_a_steps_items_over_as_one_batch() -> None:
     assert all(done[n] for n in "abcde")
     assert wb.submit_many([]) == []
     wb.close()
+
+
+def test_a_lingering_writer_takes_later_items_into_the_same_batch() -> None:
+    batches: list[list[str]] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        batches.append([i.key for i in batch])
+        return [True] * len(batch)
+
+    # an hour's linger: only a full batch (3 items), a flush or close ends it
+    wb = WriteBehind(sink, max_items=10, max_bytes=10_000, batch_items=3, linger_s=3600)
+    for name in "abc":
+        assert wb.submit(Item(name, b"x", 1, None))
+    assert wb.submit(Item("d", b"x", 1, None))
+    assert wb.flush(10)  # "d" alone would linger for an hour: the flush cuts it short
+    assert batches == [["a", "b", "c"], ["d"]]
+    assert wb.submit(Item("e", b"x", 1, None))
+    wb.close(timeout=10)  # close flushes first: "e" is written, not dropped
+    assert batches[-1] == ["e"] and wb.dropped == 0
+
+
+def test_linger_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="linger_s"):
+        WriteBehind(lambda b: [True] * len(b), max_items=1, max_bytes=1, linger_s=-1)
