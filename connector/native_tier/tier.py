@@ -6,7 +6,7 @@ Load it with ``"spec_name": "TieringOffloadingSpec"`` and ``"secondary_tiers": [
 Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage rules):
 
 * Every scheduler-side method only keeps books: no Redis round trip on the calling thread.
-  Stores go to the Redis tier's write-behind thread (``submit_put`` with ``on_done``, no
+  Stores go to the Redis tier's write-behind thread (``submit_puts`` with ``on_done``, no
   copy: the framework pins the primary chunk until the job is reported); loads run on this
   tier's own I/O threads with ``get_many_into``, straight into the primary tier's rows,
   validated there. Results are picked up by ``get_finished_jobs``.
@@ -358,16 +358,18 @@ class KvtierRedisTier(SecondaryTierManager):
         """Queue each chunk's write; never raises (a failure is a reported failed job)."""
         job = self._new_job(job_metadata, is_load=False)
         try:
-            for i, bk, row in self._store_plan(job, job_metadata):
+            plan = self._store_plan(job, job_metadata)
+            with self._cond:
+                job.pending += len(plan)  # each released by its on_done (exactly once)
+            try:
+                # One hand-over for the job (one wake-up of the writer). The framework pins
+                # the chunks until this job is reported: no copy.
+                self.redis.submit_puts([(bk, row, self._on_stored(job, i), 0)
+                                        for i, bk, row in plan])
+            except BaseException:
                 with self._cond:
-                    job.pending += 1  # released by on_done (exactly once, also on a drop)
-                try:
-                    # The framework pins the chunk until this job is reported: no copy.
-                    self.redis.submit_put(bk, row, on_done=self._on_stored(job, i))
-                except BaseException:
-                    with self._cond:
-                        job.pending -= 1  # not queued: its on_done will never run
-                    raise
+                    job.pending -= len(plan)  # nothing queued: no on_done will run
+                raise
         except Exception as exc:
             self._job_error(job, "store", exc)
         self._release(job)  # reported once the writes already queued have ended
