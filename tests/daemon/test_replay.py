@@ -62,11 +62,24 @@ def test_lost_last_batch_is_repaired_by_idle_probe() -> None:
         r.close()
 
 
+def _until_subscribed(r: Rig) -> None:
+    """Empty batches until the daemon received one. A PUB drops what it sends before the
+    subscriber's subscription reaches it (ZMQ's slow joiner); with idle probes off nothing
+    would bring a lost first batch back."""
+    deadline = time.monotonic() + 60
+    while r.daemon.source()["received"] == 0:
+        assert time.monotonic() < deadline, "the daemon never received a batch"
+        r.publish()
+        time.sleep(0.05)  # a poll interval: the loop ends on the daemon's own count
+    r.settle()
+
+
 def test_lost_last_batch_stays_lost_without_idle_probe() -> None:
     """The control of the test above: probes off, the same loss goes unnoticed for longer
     than the default probe interval (2 s) — nothing else would reveal it."""
     r = Rig(daemon_args=("--replay-idle-probe", "0")).start()
     try:
+        _until_subscribed(r)
         r.publish(stored([1, 2], None))
         r.settle()
         r.pub._pub = dropping = DroppingSocket(r.pub._pub, drop={r.seq, r.seq + 1})
