@@ -59,7 +59,13 @@ from connector.vllm_connector.namespace import (
     kv_groups_descriptor,
     slot_count,
 )
-from connector.vllm_connector.plan import StepPlan, WorkerReport
+from connector.vllm_connector.plan import (
+    StepPlan,
+    WorkerReport,
+    plan_from_wire,
+    report_from_wire,
+    to_wire,
+)
 from connector.vllm_connector.presence import presence_source
 from connector.vllm_connector.scheduler import (
     ATTENTION,
@@ -96,6 +102,22 @@ class TieredConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # vLLM pickles this into every step's broadcast to the workers. Most steps' plans are
+        # empty; the rest go as msgpack (pickling the dataclasses costs ~60 us each way).
+        if not self.plan:
+            return _quiet_metadata, (self.plan.layout_known,)
+        return _metadata_from_wire, (to_wire(self.plan),)
+
+
+def _quiet_metadata(layout_known: bool) -> TieredConnectorMetadata:
+    """The metadata of a step with nothing to do (see ``__reduce__``)."""
+    return TieredConnectorMetadata(StepPlan(layout_known=layout_known))
+
+
+def _metadata_from_wire(data: bytes) -> TieredConnectorMetadata:
+    return TieredConnectorMetadata(plan_from_wire(data))
+
 
 class TieredWorkerMetadata(KVConnectorWorkerMetadata):
     """One rank's :class:`WorkerReport`; vLLM merges the ranks' with :meth:`aggregate`."""
@@ -107,6 +129,13 @@ class TieredWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, TieredWorkerMetadata)
         self.report.merge(other.report)
         return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _worker_metadata_from_wire, (to_wire(self.report),)
+
+
+def _worker_metadata_from_wire(data: bytes) -> TieredWorkerMetadata:
+    return TieredWorkerMetadata(report_from_wire(data))
 
 
 class TieredHandshake(KVConnectorHandshakeMetadata):
@@ -450,8 +479,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[KVCacheEvent]:
         if self.scheduler is None:
             return ()
-        events: list[KVCacheEvent] = []
         outbox = self.scheduler.outbox
+        if not outbox:
+            return ()
+        events: list[KVCacheEvent] = []
         while outbox:
             event = self._event(outbox.popleft())
             if event is not None:

@@ -85,6 +85,10 @@ class DaemonRedis:
         ``flush_host`` waits for those); the daemon's write-behind is its own."""
         return True
 
+    def counts(self) -> dict[str, int]:
+        """No outage counters of its own (see :meth:`stats`)."""
+        return {}
+
     def stats(self) -> dict[str, Any]:
         """The Redis tier's outage counters the worker follows (the daemon keeps the real
         ones: ``kvtier daemon``'s /stats)."""

@@ -178,6 +178,7 @@ class TieredScheduler:
         # Redis of this engine's own, or reached through the host tier's daemon
         self.redis_configured = bool(config.redis_url) or config.host_tier_redis
         self.redis_up = self.redis_configured  # until a worker says otherwise
+        self._redis_up_by_rank: dict[int, int] = {}  # each rank's last word (on change only)
         if self.redis_configured:
             self.counters.set_gauge("redis_configured", 1)
         self.counters.set_gauge("redis_available", int(self.redis_up))
@@ -764,9 +765,10 @@ class TieredScheduler:
             self.presence.set_layout(report.rank0_layout)
         if report.rank0_layout and self.host is not None:
             self.host.set_layout(report.rank0_layout)
-        if report.redis_up >= 0:
-            self.redis_up = bool(report.redis_up)
-            self.counters.set_gauge("redis_available", report.redis_up)
+        if report.redis_up:
+            self._redis_up_by_rank.update(report.redis_up)
+            self.redis_up = all(self._redis_up_by_rank.values())
+            self.counters.set_gauge("redis_available", int(self.redis_up))
         for job, (ok, n, gather_failed) in report.saves.items():
             done = self.jobs.report(job, ok, n, gather_failed)
             if done is not None:

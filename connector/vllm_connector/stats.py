@@ -78,23 +78,31 @@ GAUGE_NAMES: tuple[str, ...] = (
 
 
 class ConnectorCounters:
-    """Thread-safe named counters with cumulative snapshots and deltas."""
+    """Thread-safe named counters with cumulative snapshots and deltas.
+
+    vLLM asks for a delta every engine step, in the scheduler's process and in every
+    worker's: what changed is tracked as it changes, so a quiet step costs one check.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._gauges: dict[str, int | float] = {"redis_available": 0, "redis_configured": 0}
         self._last: dict[str, int] = dict(self._values)
-        self._last_gauges: dict[str, int | float] = {}
+        self._moved: set[str] = set()  # counters added to since the last delta
+        self._gauges_moved = True  # a gauge changed value since the last delta
 
     def add(self, name: str, amount: int = 1) -> None:
         if amount:
             with self._lock:
                 self._values[name] += amount
+                self._moved.add(name)
 
     def set_gauge(self, name: str, value: int | float) -> None:
         with self._lock:
-            self._gauges[name] = value
+            if self._gauges.get(name) != value:
+                self._gauges[name] = value
+                self._gauges_moved = True
 
     def snapshot(self) -> dict[str, int | float]:
         """Cumulative totals plus gauges."""
@@ -106,11 +114,15 @@ class ConnectorCounters:
     def take_delta(self) -> dict[str, int | float]:
         """Counts since the last call, plus the gauges when anything moved; else empty."""
         with self._lock:
-            delta = {k: v - self._last[k] for k, v in self._values.items() if v != self._last[k]}
-            self._last = dict(self._values)
-            if delta or self._gauges != self._last_gauges:
-                delta.update(self._gauges)
-                self._last_gauges = dict(self._gauges)
+            if not self._moved and not self._gauges_moved:
+                return {}
+            delta: dict[str, int | float] = {}
+            for name in self._moved:
+                delta[name] = self._values[name] - self._last[name]
+                self._last[name] = self._values[name]
+            self._moved.clear()
+            delta.update(self._gauges)
+            self._gauges_moved = False
             return delta
 
 

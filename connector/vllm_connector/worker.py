@@ -130,6 +130,7 @@ class TieredWorker:
         self._failed_now: set[str] = set()  # requests whose load failed in this step
         self._report = WorkerReport()
         self._redis_seen: dict[str, int] = {}
+        self._redis_up_sent: int | None = None  # the Redis health last reported
         # Rank 0 tells the scheduler its layout (the presence summary's key names) until a
         # plan says it arrived.
         self._send_layout = tp_rank == 0 and (
@@ -171,11 +172,12 @@ class TieredWorker:
     # ------------------------------------------------------------------ loads
     def start_step(self, plan: StepPlan) -> None:
         """Before the forward: probes and fetches go to the I/O threads, CPU loads run."""
-        self._failed_now = set()
+        if self._failed_now:
+            self._failed_now = set()
         if plan.layout_known:
             self._send_layout = False
-        if self.transfer is None:
-            return
+        if self.transfer is None or not plan:
+            return  # most steps: nothing to load, probe or fetch
         self._async.update(plan.async_reqs)
         now: list[LoadOp] = []
         for op in plan.loads:
@@ -590,14 +592,16 @@ class TieredWorker:
         if self.host is not None:
             self.counters.set_gauge("host_tier_available", int(self.host.available))
         if self.redis is not None:
-            report.redis_up = int(bool(self.redis.available))
-            self.counters.set_gauge("redis_available", report.redis_up)
+            up = int(bool(self.redis.available))
+            if up != self._redis_up_sent:
+                report.redis_up[self.tp_rank] = self._redis_up_sent = up
+                self.counters.set_gauge("redis_available", up)
             self._follow_redis_events()
         return report
 
     def _follow_redis_events(self) -> None:
         """Mirror the Redis tier's outage/recovery counts into the connector's counters."""
-        st = self.redis.stats()
+        st = self.redis.counts()
         for name, ours in (("unavailable_events", "redis_unavailable_events"),
                            ("recoveries", "redis_recoveries"),
                            ("corrupt", "redis_corrupt_values"),

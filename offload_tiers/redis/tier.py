@@ -734,6 +734,11 @@ class RedisTier:
             self._n["deletes"] += deleted
         return deleted
 
+    def counts(self) -> dict[str, int]:
+        """The event counters alone (cheap enough to read every engine step)."""
+        with self._lock:
+            return dict(self._n)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._n)

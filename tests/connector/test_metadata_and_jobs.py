@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pickle
 
+import msgspec
+import pytest
+
+from connector.vllm_connector.connector import TieredConnectorMetadata, TieredWorkerMetadata
 from connector.vllm_connector.jobs import JobBook
 from connector.vllm_connector.plan import (
     MIXED_SAVES,
@@ -13,6 +17,9 @@ from connector.vllm_connector.plan import (
     SaveOp,
     StepPlan,
     WorkerReport,
+    plan_from_wire,
+    report_from_wire,
+    to_wire,
 )
 from offload_tiers.keys import BlockKey, BlockKind
 
@@ -22,16 +29,16 @@ K2 = BlockKey("ab" * 16, 1, b"h1", 48, BlockKind.PARTIAL)
 
 def test_merge_sums_every_job_over_ranks() -> None:
     rank0 = WorkerReport(saves={1: [1, 1, 0], 2: [1, 1, 0]}, fetches={5: [1, 1]},
-                         probes={9: ([7, 0, 5], 1)}, redis_up=1)
+                         probes={9: ([7, 0, 5], 1)}, redis_up={0: 1})
     rank1 = WorkerReport(saves={1: [0, 1, 1], 3: [1, 1, 0]}, fetches={5: [0, 1]},
-                         probes={9: ([7, 3, 6], 1)}, redis_up=0)
+                         probes={9: ([7, 3, 6], 1)}, redis_up={1: 0})
     merged = rank0.merge(rank1)
     assert merged is rank0
     assert merged.saves == {1: [1, 2, 1], 2: [1, 1, 0], 3: [1, 1, 0]}
     assert merged.fetches == {5: [1, 2]}
     # a save id survives only where both ranks read the same save
     assert merged.probes == {9: ([7, MIXED_SAVES, MIXED_SAVES], 2)}
-    assert merged.redis_up == 0  # the lowest over ranks
+    assert merged.redis_up == {0: 1, 1: 0}  # each rank's word, by rank
     rank2 = WorkerReport(saves={1: [1, 1, 0]})
     assert merged.merge(rank2).saves[1] == [2, 3, 1]
 
@@ -43,21 +50,21 @@ def test_merge_copies_and_never_aliases_the_other_report() -> None:
     assert other.saves == {1: [1, 1, 0]} and other.probes == {2: ([1], 1)}
 
 
-def test_redis_up_merges_as_the_lowest_configured_answer() -> None:
-    def up(*values: int) -> int:
+def test_redis_up_merges_each_ranks_word_by_rank() -> None:
+    def up(*words: dict[int, int]) -> dict[int, int]:
         report = WorkerReport()
-        for v in values:
-            report.merge(WorkerReport(redis_up=v))
+        for word in words:
+            report.merge(WorkerReport(redis_up=word))
         return report.redis_up
 
-    assert up() == -1 and up(-1, -1) == -1  # no rank has Redis configured
-    assert up(-1, 1) == 1 and up(1, -1) == 1
-    assert up(1, 1) == 1 and up(1, 0) == 0 and up(0, 1) == 0
+    assert up() == {} and up({}, {}) == {}  # no rank has news (or Redis configured)
+    assert up({}, {1: 1}) == {1: 1} and up({0: 0}, {}) == {0: 0}
+    assert up({0: 1}, {1: 0}) == {0: 1, 1: 0}
 
 
 def test_empty_report_is_false_and_health_alone_is_true() -> None:
     assert not WorkerReport()
-    assert WorkerReport(redis_up=0) and WorkerReport(redis_up=1)
+    assert WorkerReport(redis_up={0: 0}) and WorkerReport(redis_up={1: 1})
     assert WorkerReport(saves={1: [1, 1, 0]}) and WorkerReport(probes={1: ([], 1)})
     assert not StepPlan()
     assert StepPlan(async_reqs=["r"]) and StepPlan(probes=[ProbeOp(1, (K1,))])
@@ -72,8 +79,44 @@ def test_plan_and_report_pickle() -> None:
     again = pickle.loads(pickle.dumps(plan))  # noqa: S301 - our own bytes
     assert again == plan
     report = WorkerReport(saves={8: [1, 1, 0]}, fetches={7: [1, 1]}, probes={9: ([1, 1], 1)},
-                          redis_up=1)
+                          redis_up={0: 1})
     assert pickle.loads(pickle.dumps(report)) == report  # noqa: S301
+
+
+def test_a_quiet_steps_metadata_pickles_small_and_keeps_layout_known() -> None:
+    """vLLM pickles the metadata into every step's broadcast; most plans are empty."""
+    for known in (False, True):
+        quiet = TieredConnectorMetadata(StepPlan(layout_known=known))
+        blob = pickle.dumps(quiet)
+        again = pickle.loads(blob)  # noqa: S301 - our own bytes
+        assert isinstance(again, TieredConnectorMetadata)
+        assert again.plan == StepPlan(layout_known=known)
+        assert len(blob) < 120
+
+
+def test_busy_metadata_and_reports_cross_processes_as_typed_msgpack() -> None:
+    plan = StepPlan(loads=[LoadOp("r", 0, 3, 1, K1), LoadOp("r", 1, 4, 2, K2, after_fetch=True)],
+                    fetches=[FetchOp(7, "r", 2, K2, 5, ((1, 2, 3), (4, 5, 6)))],
+                    saves=[SaveOp(8, "r", 0, 5, 3, K1, to_redis=True, save_id=9)],
+                    probes=[ProbeOp(9, (K1, K2))], async_reqs=["r"], tail_reqs=["t"],
+                    layout_known=True)
+    again = pickle.loads(pickle.dumps(TieredConnectorMetadata(plan)))  # noqa: S301
+    assert again.plan == plan and again.plan.saves[0].key.kind is BlockKind.FULL
+    assert isinstance(again.plan.probes[0].keys, tuple)
+    report = WorkerReport(saves={8: [1, 1, 0]}, fetches={7: [1, 1]}, probes={9: ([1, 0], 1)},
+                          redis_up={1: 0}, rank0_layout="L")
+    back = pickle.loads(pickle.dumps(TieredWorkerMetadata(report)))  # noqa: S301
+    assert back.report == report
+
+
+def test_a_plan_off_the_wire_is_validated() -> None:
+    good = to_wire(StepPlan(saves=[SaveOp(8, "r", 0, 5, 3, K1, to_redis=True)]))
+    bad = good.replace(b"num_tokens\x20", b"num_tokens\x00")  # K1 covers 32 tokens -> 0
+    assert bad != good
+    with pytest.raises(msgspec.ValidationError, match="num_tokens must be positive"):
+        plan_from_wire(bad)
+    with pytest.raises(msgspec.ValidationError):
+        report_from_wire(msgspec.msgpack.encode([1, 2]))  # not a report
 
 
 def test_a_job_is_done_after_every_rank_reported_and_ok_only_if_all_were() -> None:

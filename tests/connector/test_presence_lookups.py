@@ -62,7 +62,7 @@ def _stored_name_digest(key: BlockKey, world_size: int = 1) -> int:
 
 
 def _ready(s: TieredScheduler) -> None:
-    s.on_report(WorkerReport(rank0_layout=LAYOUT, redis_up=1))
+    s.on_report(WorkerReport(rank0_layout=LAYOUT, redis_up={0: 1}))
 
 
 def _counters(s: TieredScheduler) -> dict[str, int]:
@@ -82,7 +82,7 @@ def test_a_miss_nobody_announced_is_answered_in_the_step_it_arrives() -> None:
 
 def test_only_announced_keys_up_to_the_first_unannounced_block_are_probed() -> None:
     s, feed = _sched(world_size=2)
-    s.on_report(WorkerReport(rank0_layout=LAYOUT, redis_up=1))
+    s.on_report(WorkerReport(rank0_layout=LAYOUT, redis_up={0: 1}))
     req = Req("r", 130)
     keys = [s.key(req, FP, LLAMA[0], n) for n in (32, 64, 96, 128)]
     # another engine announced the 32, 96 and 128 blocks, not the 64 one: no hit can pass 64
@@ -136,7 +136,7 @@ def test_own_saves_are_announced_and_probe_answers_remembered() -> None:
 
 def test_redis_reported_down_skips_redis_whatever_the_summary_says() -> None:
     s, feed = _sched()
-    s.on_report(WorkerReport(rank0_layout=LAYOUT, redis_up=0))
+    s.on_report(WorkerReport(rank0_layout=LAYOUT, redis_up={0: 0}))
     req = Req("r", 100)
     feed.learned = [_stored_name_digest(s.key(req, FP, LLAMA[0], 32))]
     assert s.lookup(req, 0) == (0, False)

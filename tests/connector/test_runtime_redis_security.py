@@ -50,7 +50,8 @@ def test_right_ca_and_user_connect(server: int, tls: TlsFiles) -> None:
     worker = _worker(_config(server, tls.ca_cert))
     try:
         assert worker.redis is not None and worker.redis.available
-        assert worker.take_report().redis_up == 1
+        assert worker.take_report().redis_up == {0: 1}
+        assert not worker.take_report()  # nothing changed: a quiet step reports nothing
         snap = worker.counters.snapshot()
         assert snap["redis_available"] == 1 and snap["redis_configured"] == 1
     finally:
@@ -89,7 +90,7 @@ def test_unverifiable_server_or_wrong_password_is_a_clear_cpu_only_start(
         worker = _worker(cfg)
     try:
         assert worker.redis is not None and not worker.redis.available
-        assert worker.take_report().redis_up == 0
+        assert worker.take_report().redis_up == {0: 0}
         snap = worker.counters.snapshot()
         assert snap["redis_available"] == 0 and snap["redis_configured"] == 1
         stats = worker.redis.stats()
@@ -111,7 +112,7 @@ def test_an_engine_whose_redis_refuses_it_serves_from_the_cpu_tier(server: int,
         e.fill([1, 2], seed=23)
         e.admit(Req("a", 70), [[Blk(1, BS), Blk(2, 2 * BS)]], 0)
         result = e.step({"a": 2 * BS})
-        assert len(result.plan.saves) == 2 and result.report.redis_up == 0
+        assert len(result.plan.saves) == 2 and result.report.redis_up == {0: 0}
         assert not e.sched.redis_up and e.cpu()["pinned"] == 0
         assert e.counter("blocks_written_redis") == [0]
         assert e.lookup(Req("b", 70)) == (64, False)  # CPU tier only, no probe

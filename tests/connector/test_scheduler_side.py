@@ -354,7 +354,7 @@ def test_the_number_of_ask_again_answers_is_bounded_and_counted() -> None:
 def test_redis_reported_down_means_no_probes_and_cpu_only_saves() -> None:
     blocks = {"r": [[Blk(1, 32)]]}
     s = _sched(LLAMA, blocks, redis_url=DEAD_REDIS)
-    s.on_report(WorkerReport(redis_up=0))
+    s.on_report(WorkerReport(redis_up={0: 0}))
     assert not s.redis_up and s.counters.snapshot()["redis_available"] == 0
     assert s.lookup(Req("q", 100), 0) == (0, False)  # asked nobody
     s.on_alloc(Req("r", 40), blocks["r"], 0)
@@ -363,7 +363,7 @@ def test_redis_reported_down_means_no_probes_and_cpu_only_saves() -> None:
     snap = s.counters.snapshot()
     assert snap["redis_lookup_skips"] == 1 and snap["redis_unavailable_saves"] == 1
     assert _pinned(s) == 0
-    s.on_report(WorkerReport(redis_up=1))
+    s.on_report(WorkerReport(redis_up={0: 1}))
     assert s.lookup(Req("q", 100), 0) == (None, False)  # asks Redis again
 
 
