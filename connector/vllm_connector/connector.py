@@ -255,6 +255,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             model_id=self.config.model_id, weights_version=self.config.weights_version,
             device=str(current_platform.device_type),
             checkpoint=self.config.checkpoint_identity)
+        events = vllm_config.kv_events_config
+        # vLLM publishes the connector's events only where KV events are enabled; else they
+        # are not even built (30 BlockStored per 480-token request, on the step's path).
+        self._events_on = bool(events is not None and events.enable_kv_cache_events)
         self._weights = WeightVersionSource()
         self._generation = Generation(self._weights.read())
         self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
@@ -267,7 +271,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler = TieredScheduler(
             self.config, self.groups, int(hash_unit), num_slots, slot_bytes,
             int(parallel.world_size), self._fingerprint, self._blocks_of, self._pool_block,
-            presence=presence, host=host)
+            presence=presence, host=host, events=self._events_on)
         log.info("kvtier scheduler: groups %s, hash unit %d, %d CPU-tier slots of %d bytes, "
                  "%d rank(s), settings %s", [(g.group, g.kind, g.block_size) for g in self.groups],
                  hash_unit, num_slots, slot_bytes, parallel.world_size, self.config.describe())
@@ -481,6 +485,9 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             return ()
         outbox = self.scheduler.outbox
         if not outbox:
+            return ()
+        if not self._events_on:
+            outbox.clear()
             return ()
         events: list[KVCacheEvent] = []
         while outbox:

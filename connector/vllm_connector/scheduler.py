@@ -162,8 +162,9 @@ class TieredScheduler:
                  blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
                  pool_block: Callable[[int], BlockLike],
                  presence: Callable[..., RedisPresence | None] | None = None,
-                 host: SchedulerHost | None = None) -> None:
+                 host: SchedulerHost | None = None, events: bool = True) -> None:
         self.config = config
+        self.events = events  # BlockStored events are published (what they need is kept)
         self.groups = groups
         self.hash_unit = hash_unit
         self.world_size = world_size
@@ -742,6 +743,8 @@ class TieredScheduler:
 
     def _remember(self, request: RequestLike, key: BlockKey, g: GroupSpec) -> None:
         """Keep what the BlockStored events of ``key`` will need."""
+        if not self.events:
+            return
         if key in self.event_info:
             self.event_info.move_to_end(key)
             return

@@ -35,12 +35,12 @@ HYBRID = [GroupSpec(0, MAMBA, BS), GroupSpec(1, ATTENTION, BS)]
 
 def _sched(groups: list[GroupSpec], blocks: dict[str, list[list[Blk]]] | None = None,
            world_size: int = 1, num_slots: int = 64, pool: dict[int, Blk] | None = None,
-           **cfg: Any) -> TieredScheduler:
+           events: bool = True, **cfg: Any) -> TieredScheduler:
     table = blocks if blocks is not None else {}
     by_id = pool if pool is not None else {}
     return TieredScheduler(TieredConfig(**cfg), groups, UNIT, num_slots, 16, world_size,
                            lambda tenant: FP, lambda rid: table[rid],
-                           lambda bid: by_id.get(bid, Blk(bid)))
+                           lambda bid: by_id.get(bid, Blk(bid)), events=events)
 
 
 def _store(s: TieredScheduler, req: Req, group: int, tokens: int) -> BlockKey:
@@ -66,6 +66,18 @@ def test_full_run_stops_at_first_missing_block_and_before_last_token() -> None:
     assert s.lookup(req, 64) == (64, False)
     whole = Req("r", 128)  # the whole prompt is stored: offered one short, like vLLM's own
     assert s.lookup(whole, 0) == (127, False)
+
+
+def test_without_kv_events_no_event_payload_is_kept() -> None:
+    """vLLM publishes the connector's events only with KV events enabled: without, a save
+    keeps no token ids for a BlockStored that is never built."""
+    for events in (True, False):
+        blocks = {"r": [[Blk(1, 32), Blk(2, 64)]]}
+        s = _sched(LLAMA, blocks, events=events)
+        s.on_alloc(Req("r", 70), blocks["r"], 0)
+        plan = s.plan({"r": 64}, {}, set())
+        assert len(plan.saves) == 2
+        assert len(s.event_info) == (2 if events else 0)
 
 
 def test_whole_prompt_hit_loads_the_last_block_whole_and_counts_what_vllm_took() -> None:
