@@ -46,7 +46,7 @@ _FIXES: dict[str, str] = {
     "presence": "use true (default: misses that no kvtier engine announced skip the Redis "
                 "probe) or false (every miss asks Redis)",
     "presence_capacity": "give the number of Redis keys the presence summary remembers, an "
-                         "integer >= 1024 (default 1048576: 2.9 MB)",
+                         "integer >= 1024 (default 1048576: 3.0 MB)",
     "presence_scan_keys_per_s": "give a number > 0: key names read per second when the "
                                 "summary walks Redis at start (default 200000)",
     "host_tier_socket": "give the Unix socket of `kvtier daemon --cpu-bytes N` (it prints "

@@ -8,6 +8,8 @@ import pytest
 
 from offload_tiers.presence import (
     PresenceFilter,
+    block_false_positive_rate,
+    blocks_for,
     name_digest,
     pack_digests,
     unpack_digests,
@@ -32,8 +34,17 @@ def test_every_key_added_is_maybe_present_and_the_false_positive_rate_holds() ->
 def test_memory_at_the_documented_default() -> None:
     f = PresenceFilter()
     assert f.capacity == 1 << 20
-    # two generations of ceil(-n ln(0.005) / ln(2)^2) bits: 2 x 1.45 MB (docs/connector.md)
-    assert 2_880_000 <= f.memory_bytes <= 2_900_000
+    # two generations of the fewest 64-byte blocks that hold 2^20 keys at 0.5 % each:
+    # 2 x 1.52 MB (docs/connector.md)
+    assert 3_000_000 <= f.memory_bytes <= 3_050_000
+    assert f.memory_bytes == 2 * f.num_blocks * 64
+
+
+def test_the_block_count_is_the_fewest_that_keeps_the_rate() -> None:
+    for capacity, rate in ((1 << 20, 0.005), (20_000, 0.005), (1_000, 0.02)):
+        n = blocks_for(capacity, rate)
+        assert block_false_positive_rate(capacity / n) <= rate
+        assert block_false_positive_rate(capacity / (n - 1)) > rate
 
 
 def test_the_last_capacity_keys_are_always_remembered_and_older_ones_go() -> None:
