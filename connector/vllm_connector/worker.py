@@ -586,7 +586,7 @@ class TieredWorker:
 
     def take_report(self) -> WorkerReport:
         self.collect()
-        report, self._report = self._report, WorkerReport()
+        report = self._report  # kept (empty) for the next step when nothing is in it
         if self._send_layout and self.layout is not None:
             report.rank0_layout = self.layout.descriptor()
         if self.host is not None:
@@ -597,6 +597,8 @@ class TieredWorker:
                 report.redis_up[self.tp_rank] = self._redis_up_sent = up
                 self.counters.set_gauge("redis_available", up)
             self._follow_redis_events()
+        if report:
+            self._report = WorkerReport()
         return report
 
     def _follow_redis_events(self) -> None:
