@@ -54,6 +54,8 @@ _FIXES: dict[str, str] = {
     "host_tier_redis": "use true only with host_tier_socket and no redis_url (the engine "
                        "then reaches Redis through `kvtier daemon --cpu-bytes N --redis-url "
                        "URL`), or false (default)",
+    "async_saves": "use true (default: on the CPU a step's saves are copied after the step "
+                   "returns, before the next one) or false (copied inside the step)",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
 
@@ -102,6 +104,9 @@ class TieredConfig(BaseModel):
     # Reach Redis through that daemon (it writes saves behind and restores; this engine
     # opens no Redis connection): connector/vllm_connector/daemon_redis.py
     host_tier_redis: bool = False
+    # On the CPU, copy a step's saves on the saver thread after the step returns (fenced
+    # before the next step); false: inside the step, before its output goes back.
+    async_saves: bool = True
     _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")

@@ -353,6 +353,12 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, TieredConnectorMetadata)
         return meta.plan
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """The first call of every step, before any KV block can be written: the last
+        step's saves finish copying (the saver thread)."""
+        if self.worker is not None:
+            self.worker.fence()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is not None:

@@ -67,6 +67,13 @@ class BlockTransfer:
     def group(self, group: int) -> GroupLayout:
         return self._groups[group]
 
+    @property
+    def gathers_in_numpy(self) -> bool:
+        """True when :meth:`gather` into the slab is NumPy copies only (CPU tensors NumPy can
+        view): safe on a thread of its own, where a torch kernel would start OpenMP threads
+        of its own beside the worker's."""
+        return not self._cuda and all(v is not None for v in self._blocks_np.values())
+
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 

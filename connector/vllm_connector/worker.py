@@ -117,6 +117,11 @@ class TieredWorker:
         self._cores = SpareCores()  # on a CPU engine: the cores vLLM left free
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io",
                                       initializer=self._cores.pin_current)
+        # The saver copies a step's saves off the step (CPU; see save()). Started from the
+        # main thread, it shares that thread's cores: it runs while the worker waits for
+        # the next step.
+        self._saver: ThreadPoolExecutor | None = None
+        self._saving: futures.Future[None] | None = None
         self._lock = threading.Lock()
         self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
         self._waiting: dict[str, list[LoadOp]] = {}  # req -> loads waiting on its fetches
@@ -145,6 +150,8 @@ class TieredWorker:
         self.layout = layout
         self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
         self.transfer = BlockTransfer(kv_caches, layout, self.slab)
+        if self.config.async_saves and self.transfer.gathers_in_numpy and self.host is None:
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-saver")
         # on CUDA the host tier's segment is page-locked once, so loads from it are one DMA
         self._segment_pins = PinnedMapping(self.transfer.device.type == "cuda")
         return layout
@@ -172,6 +179,7 @@ class TieredWorker:
     # ------------------------------------------------------------------ loads
     def start_step(self, plan: StepPlan) -> None:
         """Before the forward: probes and fetches go to the I/O threads, CPU loads run."""
+        self.fence()  # the last step's saves have read their blocks and filled their slots
         if self._failed_now:
             self._failed_now = set()
         if plan.layout_known:
@@ -372,9 +380,14 @@ class TieredWorker:
                 self._report.probes[job] = (save_ids, 1)
             elif kind == "fetch":
                 self._fetched(*value)
+            elif kind == "save":
+                job, counts = value
+                self._report.saves[job] = counts
+            elif kind == "sent":
+                self._finished_sending.update(value)
             else:
                 job, ok, nbytes = value
-                self._report_save(job, ok=ok, gathered=True)
+                self._report.saves[job] = [int(ok), 1, 0]
                 if ok:
                     self.counters.add("blocks_written_redis")
                     self.counters.add("bytes_written_redis", nbytes)
@@ -400,18 +413,48 @@ class TieredWorker:
 
     # ------------------------------------------------------------------ saves
     def save(self, plan: StepPlan) -> None:
-        """After the forward: copy blocks into their slots, then hand them to Redis."""
-        self._copy_blocks(plan)
-        # Finished requests' tails are copied (or failed, reported): their blocks may go.
-        self._finished_sending.update(plan.tail_reqs)
+        """After the forward: copy blocks into their slots, then hand them to Redis.
 
-    def _copy_blocks(self, plan: StepPlan) -> None:
-        if not plan.saves:
+        On the CPU the copies run on the saver thread, off the step (its output goes back to
+        the scheduler without waiting for them); :meth:`fence`, before anything of the next
+        step can write a KV block, waits for them. Finished requests' tails are reported
+        sent (their blocks may go) once copied.
+        """
+        if not plan.saves and not plan.tail_reqs:
             return
+        keep = self._claim(plan)
+        if self._saver is None or self.closed or not keep:
+            self._copy_kept(keep)
+            self._finished_sending.update(plan.tail_reqs)
+            return
+        self._saving = self._saver.submit(self._copy_off_step, keep, list(plan.tail_reqs))
+
+    def fence(self) -> None:
+        """Wait until the saves handed to the saver thread have copied their blocks: vLLM
+        calls it (``handle_preemptions``) before a step can write any KV block, and every
+        step's loads run after it."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.result()
+
+    def _copy_off_step(self, keep: list[SaveOp], tails: list[str]) -> None:
+        try:
+            self._copy_kept(keep)
+        except Exception:  # every save not yet reported is lost with its step: say so
+            log.exception("kvtier: saving blocks off the step failed")
+            for op in keep:
+                self._report_save(op.job, ok=False, gathered=False)
+        finally:
+            self._done.append(("sent", tails))
+
+    def _claim(self, plan: StepPlan) -> list[SaveOp]:
+        """The saves to copy (main thread: slot books, and the saves that are not made)."""
+        if not plan.saves:
+            return []
         if self.transfer is None:
             for op in plan.saves:
                 self._report_save(op.job, ok=False, gathered=False)
-            return
+            return []
         # A slot given twice in one plan (a small tier evicting this step's own saves) keeps
         # the scheduler's last choice; the earlier save is gone from its books already.
         last = {op.slot: op for op in plan.saves if op.slot != OVERFLOW_SLOT}
@@ -431,6 +474,10 @@ class TieredWorker:
                 if op.slot != OVERFLOW_SLOT:
                     self.holds[op.slot] = None
                 keep.append(op)
+        return keep
+
+    def _copy_kept(self, keep: list[SaveOp]) -> None:
+        """Gather the kept saves into their slots, then on to the host tier and Redis."""
         for group, ops in _by_group(keep).items():
             slotted = [op for op in ops if op.slot != OVERFLOW_SLOT]
             if slotted and self._gather(group, slotted, None):
@@ -569,7 +616,8 @@ class TieredWorker:
                                 for (op, view), (key, _) in zip(remote, keyed, strict=True)])
 
     def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
-        self._report.saves[job] = [int(ok), 1, int(not gathered)]
+        """Any thread: the main thread applies it to the report (:meth:`collect`)."""
+        self._done.append(("save", (job, [int(ok), 1, int(not gathered)])))
 
     # ------------------------------------------------------------------ to vLLM
     def take_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
@@ -620,6 +668,9 @@ class TieredWorker:
         if self.closed:
             return
         self.closed = True
+        self.fence()
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         self._io.shutdown(wait=True, cancel_futures=True)
         if self.redis is not None:
             self.redis.close(timeout=2.0)

@@ -1,0 +1,94 @@
+"""Saves off the step (CPU): the worker's step returns before its blocks are copied, and
+nothing of the next step can run before they are (``fence``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.plan import StepPlan
+from tests.support.halves import BS, Halves, as_bytes
+from tests.support.sched_doubles import Blk, Req
+
+
+def _gated(e: Halves) -> tuple[threading.Event, threading.Event]:
+    """Rank 0's gathers wait for ``gate`` (and say ``entered``): a copy held mid-flight."""
+    worker = e.ranks[0].worker
+    assert worker.transfer is not None
+    gather = worker.transfer.gather
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> int:
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return gather(*args, **kwargs)
+
+    worker.transfer.gather = held  # type: ignore[method-assign]
+    return gate, entered
+
+
+def test_the_step_returns_before_its_saves_are_copied_and_the_next_one_waits() -> None:
+    e = Halves(TieredConfig(cpu_bytes=1 << 20))
+    try:
+        worker = e.ranks[0].worker
+        e.fill([1, 2], seed=5)
+        e.admit(Req("a", 70), [[Blk(1, BS), Blk(2, 2 * BS)]], 0)
+        gate, entered = _gated(e)
+        plan = e.plan({"a": 2 * BS})
+        assert len(plan.saves) == 2
+        worker.start_step(plan)
+        worker.save(plan)  # returns while the copy is held: the step does not wait for it
+        assert entered.wait(60)
+        assert not worker.take_report().saves  # nothing copied yet, nothing reported
+        assert all(worker.holds[op.slot] is None for op in plan.saves)
+        gate.set()
+        worker.start_step(StepPlan())  # the next step: its loads run after the copies
+        report = worker.take_report()
+        assert {job: counts[0] for job, counts in report.saves.items()} == \
+            {op.job: 1 for op in plan.saves}
+        for op in plan.saves:
+            assert worker.holds[op.slot] == op.key
+            block = as_bytes(e.ranks[0].kv["attn0"][op.block_id])
+            assert bytes(np.asarray(worker.slab[op.slot, :len(block)])) == block
+    finally:
+        e.close()
+
+
+def test_inside_the_step_when_async_saves_is_off() -> None:
+    e = Halves(TieredConfig(cpu_bytes=1 << 20, async_saves=False))
+    try:
+        worker = e.ranks[0].worker
+        e.fill([1], seed=6)
+        e.admit(Req("a", 40), [[Blk(1, BS)]], 0)
+        plan = e.plan({"a": BS})
+        worker.start_step(plan)
+        worker.save(plan)
+        report = worker.take_report()  # reported at once: the copy ran inside save()
+        assert [counts[0] for counts in report.saves.values()] == [1]
+        assert worker.holds[plan.saves[0].slot] == plan.saves[0].key
+    finally:
+        e.close()
+
+
+def test_a_failed_copy_off_the_step_is_reported_and_untrusted() -> None:
+    e = Halves(TieredConfig(cpu_bytes=1 << 20))
+    try:
+        worker = e.ranks[0].worker
+        assert worker.transfer is not None
+
+        def broken(*args: Any, **kwargs: Any) -> int:
+            raise RuntimeError("copy failed")
+
+        worker.transfer.gather = broken  # type: ignore[method-assign]
+        e.fill([1], seed=7)
+        e.admit(Req("a", 40), [[Blk(1, BS)]], 0)
+        result = e.step({"a": BS})
+        [op] = result.plan.saves
+        assert result.report.saves[op.job] == [0, 1, 1]  # not copied: its slot is not trusted
+        assert not e.sched.directory.contains(op.key)
+        assert worker.holds[op.slot] is None
+    finally:
+        e.close()
