@@ -440,10 +440,11 @@ class TieredWorker:
     def _copy_off_step(self, keep: list[SaveOp], tails: list[str]) -> None:
         try:
             self._copy_kept(keep)
-        except Exception:  # every save not yet reported is lost with its step: say so
-            log.exception("kvtier: saving blocks off the step failed")
-            for op in keep:
-                self._report_save(op.job, ok=False, gathered=False)
+        except Exception:
+            # A bug (copy failures are reported where they happen). Its saves stay open,
+            # their slots pinned: reporting them here could report a job twice, and a rank
+            # counted twice could let a slot go while another rank's writer still reads it.
+            log.exception("kvtier: saving blocks off the step failed; their slots stay held")
         finally:
             self._done.append(("sent", tails))
 
@@ -489,7 +490,14 @@ class TieredWorker:
             overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
             if overflow:
                 # Rows of a buffer of this step's own; the Redis writer keeps it alive.
-                buf = np.empty((len(overflow), self._nbytes(group)), dtype=np.uint8)
+                try:
+                    buf = np.empty((len(overflow), self._nbytes(group)), dtype=np.uint8)
+                except MemoryError:
+                    log.warning("kvtier: no memory for %d overflow saves; dropped", len(overflow))
+                    for op in overflow:
+                        self._report_save(op.job, ok=False, gathered=False)
+                    self.counters.add("store_drops", len(overflow))
+                    continue
                 if self._gather(group, overflow, buf):
                     self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(overflow)],
                                    set())
