@@ -489,8 +489,8 @@ def _warm_kvtier_redis(model_dir: Path, log_dir: Path, shape: Shape,
 
 
 def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
-            redis_url: str, rtt_s: float, env: dict[str, str | None], gap_s: float
-            ) -> dict[str, dict[str, Any]]:
+            redis_url: str, rtt_s: float, env: dict[str, str | None], gap_s: float,
+            kvtier_extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Every config's server up at once; the configs take turns, round by round.
 
     Round ``r`` of every config runs the same prompts within seconds of the others' round
@@ -502,7 +502,8 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
     servers: dict[str, OpenAIServer] = {}
     proxy: Proxy | None = None
     prefix = f"kvtier-stall-{uuid.uuid4().hex[:10]}"
-    settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0}
+    settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0,
+                **(kvtier_extra or {})}
     try:
         if "kvtier" in configs:
             proxy = Proxy(redis_url, rtt_s)
@@ -662,6 +663,8 @@ def main(argv: list[str]) -> int:
                         help="vLLM's token budget per step (default: the shape's, 256; 0: "
                              "vLLM's own, which prefills a 1024-token prompt in one step)")
     parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--kvtier-extra", default="{}", metavar="JSON",
+                        help="more kvtier settings, e.g. '{\"async_saves\": false}'")
     args = parser.parse_args(argv)
     env = server_env(None if args.reserved_cpus == "vllm" else int(args.reserved_cpus))
 
@@ -678,8 +681,11 @@ def main(argv: list[str]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir = tiny_llama()
     t0 = time.monotonic()
+    kvtier_extra = json.loads(args.kvtier_extra)
+    if not isinstance(kvtier_extra, dict):
+        parser.error("--kvtier-extra: a JSON object of kvtier settings")
     runs = run_all(configs, model_dir, shape, log_dir, args.redis_url, args.rtt_ms / 1e3,
-                   env, args.gap_s)
+                   env, args.gap_s, kvtier_extra)
     summary = {c: summarize(r, shape) for c, r in runs.items()}
     per = {c: ratios_for(summary, c) for c in summary if c != "none"}
     ratios: dict[str, Any] = dict(per.get("kvtier", {}))
@@ -714,6 +720,7 @@ def main(argv: list[str]) -> int:
                "connectors": {c: {"ratios": per.get(c), "summary": summary[c]}
                               for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,
+               "kvtier_extra": kvtier_extra,
                "elapsed_s": time.monotonic() - t0}
         if "kvtier" in runs:  # what the connector counted over the measured rounds
             out["kvtier_counters"] = runs["kvtier"]["kvtier_counters"]

@@ -143,10 +143,14 @@ def e2e(d: dict[str, Any]) -> str:
     native = " / ".join(pct(r.get(f"native_overhead_no_hit_{m}")) for m in models)
     restart = " / ".join(x(r.get(f"restart_recomputed_vs_native_{m}")) for m in models)
     reset = " / ".join(x(r.get(f"recomputed_vs_native_{m}")) for m in models)
+    cpu_only = ""
+    if any(f"cpu_only_overhead_no_hit_{m}" in r for m in models):
+        cpu_only = "; kvtier with its CPU tier only " + " / ".join(
+            pct(r.get(f"cpu_only_overhead_no_hit_{m}")) for m in models)
     return (f"recomputed prefill tokens after vLLM's cache is emptied, kvtier vs vLLM's native "
             f"OffloadingConnector: {reset}; after an engine restart (kvtier from Redis): "
             f"{restart}. No-hit overhead (wall, kvtier as deployed, Redis configured): "
-            f"{over}; native {native} in the same run ({when(d)})")
+            f"{over}; native {native}{cpu_only} in the same run ({when(d)})")
 
 
 def stall(d: dict[str, Any]) -> str:
