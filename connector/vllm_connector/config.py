@@ -31,7 +31,7 @@ _FIXES: dict[str, str] = {
     "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
                           "Redis server's certificate (used with rediss:// URLs)",
     "write_mode": "use 'back' (default: a background writer, no Redis round trip in a step) "
-                  "or 'through' (each step writes Redis before it ends)",
+                  "or 'through' (a step's blocks reach Redis before the next step starts)",
     "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
     "store_partial": "use true or false",
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
