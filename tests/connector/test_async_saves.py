@@ -14,20 +14,25 @@ from tests.support.halves import BS, Halves, as_bytes
 from tests.support.sched_doubles import Blk, Req
 
 
-def _gated(e: Halves) -> tuple[threading.Event, threading.Event]:
-    """Rank 0's gathers wait for ``gate`` (and say ``entered``): a copy held mid-flight."""
+def _gated(e: Halves) -> tuple[threading.Event, threading.Event, list[threading.Thread]]:
+    """Rank 0's gathers say ``entered`` and the thread they run on; off the main thread they
+    wait for ``gate`` (a copy held mid-flight). On the main thread (a copy inside the step)
+    they run at once, so a regression fails the test instead of hanging it."""
     worker = e.ranks[0].worker
     assert worker.transfer is not None
     gather = worker.transfer.gather
     gate, entered = threading.Event(), threading.Event()
+    threads: list[threading.Thread] = []
 
     def held(*args: Any, **kwargs: Any) -> int:
+        threads.append(threading.current_thread())
         entered.set()
-        assert gate.wait(60), "the test never opened the gate"
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait()
         return gather(*args, **kwargs)
 
     worker.transfer.gather = held  # type: ignore[method-assign]
-    return gate, entered
+    return gate, entered, threads
 
 
 def test_the_step_returns_before_its_saves_are_copied_and_the_next_one_waits() -> None:
@@ -36,12 +41,13 @@ def test_the_step_returns_before_its_saves_are_copied_and_the_next_one_waits() -
         worker = e.ranks[0].worker
         e.fill([1, 2], seed=5)
         e.admit(Req("a", 70), [[Blk(1, BS), Blk(2, 2 * BS)]], 0)
-        gate, entered = _gated(e)
+        gate, entered, threads = _gated(e)
         plan = e.plan({"a": 2 * BS})
         assert len(plan.saves) == 2
         worker.start_step(plan)
         worker.save(plan)  # returns while the copy is held: the step does not wait for it
-        assert entered.wait(60)
+        entered.wait()
+        assert threads[0] is not threading.main_thread()  # copied off the step
         assert not worker.take_report().saves  # nothing copied yet, nothing reported
         assert all(worker.holds[op.slot] is None for op in plan.saves)
         gate.set()
