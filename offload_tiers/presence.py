@@ -53,6 +53,8 @@ _WORDS = BLOCK_BITS // 64
 _SALTS = np.array([0x47B6137B, 0x44974D91, 0x8824AD5B, 0xA2B7289D,
                    0x705495C7, 0x2DF1424B, 0x9EFC4947, 0x5C6BFB31], dtype=np.uint64)
 _LOW32 = np.uint64(0xFFFFFFFF)
+#: (shift, salt) per word: where each word's bit sits in a block read as one 512-bit integer.
+_WORD_SALTS = tuple((64 * i, int(s)) for i, s in enumerate(_SALTS))
 
 
 def block_false_positive_rate(keys_per_block: float) -> float:
@@ -104,9 +106,10 @@ class PresenceFilter:
         self.num_hashes = _WORDS
         # Written once here, so every page is resident before the first look-up (a lazily
         # mapped page faults on its first read or write, on the look-up's path).
-        self._current = np.empty(self.num_blocks * _WORDS, dtype=np.uint64)
+        self._current = np.empty(self.num_blocks * _WORDS, dtype="<u8")
         self._current.fill(0)
         self._previous = self._current.copy()
+        self._bytes = (memoryview(self._current).cast("B"), memoryview(self._previous).cast("B"))
         self._count = 0  # keys added to the current generation
         self.added = 0
         self.rotations = 0
@@ -131,6 +134,7 @@ class PresenceFilter:
             room = self.capacity - self._count
             if room <= 0:
                 self._previous, self._current = self._current, self._previous
+                self._bytes = self._bytes[::-1]
                 self._current[:] = 0
                 self._count = 0
                 self.rotations += 1
@@ -156,7 +160,16 @@ class PresenceFilter:
         return in_current | in_previous
 
     def may_contain(self, digest: int) -> bool:
-        return bool(self.may_contain_many([digest])[0])
+        """One digest, in plain integers (a look-up that asks one key at a time pays no
+        array set-up): the same answer as :meth:`may_contain_many`."""
+        start = (((digest >> 32) * self.num_blocks) >> 32) * (BLOCK_BITS // 8)
+        low = digest & 0xFFFFFFFF
+        mask = 0
+        for shift, salt in _WORD_SALTS:
+            mask |= 1 << (shift + (((low * salt) & 0xFFFFFFFF) >> 26))
+        end = start + BLOCK_BITS // 8
+        return any(int.from_bytes(block[start:end], "little") & mask == mask
+                   for block in self._bytes)
 
     def stats(self) -> dict[str, int | float]:
         return {"capacity": self.capacity, "fp_rate": self.fp_rate,

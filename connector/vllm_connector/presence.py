@@ -135,6 +135,12 @@ class RedisPresence:
         found = self.filter.may_contain_many([self._digest(k) for k in keys])
         return [bool(f) for f in found]
 
+    def may_hold_key(self, key: BlockKey) -> bool:
+        """One key, asked after :meth:`ready`: False = no kvtier engine announced it."""
+        if self.layout is None:
+            return False  # ready(): nothing learned, so nothing stored
+        return self.filter.may_contain(self._digest(key))
+
     def stored(self, key: BlockKey) -> None:
         """This engine stored ``key`` (every rank): remember it and tell the others (at the
         step's refresh, one announcement for all)."""

@@ -137,6 +137,27 @@ class _Probe:
 
 
 @dataclass(slots=True)
+class _Reach:
+    """One look-up's candidates: the keys of every end a hit may reach, where the local
+    tiers hold them, and the keys a Redis probe may find (in order)."""
+
+    prefix: dict[int, list[_Need]] = field(default_factory=dict)
+    ending: dict[int, list[_Need]] = field(default_factory=dict)
+    tiers: dict[BlockKey, str] = field(default_factory=dict)
+    host_where: dict[BlockKey, tuple[Location, ...]] = field(default_factory=dict)
+    missing: list[BlockKey] = field(default_factory=list)
+    ruled_out: int = 0  # keys the presence summary said no kvtier engine stored
+
+
+def _always(key: BlockKey) -> bool:
+    return True
+
+
+def _never(key: BlockKey) -> bool:
+    return False
+
+
+@dataclass(slots=True)
 class _Tracked:
     request: Any
     saved: set[tuple[int, int, int]] = field(default_factory=set)  # (group, index, tokens)
@@ -286,87 +307,89 @@ class TieredScheduler:
             return 0, False
         fp = self._fingerprint(self.tenant(request))
         ends = list(range(num_computed + self.hash_unit, max_end + 1, self.hash_unit))
-        prefix, ending = self._candidates(request, fp, ends)
-        ordered = list(dict.fromkeys(
-            k.key for end in ends for k in prefix[end] + ending[end]))
-        tiers = dict.fromkeys(
-            (k for k, ok in zip(ordered, self.directory.contains_many(ordered), strict=True)
-             if ok), Tier.CPU)
-        host_where = self._in_host(ordered, tiers)
-        missing = tuple(k for k in ordered if k not in tiers and not self._is_bad(k))
-        if missing:
-            missing = self._worth_asking(request.request_id, missing, ends, prefix, ending,
-                                         tiers)
+        may_redis, decided_now = self._redis_may_hold(request.request_id)
+        reach = self._reach(request, fp, ends, may_redis)
+        ends = ends[:len(reach.prefix)]
+        missing = tuple(reach.missing)
+        if decided_now:
+            self._remember_worth(request.request_id, reach)
         save_ids: dict[BlockKey, int] = {}
-        if missing and not self._redis_answer(request.request_id, missing, tiers, save_ids):
+        if missing and not self._redis_answer(request.request_id, missing, reach.tiers,
+                                              save_ids):
             return None, False
         self.counters.add("lookups")
         self.counters.add("lookup_tokens", request.num_tokens - num_computed)
-        return self._choose(request, num_computed, ends, prefix, ending, tiers, save_ids,
-                            host_where)
+        return self._choose(request, num_computed, ends, reach.prefix, reach.ending,
+                            reach.tiers, save_ids, reach.host_where)
 
-    def _in_host(self, ordered: list[BlockKey], tiers: dict[BlockKey, str]
-                 ) -> dict[BlockKey, tuple[Location, ...]]:
-        """Mark the keys the host tier holds for every rank (not in this engine's CPU tier)
-        as :attr:`Tier.HOST` in ``tiers``; their shards' locations."""
-        where: dict[BlockKey, tuple[Location, ...]] = {}
-        if self.host is None or not self.host.ready:
-            return where
-        for key in ordered:
-            if key not in tiers:
-                found = self.host.locate(key)
-                if found is not None:
-                    tiers[key] = Tier.HOST
-                    where[key] = found
-        return where
-
-    def _candidates(self, request: RequestLike, fp: str, ends: list[int]
-                    ) -> tuple[dict[int, list[_Need]], dict[int, list[_Need]]]:
-        """Keys per candidate end: prefix keys (FULL attention blocks, cumulative) and end
-        keys (the PARTIAL attention entry and every Mamba state, only for the end itself)."""
-        prefix: dict[int, list[_Need]] = {}
-        ending: dict[int, list[_Need]] = {}
-        for end in ends:
-            prefix[end] = [
-                _Need(g.group, end // g.block_size - 1, self.key(request, fp, g, end))
-                for g in self.attention if end % g.block_size == 0
-            ]
-            ending[end] = [
-                _Need(g.group, end // g.block_size, self.key(request, fp, g, end))
-                for g in self.attention if end % g.block_size != 0
-            ] + [
-                _Need(g.group, (end - 1) // g.block_size, self.key(request, fp, g, end))
-                for g in self.mamba
-            ]
+    def _needs_at(self, request: RequestLike, fp: str, end: int
+                  ) -> tuple[list[_Need], list[_Need]]:
+        """The keys of candidate ``end``: its prefix keys (the FULL attention blocks ending
+        there; a hit past ``end`` needs them too) and its end keys (the PARTIAL attention
+        entry and every Mamba state, needed only by a hit ending exactly there)."""
+        prefix = [_Need(g.group, end // g.block_size - 1, self.key(request, fp, g, end))
+                  for g in self.attention if end % g.block_size == 0]
+        ending = [_Need(g.group, end // g.block_size, self.key(request, fp, g, end))
+                  for g in self.attention if end % g.block_size != 0]
+        ending += [_Need(g.group, (end - 1) // g.block_size, self.key(request, fp, g, end))
+                   for g in self.mamba]
         return prefix, ending
 
-    def _worth_asking(self, req_id: str, missing: tuple[BlockKey, ...], ends: list[int],
-                      prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
-                      tiers: dict[BlockKey, str]) -> tuple[BlockKey, ...]:
-        """The missing keys worth a Redis probe: those the presence summary may hold, up to
-        the first end that a key nobody announced cuts off. ``()`` answers the lookup at
-        once (``presence_known_absent``). Without a trustworthy summary: all of them."""
+    def _reach(self, request: RequestLike, fp: str, ends: list[int],
+               may_redis: Callable[[BlockKey], bool]) -> _Reach:
+        """Where each key of each candidate end is, end by end, up to the first end with a
+        FULL block in no tier: not in the CPU tier, not in the host tier, and not worth a
+        Redis probe (``may_redis``) or known bad. No hit reaches past it, so nothing past it
+        is looked at: a miss costs the keys of its first block, not of its prompt."""
+        reach = _Reach()
+        host = self.host if self.host is not None and self.host.ready else None
+        for end in ends:
+            prefix, ending = self._needs_at(request, fp, end)
+            keys = [n.key for n in prefix + ending]
+            asked: list[BlockKey] = []
+            for key, in_cpu in zip(keys, self.directory.contains_many(keys), strict=True):
+                if in_cpu:
+                    reach.tiers[key] = Tier.CPU
+                elif host is not None and (found := host.locate(key)) is not None:
+                    reach.tiers[key] = Tier.HOST
+                    reach.host_where[key] = found
+                elif self._is_bad(key):
+                    continue
+                elif may_redis(key):
+                    asked.append(key)
+                else:
+                    reach.ruled_out += 1
+            if any(n.key not in reach.tiers and n.key not in asked for n in prefix):
+                break  # a FULL block of this end is nowhere: no hit reaches it
+            reach.prefix[end], reach.ending[end] = prefix, ending
+            reach.missing.extend(asked)
+        return reach
+
+    def _redis_may_hold(self, req_id: str) -> tuple[Callable[[BlockKey], bool], bool]:
+        """Which keys missing from the local tiers are worth a Redis probe, and whether the
+        presence summary decides it in this look-up (its first; later asks of the same
+        request keep the first answer, so a growing summary adds no probe rounds)."""
+        if not self.redis_configured:
+            return _never, False
         if self.presence is None or not self.redis_up:
-            return missing
+            return _always, False  # without a summary every miss is probed
         probe = self._probes.get(req_id)
         if probe is not None:
-            return missing if probe.worth is None else tuple(k for k in missing
-                                                             if k in probe.worth)
+            return (_always if probe.worth is None else probe.worth.__contains__), False
         if not self.presence.ready():
             self.counters.add("presence_not_ready")
-            return missing
-        maybe = {k for k, m in zip(missing, self.presence.may_hold(missing), strict=True) if m}
-        worth: dict[BlockKey, None] = {}
-        for end in ends:
-            if any(n.key not in tiers and n.key not in maybe for n in prefix[end]):
-                break  # no hit reaches this end: a FULL block of it is nowhere
-            worth.update((n.key, None) for n in prefix[end] + ending[end] if n.key in maybe)
-        self.counters.add("presence_keys_skipped", len(missing) - len(worth))
-        if not worth:
+            return _always, False
+        return self.presence.may_hold_key, True
+
+    def _remember_worth(self, req_id: str, reach: _Reach) -> None:
+        """The summary's first answer for a request: its keys to probe are kept for the asks
+        that follow; none answers the look-up at once (``presence_known_absent``)."""
+        if reach.ruled_out:
+            self.counters.add("presence_keys_skipped", reach.ruled_out)
+        if reach.missing:
+            self._probes[req_id] = _Probe(worth=set(reach.missing))
+        elif reach.ruled_out:
             self.counters.add("presence_known_absent")
-            return ()
-        self._probes[req_id] = _Probe(worth=set(worth))
-        return tuple(worth)
 
     def _redis_answer(self, req_id: str, missing: tuple[BlockKey, ...],
                       tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int]) -> bool:

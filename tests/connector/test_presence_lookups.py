@@ -77,7 +77,21 @@ def test_a_miss_nobody_announced_is_answered_in_the_step_it_arrives() -> None:
     assert plan.probes == [] and plan.layout_known
     c = _counters(s)
     assert c["presence_known_absent"] == 1 and c.get("probe_waits", 0) == 0
-    assert c["presence_keys_skipped"] == 4
+    assert c["presence_keys_skipped"] == 1  # the first block's key: nothing past it is read
+
+
+def test_a_miss_reads_the_keys_of_its_first_block_only() -> None:
+    """No hit reaches past a FULL block that is in no tier, so a miss asks the CPU tier and
+    the summary about its first block alone, whatever the prompt's length."""
+    s, _ = _sched()
+    _ready(s)
+    asked: list[int] = []
+    contains_many = s.directory.contains_many
+    s.directory.contains_many = lambda keys: (  # type: ignore[method-assign]
+        asked.extend(k.num_tokens for k in keys) or contains_many(keys))
+    assert s.lookup(Req("long", 32 * 40 + 5), 0) == (0, False)
+    assert asked == [32]
+    assert _counters(s)["presence_keys_skipped"] == 1
 
 
 def test_only_announced_keys_up_to_the_first_unannounced_block_are_probed() -> None:

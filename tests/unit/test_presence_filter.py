@@ -59,6 +59,18 @@ def test_the_last_capacity_keys_are_always_remembered_and_older_ones_go() -> Non
     assert forgotten.mean() <= 0.05
 
 
+def test_one_key_at_a_time_answers_as_the_array_path_does_across_rotations() -> None:
+    f = PresenceFilter(capacity=1_000, fp_rate=0.01)
+    stream = _digests("one", 2_500)
+    f.add_many(stream[:1_500])
+    f.add_many(stream[1_500:])
+    assert f.rotations == 2
+    asked = stream + _digests("never", 5_000)
+    batch = f.may_contain_many(asked)
+    assert [f.may_contain(d) for d in asked] == batch.tolist()
+    assert batch[1_500:2_500].all() and not batch[-5_000:].all()  # both answers occur
+
+
 def test_digests_pack_and_a_torn_pack_is_refused() -> None:
     digests = _digests("p", 5)
     data = pack_digests(digests)
