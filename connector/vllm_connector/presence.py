@@ -35,8 +35,12 @@ from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.keys import BlockKey
 from offload_tiers.presence import PresenceFilter, name_digest
 
-#: Digests that wait for the next look-up before the filter takes them in at once.
-_PENDING_MAX = 1 << 16
+#: Digests kept in a set until the filter takes them in, in one update of this many: a
+#: look-up asks the set and the filter, and never waits for an array update.
+_RECENT_MAX = 4096
+#: A batch at least this large (the walk of key names, a busy announcement) goes into the
+#: filter at once.
+_DIRECT_MIN = 1024
 #: Base fingerprints whose rank-0 fingerprints are kept.
 _RANK0_CACHE_MAX = 4096
 #: The feed's socket timeout floor: its blocking reads wait up to a tenth of a second, and a
@@ -56,8 +60,7 @@ class RedisPresence:
         self.layout: str | None = None
         self._rank0: BoundedCache[str, str] = BoundedCache(_RANK0_CACHE_MAX)
         self._stored: list[int] = []  # this engine's stores since the last refresh
-        self._pending: list[Any] = []  # digests not in the filter yet (lists or arrays)
-        self._pending_n = 0
+        self._recent: set[int] = set()  # digests not in the filter yet
         counters.set_gauge("presence_memory_bytes", self.filter.memory_bytes)
 
     @classmethod
@@ -94,19 +97,16 @@ class RedisPresence:
 
     def refresh(self) -> bool:
         """Every step: announce this engine's stores and collect what the feed learned; True
-        when the feed is synced. The filter takes them in at the next look-up (or once
-        :data:`_PENDING_MAX` digests wait): one update per look-up, none per step."""
+        when the feed is synced."""
         if self._stored:
             self.feed.announce_digests(self._stored)
-            self._pend(self._stored)
+            self._learn(self._stored)
             self._stored = []
         synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
         learned = self.feed.take()  # a list, or an array (the daemon's feed)
         if len(learned):
-            self._pend(learned)
+            self._learn(learned)
             self.counters.add("presence_learned", len(learned))
-        if self._pending_n >= _PENDING_MAX:
-            self._merge()
         self.counters.set_gauge("presence_synced", int(synced))
         return synced
 
@@ -115,8 +115,10 @@ class RedisPresence:
         the feed is synced and rank 0's layout known — or nothing at all was learned (an
         empty prefix holds no key whatever its names)."""
         synced = self.refresh()
-        self._merge()
-        return synced and (self.layout is not None or self.filter.added == 0)
+        return synced and (self.layout is not None or not self._learned_any())
+
+    def _learned_any(self) -> bool:
+        return self.filter.added > 0 or bool(self._recent)
 
     def _digest(self, key: BlockKey) -> int:
         assert self.layout is not None
@@ -128,18 +130,16 @@ class RedisPresence:
 
     def may_hold(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: False = no kvtier engine announced it (Redis is not asked)."""
-        self._merge()
         if self.layout is None:
-            assert self.filter.added == 0, "ask ready() first"
-            return [False] * len(keys)
-        found = self.filter.may_contain_many([self._digest(k) for k in keys])
-        return [bool(f) for f in found]
+            assert not self._learned_any(), "ask ready() first"
+        return [self.may_hold_key(k) for k in keys]
 
     def may_hold_key(self, key: BlockKey) -> bool:
         """One key, asked after :meth:`ready`: False = no kvtier engine announced it."""
         if self.layout is None:
             return False  # ready(): nothing learned, so nothing stored
-        return self.filter.may_contain(self._digest(key))
+        digest = self._digest(key)
+        return digest in self._recent or self.filter.may_contain(digest)
 
     def stored(self, key: BlockKey) -> None:
         """This engine stored ``key`` (every rank): remember it and tell the others (at the
@@ -151,19 +151,20 @@ class RedisPresence:
     def confirmed(self, key: BlockKey) -> None:
         """A probe found ``key`` in Redis."""
         if self.layout is not None:
-            self._pend([self._digest(key)])
+            self._learn([self._digest(key)])
 
-    def _pend(self, digests: Any) -> None:
-        self._pending.append(digests)
-        self._pending_n += len(digests)
-
-    def _merge(self) -> None:
-        """Add every digest waiting to the filter, in one update."""
-        if not self._pending:
+    def _learn(self, digests: Any) -> None:
+        """Remember ``digests``: a large batch goes into the filter now; a small one waits
+        in the set until :data:`_RECENT_MAX` digests share one update (no array work per
+        step or per look-up)."""
+        if len(digests) >= _DIRECT_MIN:
+            self.filter.add_many(np.asarray(digests, dtype=np.uint64))
             return
-        self.filter.add_many(np.concatenate([np.asarray(d, dtype=np.uint64)
-                                             for d in self._pending]))
-        self._pending, self._pending_n = [], 0
+        self._recent.update(int(d) for d in digests)
+        if len(self._recent) >= _RECENT_MAX:
+            self.filter.add_many(np.fromiter(self._recent, dtype=np.uint64,
+                                             count=len(self._recent)))
+            self._recent.clear()
 
     def close(self) -> None:
         self.feed.close()
