@@ -121,7 +121,7 @@ class TieredWorker:
         # main thread, it shares that thread's cores: it runs while the worker waits for
         # the next step.
         self._saver: ThreadPoolExecutor | None = None
-        self._saving: futures.Future[None] | None = None
+        self._gathered: threading.Event | None = None  # set once the saver read its blocks
         self._lock = threading.Lock()
         self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
         self._waiting: dict[str, list[LoadOp]] = {}  # req -> loads waiting on its fetches
@@ -427,26 +427,41 @@ class TieredWorker:
             self._copy_kept(keep)
             self._finished_sending.update(plan.tail_reqs)
             return
-        self._saving = self._saver.submit(self._copy_off_step, keep, list(plan.tail_reqs))
+        gathered = self._gathered = threading.Event()
+        self._saver.submit(self._copy_off_step, keep, list(plan.tail_reqs), gathered)
 
     def fence(self) -> None:
-        """Wait until the saves handed to the saver thread have copied their blocks: vLLM
-        calls it (``handle_preemptions``) before a step can write any KV block, and every
-        step's loads run after it."""
-        saving, self._saving = self._saving, None
-        if saving is not None:
-            saving.result()
+        """Wait until the saves handed to the saver thread have read their blocks into
+        their slots: vLLM calls it (``handle_preemptions``) before a step can write any KV
+        block, and every step's loads run after it. Their hand-off to Redis may still run
+        (the slots stay pinned until written), except with ``write_mode: through``."""
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            gathered.wait()
 
-    def _copy_off_step(self, keep: list[SaveOp], tails: list[str]) -> None:
+    def _copy_off_step(self, keep: list[SaveOp], tails: list[str],
+                       gathered: threading.Event) -> None:
+        through = self.config.write_mode == "through"
+        read = False
+
+        def blocks_read() -> None:
+            nonlocal read
+            read = True
+            self._done.append(("sent", tails))  # finished requests' blocks may go now
+            if not through:
+                gathered.set()
+
         try:
-            self._copy_kept(keep)
+            self._copy_kept(keep, blocks_read)
         except Exception:
             # A bug (copy failures are reported where they happen). Its saves stay open,
             # their slots pinned: reporting them here could report a job twice, and a rank
             # counted twice could let a slot go while another rank's writer still reads it.
             log.exception("kvtier: saving blocks off the step failed; their slots stay held")
         finally:
-            self._done.append(("sent", tails))
+            if not read:
+                self._done.append(("sent", tails))
+            gathered.set()
 
     def _claim(self, plan: StepPlan) -> list[SaveOp]:
         """The saves to copy (main thread: slot books, and the saves that are not made)."""
@@ -477,16 +492,19 @@ class TieredWorker:
                 keep.append(op)
         return keep
 
-    def _copy_kept(self, keep: list[SaveOp]) -> None:
-        """Gather the kept saves into their slots, then on to the host tier and Redis."""
+    def _copy_kept(self, keep: list[SaveOp],
+                   blocks_read: Callable[[], None] | None = None) -> None:
+        """Gather the kept saves into their slots (then ``blocks_read()``: no KV block is
+        read after it), then hand them on to the host tier and Redis."""
+        handed: list[tuple[int, list[SaveOp], np.ndarray | None]] = []
         for group, ops in _by_group(keep).items():
             slotted = [op for op in ops if op.slot != OVERFLOW_SLOT]
             if slotted and self._gather(group, slotted, None):
                 for op in slotted:
                     self.holds[op.slot] = op.key
-                hosted = self._to_host(group, [op for op in slotted if op.to_host])
-                self._to_redis([(op, memoryview(self.slab[op.slot, :self._nbytes(group)]))
-                                for op in slotted], hosted)
+                    if not op.to_redis:  # in this engine's tier now: nothing else to wait for
+                        self._report_save(op.job, ok=True, gathered=True)
+                handed.append((group, slotted, None))
             overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
             if overflow:
                 # Rows of a buffer of this step's own; the Redis writer keeps it alive.
@@ -499,8 +517,16 @@ class TieredWorker:
                     self.counters.add("store_drops", len(overflow))
                     continue
                 if self._gather(group, overflow, buf):
-                    self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(overflow)],
-                                   set())
+                    handed.append((group, overflow, buf))
+        if blocks_read is not None:
+            blocks_read()
+        for group, ops, buf in handed:
+            if buf is None:
+                hosted = self._to_host(group, [op for op in ops if op.to_host])
+                self._to_redis([(op, memoryview(self.slab[op.slot, :self._nbytes(group)]))
+                                for op in ops], hosted)
+            else:
+                self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(ops)], set())
 
     def _gather(self, group: int, ops: list[SaveOp], buf: np.ndarray | None) -> bool:
         assert self.transfer is not None
@@ -590,10 +616,7 @@ class TieredWorker:
     def _to_redis(self, items: list[tuple[SaveOp, memoryview]], hosted: set[int]) -> None:
         """Hand saves to Redis; with the daemon's Redis, report those it writes behind
         (``hosted``: their host-tier commits name their Redis keys); the others are
-        dropped (no host-tier slot at hand)."""
-        for op, _ in items:
-            if not op.to_redis:
-                self._report_save(op.job, ok=True, gathered=True)
+        dropped (no host-tier slot at hand). Saves not for Redis were reported gathered."""
         remote = [(op, view) for op, view in items if op.to_redis]
         if not remote:
             return

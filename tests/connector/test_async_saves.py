@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.plan import StepPlan
@@ -97,4 +98,47 @@ def test_a_failed_copy_off_the_step_is_reported_and_untrusted() -> None:
         assert not e.sched.directory.contains(op.key)
         assert worker.holds[op.slot] is None
     finally:
+        e.close()
+
+
+@pytest.mark.parametrize(("mode", "fence_waits_for_redis"), [("back", False), ("through", True)])
+def test_the_next_step_waits_for_the_blocks_read_not_for_the_redis_hand_off(
+        redis_url: str, key_prefix: str, mode: str, fence_waits_for_redis: bool) -> None:
+    """The fence is released once the saver has read its blocks into their slots; the
+    hand-off to Redis runs on (slots stay pinned until written). With ``write_mode:
+    through`` the fence also waits for the write, as documented."""
+    e = Halves(TieredConfig(cpu_bytes=1 << 20, redis_url=redis_url, redis_prefix=key_prefix,
+                            write_mode=mode))
+    gate, handing = threading.Event(), threading.Event()
+    try:
+        worker = e.ranks[0].worker
+        assert worker.redis is not None
+        hand_off = "put_many" if mode == "through" else "submit_puts"
+        real = getattr(worker.redis, hand_off)
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            handing.set()
+            if threading.current_thread() is not threading.main_thread():
+                gate.wait()
+            return real(*args, **kwargs)
+
+        setattr(worker.redis, hand_off, held)
+        e.fill([1, 2], seed=8)
+        e.admit(Req("a", 70), [[Blk(1, BS), Blk(2, 2 * BS)]], 0)
+        plan = e.plan({"a": 2 * BS})
+        assert [op.to_redis for op in plan.saves] == [True, True]
+        worker.start_step(plan)
+        worker.save(plan)
+        handing.wait()  # the saver has read its blocks and hands them to Redis
+        assert worker._gathered is not None
+        assert worker._gathered.is_set() is not fence_waits_for_redis
+        gate.set()
+        worker.start_step(StepPlan())
+        for op in plan.saves:
+            block = as_bytes(e.ranks[0].kv["attn0"][op.block_id])
+            assert bytes(np.asarray(worker.slab[op.slot, :len(block)])) == block
+        assert worker.redis.flush(10.0)
+        assert worker.redis.counts()["puts"] == 2
+    finally:
+        gate.set()
         e.close()
