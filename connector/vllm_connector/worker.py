@@ -122,6 +122,7 @@ class TieredWorker:
         # the next step.
         self._saver: ThreadPoolExecutor | None = None
         self._gathered: threading.Event | None = None  # set once the saver read its blocks
+        self._saver_tail: futures.Future[None] | None = None  # the saver's last task
         self._lock = threading.Lock()
         self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
         self._waiting: dict[str, list[LoadOp]] = {}  # req -> loads waiting on its fetches
@@ -428,7 +429,19 @@ class TieredWorker:
             self._finished_sending.update(plan.tail_reqs)
             return
         gathered = self._gathered = threading.Event()
-        self._saver.submit(self._copy_off_step, keep, list(plan.tail_reqs), gathered)
+        self._saver_tail = self._saver.submit(self._copy_off_step, keep, list(plan.tail_reqs),
+                                              gathered)
+
+    def flush_redis(self, timeout_s: float | None = None) -> bool:
+        """Every save handed over so far has its Redis outcome (written or failed): the
+        saver's hand-offs are done and the writer's queue is drained; False on timeout."""
+        tail = self._saver_tail
+        if tail is not None:
+            try:
+                tail.result(timeout_s)
+            except TimeoutError:
+                return False
+        return self.redis is None or self.redis.flush(timeout_s)
 
     def fence(self) -> None:
         """Wait until the saves handed to the saver thread have read their blocks into

@@ -137,7 +137,7 @@ def test_the_next_step_waits_for_the_blocks_read_not_for_the_redis_hand_off(
         for op in plan.saves:
             block = as_bytes(e.ranks[0].kv["attn0"][op.block_id])
             assert bytes(np.asarray(worker.slab[op.slot, :len(block)])) == block
-        assert worker.redis.flush(10.0)
+        assert worker.flush_redis(10.0)
         assert worker.redis.counts()["puts"] == 2
     finally:
         gate.set()

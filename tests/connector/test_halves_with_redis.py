@@ -339,7 +339,7 @@ def test_a_failed_load_skips_that_steps_saves_which_are_planned_again(engines: M
         assert not e.sched.directory.contains(op.key)
     assert e.cpu()["pinned"] == 0 and e.cpu()["reserved"] == 0
     for rank in e.ranks:
-        assert rank.worker.redis.flush(10.0)  # the other ranks' shards have landed
+        assert rank.worker.flush_redis(10.0)  # the other ranks' shards have landed
     # A new engine finds no save of the 96/128 keys held by every rank: only the 2 blocks
     # stored before the failed step are a hit (with one rank, the older save is whole).
     assert engines(tp).lookup(Req("b", 130)) == ((96, True) if tp == 1 else (64, True))

@@ -49,7 +49,7 @@ class KvtierWorkerProbe:
         if half is None:
             return {}
         if half.redis is not None:
-            if not half.redis.flush(timeout_s):
+            if not half.flush_redis(timeout_s):
                 raise TimeoutError(f"kvtier's Redis writer still had writes after {timeout_s} s")
             half._follow_redis_events()  # outage/recovery counts, as each step report does
         if half.host is not None and not half.flush_host(timeout_s):
