@@ -10,12 +10,11 @@ can wait up to 5 ms: measured beside a thread that holds the GIL in a Python loo
 the interval is set to :data:`FETCH_SWITCH_INTERVAL_S`, then put back. It is process-wide:
 it only makes the holder offer the GIL sooner when another thread waits for it.
 
-The other way round too: while the saver gathers a step's saves and while the Redis writer
-packs a batch, the worker's main thread, coming back from a torch op (they release the
-GIL), would wait up to the interval for them. Both run in :func:`short_switch_interval`:
-in ``benchmarks/profile_hooks.py`` (Llama, kvtier with Redis) the wait inside
-``handle_preemptions``, wall less CPU per step, fell from 12.6 µs to 5.9 µs with 0.2 ms set
-for the whole worker (one ad-hoc run each, 2026-12-05).
+Not used for the saver's gathers or the Redis writer's batches: with them inside it, the
+worker's main thread waited less for the GIL inside ``handle_preemptions`` (profile_hooks),
+but no-hit TTFT and pass walls were worse, engines alive together taking turns (2026-12-05,
+ad hoc: Llama 10.06 ms against 9.76 ms, hybrid 74.5 ms against 72.9 ms): a thread that may
+force the GIL from the main thread every 0.2 ms also cuts into the step's output path.
 """
 
 from __future__ import annotations

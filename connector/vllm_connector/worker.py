@@ -70,8 +70,7 @@ def make_redis_tier(config: TieredConfig) -> Any:
 
     redis = RedisTier.from_url(
         config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-        redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs,
-        write_scope=short_switch_interval)
+        redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
     if not redis.available:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)
@@ -466,8 +465,7 @@ class TieredWorker:
                 gathered.set()
 
         try:
-            with short_switch_interval():  # the step's thread waits for the GIL no longer
-                self._copy_kept(keep, blocks_read)
+            self._copy_kept(keep, blocks_read)
         except Exception:
             # A bug (copy failures are reported where they happen). Its saves stay open,
             # their slots pinned: reporting them here could report a job twice, and a rank

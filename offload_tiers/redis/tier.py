@@ -41,7 +41,6 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -142,10 +141,7 @@ class RedisTier:
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, delete_corrupt: bool = True,
-                 write_linger_s: float = WRITE_LINGER_S,
-                 write_scope: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
-        """``write_scope``: a context every write batch of the background writer runs in
-        (vLLM's worker shortens the GIL switch interval in it)."""
+                 write_linger_s: float = WRITE_LINGER_S) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not 0 <= ttl_jitter <= 1:
@@ -161,7 +157,6 @@ class RedisTier:
         self.delete_corrupt = delete_corrupt
         self._scripts_refused = False  # the server refuses EVAL (ACL): no corrupt deletes
         self._backoff = (backoff_initial_s, backoff_max_s)
-        self._write_scope = write_scope
         self._factory = client
         self._client: Any = None
         self._nodes_pool: ThreadPoolExecutor | None = None  # Cluster: nodes served at once
@@ -191,9 +186,7 @@ class RedisTier:
                  write_queue_max_bytes: int = 512 << 20, cluster: bool | None = None,
                  ssl_ca_certs: str | None = None, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, strict: bool = False, delete_corrupt: bool = True,
-                 write_linger_s: float = WRITE_LINGER_S,
-                 write_scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
-                 **redis_kwargs: Any) -> RedisTier:
+                 write_linger_s: float = WRITE_LINGER_S, **redis_kwargs: Any) -> RedisTier:
         """Connect to ``url``; with ``strict`` a failing first contact raises RedisTierError.
 
         ``redis_timeout_s`` bounds every network wait (and connecting, unless
@@ -215,8 +208,7 @@ class RedisTier:
                    max_inflight=max_inflight, max_inflight_bytes=max_inflight_bytes,
                    write_queue_max=write_queue_max, write_queue_max_bytes=write_queue_max_bytes,
                    backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
-                   delete_corrupt=delete_corrupt, write_linger_s=write_linger_s,
-                   write_scope=write_scope)
+                   delete_corrupt=delete_corrupt, write_linger_s=write_linger_s)
         tier._probe(force=True)
         if strict and not tier.available:
             error = tier.last_error
@@ -514,9 +506,8 @@ class RedisTier:
         return flags
 
     def _sink(self, batch: Sequence[Item]) -> list[bool]:
-        with self._write_scope():
-            return self._put_flags([(item.key, item.payload) for item in batch],
-                                   [item.save_id for item in batch])
+        return self._put_flags([(item.key, item.payload) for item in batch],
+                               [item.save_id for item in batch])
 
     def submit_put(self, key: BlockKey, payload: BytesLike, *,
                    on_done: DoneCallback | None = None, save_id: int = 0) -> bool:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import struct
-import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -133,33 +130,6 @@ def test_submit_put_write_behind_and_flush(tier: RedisTier) -> None:
     assert all(g is not None and bytes(g) == payload(k, 1000)
                for g, k in zip(got, keys[:27], strict=True))
     assert done == [True] and tier.stats()["written"] == 27
-
-
-def test_every_write_batch_runs_in_the_write_scope_on_the_writer_thread(
-        redis_url: str, key_prefix: str) -> None:
-    """``write_scope`` wraps each batch the background writer sends (vLLM's worker shortens
-    the GIL switch interval in it), and nothing else."""
-    inside: list[str] = []
-    stored_inside: list[bool] = []
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        inside.append(threading.current_thread().name)
-        yield
-        stored_inside.append(True)
-
-    t = RedisTier.from_url(redis_url, prefix=key_prefix, strict=True, write_scope=scope)
-    try:
-        keys = [key(i) for i in range(5)]
-        assert t.put_many([(keys[0], payload(keys[0], 100))]) == 1  # in the caller: no scope
-        assert inside == []
-        assert all(t.submit_put(k, payload(k, 100)) for k in keys[1:])
-        assert t.flush(10)
-        assert inside and set(inside) == {"kvtier-redis-writer"}
-        assert len(stored_inside) == len(inside)
-        assert all(g is not None for g in t.get_many(keys))
-    finally:
-        t.close()
 
 
 def test_invalid_settings_are_clear_errors() -> None:
