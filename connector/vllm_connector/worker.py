@@ -507,9 +507,9 @@ class TieredWorker:
 
     def _copy_kept(self, keep: list[SaveOp],
                    blocks_read: Callable[[], None] | None = None) -> None:
-        """Gather the kept saves into their slots (then ``blocks_read()``: no KV block is
-        read after it), then hand them on to the host tier and Redis."""
-        handed: list[tuple[int, list[SaveOp], np.ndarray | None]] = []
+        """Gather the kept saves into their slots and on to the host tier (then
+        ``blocks_read()``: no KV block is read after it), then hand them to Redis."""
+        handed: list[tuple[int, list[SaveOp], np.ndarray | None, set[int]]] = []
         for group, ops in _by_group(keep).items():
             slotted = [op for op in ops if op.slot != OVERFLOW_SLOT]
             if slotted and self._gather(group, slotted, None):
@@ -517,7 +517,9 @@ class TieredWorker:
                     self.holds[op.slot] = op.key
                     if not op.to_redis:  # in this engine's tier now: nothing else to wait for
                         self._report_save(op.job, ok=True, gathered=True)
-                handed.append((group, slotted, None))
+                # on CUDA the host tier's copy reads the KV blocks themselves
+                hosted = self._to_host(group, [op for op in slotted if op.to_host])
+                handed.append((group, slotted, None, hosted))
             overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
             if overflow:
                 # Rows of a buffer of this step's own; the Redis writer keeps it alive.
@@ -530,16 +532,15 @@ class TieredWorker:
                     self.counters.add("store_drops", len(overflow))
                     continue
                 if self._gather(group, overflow, buf):
-                    handed.append((group, overflow, buf))
+                    handed.append((group, overflow, buf, set()))
         if blocks_read is not None:
             blocks_read()
-        for group, ops, buf in handed:
+        for group, ops, buf, hosted in handed:
             if buf is None:
-                hosted = self._to_host(group, [op for op in ops if op.to_host])
                 self._to_redis([(op, memoryview(self.slab[op.slot, :self._nbytes(group)]))
                                 for op in ops], hosted)
             else:
-                self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(ops)], set())
+                self._to_redis([(op, memoryview(buf[i])) for i, op in enumerate(ops)], hosted)
 
     def _gather(self, group: int, ops: list[SaveOp], buf: np.ndarray | None) -> bool:
         assert self.transfer is not None
