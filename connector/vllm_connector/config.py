@@ -14,7 +14,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from offload_tiers.redis.credentials import resolve_redis_url, setting_at_fault
-from offload_tiers.redis.settings import check_ca_file, check_key_prefix, check_redis_url
+from offload_tiers.redis.settings import (
+    WRITE_LINGER_S,
+    check_ca_file,
+    check_key_prefix,
+    check_redis_url,
+)
 from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
@@ -32,6 +37,8 @@ _FIXES: dict[str, str] = {
                           "Redis server's certificate (used with rediss:// URLs)",
     "write_mode": "use 'back' (default: a background writer, no Redis round trip in a step) "
                   "or 'through' (a step's blocks reach Redis before the next step starts)",
+    "redis_write_linger_ms": "give milliseconds as a number from 0 to 1000 (how long the "
+                             "background writer gathers saves into one Redis round trip)",
     "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
     "store_partial": "use true or false",
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
@@ -82,6 +89,8 @@ class TieredConfig(BaseModel):
     # CA bundle that verifies a rediss:// server (default: the system's trust store).
     redis_ssl_ca_certs: str | None = None
     write_mode: Literal["through", "back"] = "back"
+    # write_mode back: how long the writer waits for more saves before one round trip.
+    redis_write_linger_ms: float = Field(default=WRITE_LINGER_S * 1e3, ge=0, le=1000)
     store_partial: bool = True
     tenant: str = ""
     model_id: str | None = None

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.vllm_connector.affinity import SpareCores
+from connector.vllm_connector.affinity import SpareCores, name_current_thread
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
 from connector.vllm_connector.gil import short_switch_interval
@@ -70,7 +70,8 @@ def make_redis_tier(config: TieredConfig) -> Any:
 
     redis = RedisTier.from_url(
         config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-        redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs)
+        redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs,
+        write_linger_s=config.redis_write_linger_ms / 1e3)
     if not redis.available:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)
@@ -152,7 +153,8 @@ class TieredWorker:
         self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
         self.transfer = BlockTransfer(kv_caches, layout, self.slab)
         if self.config.async_saves and self.transfer.gathers_in_numpy and self.host is None:
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-saver")
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-saver",
+                                             initializer=name_current_thread)
         # on CUDA the host tier's segment is page-locked once, so loads from it are one DMA
         self._segment_pins = PinnedMapping(self.transfer.device.type == "cuda")
         return layout

@@ -51,6 +51,7 @@ from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
+from offload_tiers.redis.settings import WRITE_LINGER_S
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 from offload_tiers.redis.write_behind import DoneCallback, Item, WriteBehind
 
@@ -116,11 +117,6 @@ def _reindexed(read: ReadReply, idx: list[int]) -> ReadReply:
 
 class RedisTierError(RuntimeError):
     """Start-up failure reported by ``from_url(strict=True)`` (never contains the password)."""
-
-
-#: How long the write-behind thread waits for more stores once one arrives (see
-#: :mod:`offload_tiers.redis.write_behind`): the step that handed them over finishes first.
-WRITE_LINGER_S = 0.005
 
 
 class _Endpoint(Health):

@@ -8,7 +8,7 @@ which returns one success flag per item, and runs ``tick`` (health probes) betwe
 batch is full, a flush asks, or it is closed) before it takes the batch. In vLLM's worker
 this keeps the writer's Python work, and its turns at the GIL, out of the tail of the step
 that handed the saves over (sampling, the step's output), and several steps' saves share
-one batch.
+one batch. A submit wakes the thread only when the queue was empty or a batch is full.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class WriteBehind:
         self.dropped = 0
         self.written = 0
         self.failed = 0
+        self.wakeups = 0  # times a submit woke the thread
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -81,6 +82,7 @@ class WriteBehind:
         cost the writer one wake-up, not one per item); per item, False = dropped."""
         accepted: list[bool] = []
         with self._cond:
+            was_empty = not self._q
             for item in items:
                 ok = not (self._closed or len(self._q) >= self.max_items
                           or (self._q and self._bytes + item.nbytes > self.max_bytes))
@@ -91,8 +93,12 @@ class WriteBehind:
                 else:
                     self.dropped += 1
                 accepted.append(ok)
-            if any(accepted):
+            # The thread waits idle only on an empty queue, and lingers until a batch is
+            # full: any other wake-up would only take the GIL to wait again.
+            if any(accepted) and (was_empty or len(self._q) >= self._batch_items
+                                  or self._bytes >= self._batch_bytes):
                 self._cond.notify()
+                self.wakeups += 1
         for item, ok in zip(items, accepted, strict=True):
             if not ok:
                 _notify(item, False)

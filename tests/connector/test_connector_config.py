@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.vllm_connector.config import ConnectorConfigError, check_parallel_shape, load_config
+from connector.vllm_connector.worker import make_redis_tier
 
 
 def test_defaults() -> None:
@@ -15,6 +16,15 @@ def test_defaults() -> None:
     assert cfg.redis_url is None and cfg.store_partial and cfg.hybrid_hits
     assert cfg.write_mode == "back"  # a step never waits on a Redis round trip
     assert cfg.weights_version == "" and cfg.tenant == ""
+
+
+def test_the_writer_lingers_as_configured(redis_url: str) -> None:
+    assert load_config(None).redis_write_linger_ms == 50.0
+    tier = make_redis_tier(load_config({"redis_url": redis_url, "redis_write_linger_ms": 250}))
+    try:
+        assert tier._writer._linger_s == 0.25
+    finally:
+        tier.close()
 
 
 def test_weights_version_is_a_setting() -> None:
@@ -38,6 +48,8 @@ def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
     ({"redis_ttl_s": 0}, "redis_ttl_s"),
     ({"redis_ssl_ca_certs": "/nonexistent/ca.pem"}, "redis_ssl_ca_certs"),
     ({"weights_version": ["a"]}, "weights_version"),
+    ({"redis_write_linger_ms": -1}, "redis_write_linger_ms"),
+    ({"redis_write_linger_ms": 5000}, "redis_write_linger_ms"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
     with pytest.raises(ConnectorConfigError) as err:

@@ -119,6 +119,8 @@ def test_a_lingering_writer_takes_later_items_into_the_same_batch() -> None:
     assert wb.submit(Item("d", b"x", 1, None))
     assert wb.flush(10)  # "d" alone would linger for an hour: the flush cuts it short
     assert batches == [["a", "b", "c"], ["d"]]
+    # woken by "a" (an empty queue), by "c" (a full batch) and by "d": never by "b"
+    assert wb.wakeups == 3
     assert wb.submit(Item("e", b"x", 1, None))
     wb.close(timeout=10)  # close flushes first: "e" is written, not dropped
     assert batches[-1] == ["e"] and wb.dropped == 0

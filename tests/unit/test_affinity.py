@@ -14,6 +14,7 @@ from connector.vllm_connector.affinity import (
     SpareCores,
     bound_cpus,
     move_threads,
+    name_native_thread,
     parse_cpu_list,
     spare_cpus,
 )
@@ -67,6 +68,8 @@ def test_kvtier_threads_move_to_the_spare_cores(
         assert os.sched_getaffinity(ours.native_id) == spare
         assert os.sched_getaffinity(theirs.native_id) == {first}  # not kvtier's: untouched
         assert os.sched_getaffinity(0) == {first}
+        assert _os_name(ours) == "kvtier-test-io"  # named for top -H / ps -L as it moves
+        assert _os_name(theirs) != "other-io"
     finally:
         go.set()
         ours.join()
@@ -83,6 +86,26 @@ def test_pool_threads_started_later_run_on_the_spare_cores(
     with ThreadPoolExecutor(1, thread_name_prefix="kvtier-io",
                             initializer=cores.pin_current) as pool:
         assert pool.submit(os.sched_getaffinity, 0).result() == cores.cpus
+        assert pool.submit(lambda: _os_name(threading.current_thread())).result() == \
+            "kvtier-io_0"
+
+
+def _os_name(thread: threading.Thread) -> str:
+    with open(f"/proc/self/task/{thread.native_id}/comm") as comm:
+        return comm.read().strip()
+
+
+def test_a_long_thread_name_is_cut_to_what_linux_keeps() -> None:
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait, name="kvtier-redis-writer")
+    thread.start()
+    try:
+        name_native_thread(thread)
+        assert _os_name(thread) == "kvtier-redis-wr"  # 15 bytes
+    finally:
+        done.set()
+        thread.join()
+    name_native_thread(thread)  # ended: nothing to name, and no error
 
 
 def test_an_unbound_worker_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
