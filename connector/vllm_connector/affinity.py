@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 
+from offload_tiers.thread_names import name_current_thread, name_native_thread
+
 log = logging.getLogger(__name__)
 
 #: Thread names of kvtier's own threads (every one starts so).
@@ -68,24 +70,6 @@ def spare_cpus(ranks: int) -> set[int] | None:
     if bound is None or not own < allowed:
         return None  # not bound (nothing to avoid), or the others' cores unknown
     return (allowed - bound) or None
-
-
-def name_native_thread(thread: threading.Thread) -> None:
-    """Give ``thread`` its Python name at the OS level too (``top -H``, ``ps -L``,
-    ``/proc/PID/task/TID/comm``; 15 bytes at most): without it every thread of a vLLM worker
-    reads ``VLLM::Worker``. Linux only; nothing when it cannot."""
-    if thread.native_id is None:
-        return
-    try:
-        with open(f"/proc/self/task/{thread.native_id}/comm", "wb") as comm:
-            comm.write(thread.name.encode()[:15])
-    except OSError:  # not Linux, or the thread just ended
-        pass
-
-
-def name_current_thread() -> None:
-    """:func:`name_native_thread` for the calling thread (a pool's initializer)."""
-    name_native_thread(threading.current_thread())
 
 
 def move_threads(cpus: set[int]) -> int:

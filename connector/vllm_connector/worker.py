@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.vllm_connector.affinity import SpareCores, name_current_thread
+from connector.vllm_connector.affinity import SpareCores
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
 from connector.vllm_connector.gil import short_switch_interval
@@ -52,6 +52,7 @@ from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.host_tier.client import new_save_id as new_host_save_id
 from offload_tiers.keys import BlockKey, BlockKind
+from offload_tiers.thread_names import name_current_thread
 
 log = logging.getLogger(__name__)
 

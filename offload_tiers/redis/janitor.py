@@ -37,6 +37,7 @@ from offload_tiers.keys import KeyName, parse_key_name
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.presence_feed import is_announce_stream
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
+from offload_tiers.thread_names import name_current_thread
 
 __all__ = ["REASONS", "JanitorCounters", "Pacer", "RedisJanitor", "judge"]
 
@@ -235,6 +236,7 @@ class RedisJanitor:
         return self._health.available
 
     def _loop(self) -> None:
+        name_current_thread()
         while not self._stop.is_set():
             ok = self.run_pass()
             if ok:

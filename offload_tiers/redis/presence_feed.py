@@ -33,6 +33,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from offload_tiers.keys import parse_key_name
 from offload_tiers.presence import name_digest, pack_digests, unpack_digests
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
+from offload_tiers.thread_names import name_current_thread
 
 __all__ = ["ANNOUNCE_SUFFIX", "STREAM_MAXLEN", "PresenceFeed", "announce_stream",
            "is_announce_stream"]
@@ -139,6 +140,7 @@ class PresenceFeed:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        name_current_thread()
         while not self._stop.is_set() and not self.disabled:
             now = time.monotonic()
             if self._health.waiting(now):

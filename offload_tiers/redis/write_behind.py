@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from offload_tiers.thread_names import name_current_thread
+
 log = logging.getLogger(__name__)
 
 DoneCallback = Callable[[bool], None]
@@ -165,6 +167,7 @@ class WriteBehind:
             self._cond.wait(remaining)
 
     def _run(self) -> None:
+        name_current_thread()
         next_tick = 0.0
         while True:
             with self._cond:

@@ -14,10 +14,10 @@ from connector.vllm_connector.affinity import (
     SpareCores,
     bound_cpus,
     move_threads,
-    name_native_thread,
     parse_cpu_list,
     spare_cpus,
 )
+from offload_tiers.thread_names import name_native_thread
 
 
 def test_cpu_lists_parse_as_vllm_writes_them() -> None:
