@@ -11,7 +11,7 @@ from offload_tiers.redis.url import parse_redis_url
 #: How long the write-behind thread waits for more stores once one arrives (see
 #: :mod:`offload_tiers.redis.write_behind`): the steps that hand saves over in the meantime
 #: share one round trip, and the writer takes the GIL once for all of them.
-WRITE_LINGER_S = 0.05
+WRITE_LINGER_S = 0.2
 
 
 def check_redis_url(url: str) -> str:

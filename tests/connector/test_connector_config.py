@@ -19,7 +19,7 @@ def test_defaults() -> None:
 
 
 def test_the_writer_lingers_as_configured(redis_url: str) -> None:
-    assert load_config(None).redis_write_linger_ms == 50.0
+    assert load_config(None).redis_write_linger_ms == 200.0
     tier = make_redis_tier(load_config({"redis_url": redis_url, "redis_write_linger_ms": 250}))
     try:
         assert tier._writer._linger_s == 0.25
