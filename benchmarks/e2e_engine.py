@@ -161,6 +161,12 @@ class EngineProc:
         self.startup_s = float(line.split()[-1])
         return self
 
+    @property
+    def pid(self) -> int:
+        """The driver process's id (the engine core and its workers are its descendants)."""
+        assert self._proc is not None
+        return self._proc.pid
+
     def run(self, phase: dict[str, Any]) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdin is not None
         self._n += 1

@@ -1,0 +1,196 @@
+"""Where a connector's no-hit CPU goes, thread by thread, and what Redis did meanwhile.
+
+Starts one ``LLM`` per config (vLLM's default multiprocess executors, bench_e2e's engine
+environment; the engines alive together and taking turns, the order rotated every pass),
+runs one unmeasured no-hit pass each and ``--passes`` measured ones (bench_e2e's ``NOHIT``
+prompts, one request at a time), and reports per config and pass:
+
+* the run time of every thread of the engine's processes (``/proc/PID/task/TID/schedstat``,
+  nanoseconds), summed by process and thread name. kvtier names its threads at the OS level
+  (``offload_tiers/thread_names.py``), so its writer, saver and presence feed stand apart
+  from vLLM's; ``(main)`` marks a process's main thread. Each thread's CPU binding is shown;
+* the SETs and input bytes ``redis-server`` counted, and its CPU time (``INFO``);
+* the pass's wall time and median TTFT.
+
+Then the median per config over the measured passes. Configs: bench_nohit_ttft's (``none``,
+``kvtier-cpu``, ``kvtier``, ``native``).
+
+Usage: python benchmarks/thread_cpu.py [--model hybrid] [--configs kvtier,kvtier-cpu]
+       [--passes 3] [--redis-url URL] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.bench_e2e import MAX_NOHIT_PASSES, NOHIT, Bench, _nohit_phase  # noqa: E402
+from benchmarks.bench_nohit_ttft import transfer_config  # noqa: E402
+from connector.demo.cli import choose_redis  # noqa: E402
+
+#: Threads below this many ms of CPU in a pass are left out of the table (not the JSON).
+SHOWN_MS = 1.0
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every descendant process (by ``/proc/PID/task/PID/children``)."""
+    out = [root]
+    for pid in out:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                out.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def thread_times(root: int) -> dict[tuple[str, str], float]:
+    """Seconds each thread of ``root``'s tree has run, keyed by (process name, thread name
+    with its CPU binding), threads of one name summed."""
+    out: dict[tuple[str, str], float] = {}
+    for pid in process_tree(root):
+        try:
+            process = _read(f"/proc/{pid}/comm").strip()
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            base = f"/proc/{pid}/task/{tid}"
+            try:
+                name = _read(f"{base}/comm").strip()
+                cpus = next(line.split()[1] for line in _read(f"{base}/status").splitlines()
+                            if line.startswith("Cpus_allowed_list"))
+                ran = int(_read(f"{base}/schedstat").split()[0]) / 1e9
+            except (OSError, StopIteration, IndexError, ValueError):
+                continue  # the thread just ended
+            if int(tid) == pid:
+                name += " (main)"
+            key = (process, f"{name} @{cpus}")
+            out[key] = out.get(key, 0.0) + ran
+    return out
+
+
+def redis_counts(client: Any) -> dict[str, float]:
+    info = client.info("all")
+    return {"sets": info.get("cmdstat_set", {}).get("calls", 0),
+            "input_bytes": info["total_net_input_bytes"],
+            "cpu_s": info["used_cpu_sys"] + info["used_cpu_user"]}
+
+
+def measure_pass(engine: Any, phase: dict[str, Any], redis_client: Any) -> dict[str, Any]:
+    pid = engine.pid
+    before, r0 = thread_times(pid), redis_counts(redis_client) if redis_client else None
+    result = engine.run(phase)
+    after, r1 = thread_times(pid), redis_counts(redis_client) if redis_client else None
+    threads = {f"{p} / {t}": after[(p, t)] - before.get((p, t), 0.0) for p, t in after}
+    ttfts = sorted(r["ttft_s"] for r in result["requests"])
+    out: dict[str, Any] = {"wall_s": result["wall_s"], "ttft_median_s": statistics.median(ttfts),
+                           "threads_s": threads}
+    if r0 is not None and r1 is not None:
+        out["redis"] = {k: r1[k] - r0[k] for k in r0}
+    return out
+
+
+def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float,
+        redis_client: Any) -> dict[str, list[dict[str, Any]]]:
+    engines: dict[str, Any] = {}
+    out: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    try:
+        for config in configs:
+            engines[config] = bench.engine(config, model, transfer_config(bench, config),
+                                           NOHIT)
+        for rep in range(-1, passes):
+            phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            for config in order:
+                time.sleep(gap_s)  # the engine that just ran stops spinning
+                got = measure_pass(engines[config], phase, redis_client)
+                if rep >= 0:
+                    out[config].append(got)
+                    print(f"  pass {rep + 1}/{passes} {config}: wall {got['wall_s']:.3f} s",
+                          file=sys.stderr, flush=True)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return out
+
+
+def medians(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    names = sorted({n for p in passes for n in p["threads_s"]})
+    out: dict[str, Any] = {
+        "wall_s": statistics.median(p["wall_s"] for p in passes),
+        "ttft_median_s": statistics.median(p["ttft_median_s"] for p in passes),
+        "threads_ms": {n: 1e3 * statistics.median(p["threads_s"].get(n, 0.0) for p in passes)
+                       for n in names}}
+    if all("redis" in p for p in passes):
+        out["redis"] = {k: statistics.median(p["redis"][k] for p in passes)
+                        for k in passes[0]["redis"]}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="hybrid", choices=("llama", "hybrid"))
+    parser.add_argument("--configs", default="kvtier,kvtier-cpu")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--gap-s", type=float, default=1.5)
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    if not 1 <= args.passes < MAX_NOHIT_PASSES:
+        parser.error(f"--passes: 1 to {MAX_NOHIT_PASSES - 1}")
+    configs = args.configs.split(",")
+    unknown = set(configs) - {"none", "kvtier-cpu", "kvtier", "native"}
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}")
+    choice = choose_redis(args.redis_url)
+    if "kvtier" in configs and not choice.reachable:
+        parser.error(f"--configs kvtier needs Redis ({choice.shown} does not answer)")
+    redis_client = None
+    if choice.reachable:
+        import redis
+
+        redis_client = redis.Redis.from_url(choice.url)
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    bench = Bench(Path(f"/tmp/kvtier-thread-cpu-{os.getpid()}"), env,
+                  choice.url if choice.reachable else None)
+    try:
+        per_pass = run(bench, args.model, configs, args.passes, args.gap_s, redis_client)
+    finally:
+        bench.cleanup()
+    summary = {c: medians(p) for c, p in per_pass.items()}
+    print(f"\nthread_cpu — {args.model}, medians of {args.passes} no-hit passes of "
+          f"{NOHIT.conversations} requests; env {env}")
+    for config, row in summary.items():
+        print(f"\n{config}: wall {row['wall_s']:.3f} s, TTFT median "
+              f"{1e3 * row['ttft_median_s']:.1f} ms" + (
+                  ", Redis: {sets:.0f} SETs, {mb:.2f} MB in, {cpu:.1f} ms CPU".format(
+                      sets=row["redis"]["sets"], mb=row["redis"]["input_bytes"] / 1e6,
+                      cpu=1e3 * row["redis"]["cpu_s"]) if "redis" in row else ""))
+        for name, ms in sorted(row["threads_ms"].items(), key=lambda kv: -kv[1]):
+            if ms >= SHOWN_MS:
+                print(f"  {ms:8.1f} ms  {name}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(
+            {"model": args.model, "configs": configs, "passes": args.passes,
+             "engine_env": env, "summary": summary, "per_pass": per_pass}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
