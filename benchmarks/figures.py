@@ -178,6 +178,23 @@ def nohit_ttft(*runs: dict[str, Any]) -> str:
             f"and model; {per_model} ({when(runs[0])})")
 
 
+def thread_cpu(d: dict[str, Any]) -> str:
+    """kvtier's own threads and redis-server per no-hit pass, beside the pass's TTFT."""
+    def ms(row: dict[str, Any], thread: str) -> float:
+        return sum(v for k, v in row["threads_ms"].items() if f" / {thread}" in k)
+
+    rows = d["summary"]
+    kv = rows["kvtier"]
+    idle = rows.get("none", {}).get("redis", {}).get("cpu_s", 0.0)
+    ttfts = ", ".join(f"{c} {1e3 * r['ttft_median_s']:.1f} ms" for c, r in rows.items())
+    return (f"CPU per {d['model']} no-hit pass of 16 requests (medians of {d['passes']}): "
+            f"kvtier's Redis writer {ms(kv, 'kvtier-redis-wr'):.1f} ms, its presence feed "
+            f"{ms(kv, 'kvtier-presence'):.1f} ms, its saver {ms(kv, 'kvtier-saver'):.1f} ms; "
+            f"redis-server {1e3 * kv['redis']['cpu_s']:.1f} ms ({1e3 * idle:.1f} ms with no "
+            f"engine writing) for {kv['redis']['sets']:.0f} SETs; TTFT median {ttfts} "
+            f"({when(d)})")
+
+
 def native(d: dict[str, Any]) -> str:
     rows = {(row["config"], row["phase"]): row for row in d["rows"]}
     k, f, n = (rows[(c, "restart")] for c in ("kvtier", "fs", "none"))
@@ -301,6 +318,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "stall": (("stall.json",), stall),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
+    "thread-cpu": (("thread_cpu_hybrid.json",), thread_cpu),
     "ttft": (("ttft.json",), ttft),
     "index": (("index.json",), index),
     "route": (("route.json",), route),
