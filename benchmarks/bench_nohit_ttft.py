@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,14 @@ def summarize(ttfts: dict[str, list[float]], baseline: str = "none") -> dict[str
     return {"rows": rows, "ratios": ratios}
 
 
-def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float
-        ) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
-    """Per config, every no-hit request's TTFT; per pass, each config's wall time."""
+def take_turns(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float,
+               measure: Callable[[str, EngineProc, dict[str, Any]], dict[str, Any]]
+               ) -> list[dict[str, dict[str, Any]]]:
+    """One engine per config, alive together; one unmeasured warm-up pass each, then
+    ``passes`` no-hit passes taking turns (the order rotated every pass). ``measure(config,
+    engine, phase)`` runs one pass; per measured pass, its result per config."""
     engines: dict[str, EngineProc] = {}
-    ttfts: dict[str, list[float]] = {c: [] for c in configs}
-    walls: list[dict[str, float]] = []
+    out: list[dict[str, dict[str, Any]]] = []
     try:
         for config in configs:
             engines[config] = bench.engine(config, model, transfer_config(bench, config),
@@ -85,37 +88,57 @@ def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float
         for rep in range(-1, passes):  # -1: one unmeasured warm-up pass each
             phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
             order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-            wall: dict[str, float] = {}
+            got: dict[str, dict[str, Any]] = {}
             for config in order:
                 time.sleep(gap_s)  # the engine that just ran stops spinning
-                result = engines[config].run(phase)
-                if rep >= 0:
-                    cached = sum(r["cached_tokens"] for r in result["requests"])
-                    if cached:
-                        raise RuntimeError(f"{config}: {cached} tokens of a no-hit pass hit")
-                    ttfts[config].extend(r["ttft_s"] for r in result["requests"])
-                    wall[config] = result["wall_s"]
+                got[config] = measure(config, engines[config], phase)
             if rep >= 0:
-                walls.append(wall)
+                out.append(got)
                 print(f"  pass {rep + 1}/{passes}: " + ", ".join(
-                    f"{c} {w:.3f} s" for c, w in wall.items()), file=sys.stderr, flush=True)
+                    f"{c} {r['wall_s']:.3f} s" for c, r in got.items()), file=sys.stderr,
+                    flush=True)
     finally:
         for engine in engines.values():
             engine.stop()
-    return ttfts, walls
+    return out
+
+
+def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float
+        ) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
+    """Per config, every no-hit request's TTFT; per pass, each config's wall time."""
+    def measure(config: str, engine: EngineProc, phase: dict[str, Any]) -> dict[str, Any]:
+        result = engine.run(phase)
+        cached = sum(r["cached_tokens"] for r in result["requests"])
+        if cached and phase["name"] != "warmup":
+            raise RuntimeError(f"{config}: {cached} tokens of a no-hit pass hit")
+        return result
+
+    per_pass = take_turns(bench, model, configs, passes, gap_s, measure)
+    ttfts = {c: [r["ttft_s"] for p in per_pass for r in p[c]["requests"]] for c in configs}
+    return ttfts, [{c: p[c]["wall_s"] for c in configs} for p in per_pass]
+
+
+def add_arguments(parser: argparse.ArgumentParser, passes: int) -> None:
+    """The options this benchmark shares with ``thread_cpu.py``."""
+    parser.add_argument("--model", default="hybrid", choices=("llama", "hybrid"))
+    parser.add_argument("--passes", type=int, default=passes)
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--gap-s", type=float, default=1.5)
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if not 1 <= args.passes < MAX_NOHIT_PASSES:
+        parser.error(f"--passes: 1 to {MAX_NOHIT_PASSES - 1}")
+    return args
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="hybrid", choices=("llama", "hybrid"))
-    parser.add_argument("--passes", type=int, default=5)
+    add_arguments(parser, passes=5)
     parser.add_argument("--with-native", action="store_true")
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--gap-s", type=float, default=1.5)
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
-    args = parser.parse_args(argv)
-    if not 1 <= args.passes < MAX_NOHIT_PASSES:
-        parser.error(f"--passes: 1 to {MAX_NOHIT_PASSES - 1}")
+    args = parse(parser, argv)
     choice = choose_redis(args.redis_url)
     configs = [c for c in CONFIGS if c != "kvtier" or choice.reachable]
     if args.with_native:

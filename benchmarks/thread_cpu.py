@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_e2e import MAX_NOHIT_PASSES, NOHIT, Bench, _nohit_phase  # noqa: E402
-from benchmarks.bench_nohit_ttft import transfer_config  # noqa: E402
+from benchmarks.bench_e2e import NOHIT, Bench  # noqa: E402
+from benchmarks.bench_nohit_ttft import add_arguments, parse, take_turns  # noqa: E402
 from connector.demo.cli import choose_redis  # noqa: E402
 
 #: Threads below this many ms of CPU in a pass are left out of the table (not the JSON).
@@ -108,26 +107,9 @@ def measure_pass(engine: Any, phase: dict[str, Any], redis_client: Any) -> dict[
 
 def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float,
         redis_client: Any) -> dict[str, list[dict[str, Any]]]:
-    engines: dict[str, Any] = {}
-    out: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
-    try:
-        for config in configs:
-            engines[config] = bench.engine(config, model, transfer_config(bench, config),
-                                           NOHIT)
-        for rep in range(-1, passes):
-            phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-            for config in order:
-                time.sleep(gap_s)  # the engine that just ran stops spinning
-                got = measure_pass(engines[config], phase, redis_client)
-                if rep >= 0:
-                    out[config].append(got)
-                    print(f"  pass {rep + 1}/{passes} {config}: wall {got['wall_s']:.3f} s",
-                          file=sys.stderr, flush=True)
-    finally:
-        for engine in engines.values():
-            engine.stop()
-    return out
+    per_pass = take_turns(bench, model, configs, passes, gap_s,
+                          lambda _c, engine, phase: measure_pass(engine, phase, redis_client))
+    return {c: [p[c] for p in per_pass] for c in configs}
 
 
 def medians(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -145,15 +127,9 @@ def medians(passes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="hybrid", choices=("llama", "hybrid"))
+    add_arguments(parser, passes=3)
     parser.add_argument("--configs", default="kvtier,kvtier-cpu")
-    parser.add_argument("--passes", type=int, default=3)
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--gap-s", type=float, default=1.5)
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
-    args = parser.parse_args(argv)
-    if not 1 <= args.passes < MAX_NOHIT_PASSES:
-        parser.error(f"--passes: 1 to {MAX_NOHIT_PASSES - 1}")
+    args = parse(parser, argv)
     configs = args.configs.split(",")
     unknown = set(configs) - {"none", "kvtier-cpu", "kvtier", "native"}
     if unknown:
