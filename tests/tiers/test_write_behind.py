@@ -129,3 +129,19 @@ def test_a_lingering_writer_takes_later_items_into_the_same_batch() -> None:
 def test_linger_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="linger_s"):
         WriteBehind(lambda b: [True] * len(b), max_items=1, max_bytes=1, linger_s=-1)
+
+
+def test_the_writer_thread_is_named_at_the_os_level() -> None:
+    """``top -H`` and ``/proc`` tell the writer apart from the worker's other threads."""
+    seen: list[str] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+            seen.append(comm.read().strip())
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=4, max_bytes=1000, name="kvtier-redis-writer")
+    assert wb.submit(Item("a", b"x", 1, None))
+    assert wb.flush(10)
+    wb.close(timeout=10)
+    assert seen == ["kvtier-redis-wr"]  # Linux keeps 15 bytes
