@@ -182,11 +182,14 @@ def _make_host_tier(cfg: DaemonConfig) -> Any:
                              "this host") from None
     redis = presence_feed = None
     if cfg.redis_url is not None:  # write-behind and restores for host_tier_redis engines
+        from offload_tiers.redis.settings import SHORT_WRITE_LINGER_S
         from offload_tiers.redis.tier import RedisTier
 
+        # the host tier's shared slots stay held until written: a short linger
         redis = RedisTier.from_url(cfg.redis_url, prefix=cfg.redis_prefix, ttl_s=cfg.redis_ttl_s,
                                    redis_timeout_s=cfg.redis_timeout_s,
-                                   ssl_ca_certs=cfg.redis_ssl_ca_certs)
+                                   ssl_ca_certs=cfg.redis_ssl_ca_certs,
+                                   write_linger_s=SHORT_WRITE_LINGER_S)
         if not redis.available:
             log.warning("kvtier daemon: Redis at %s is not answering (%s); the host tier "
                         "writes behind and restores once it does", redis.target.redacted,

@@ -97,13 +97,11 @@ from connector.native_tier.config import NativeTierSettings, load_native_setting
 from connector.native_tier.namespace import identity_for_spec
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.redis.client import ClientFactory
+from offload_tiers.redis.settings import SHORT_WRITE_LINGER_S
 from offload_tiers.redis.tier import RedisTier
 from offload_tiers.redis.url import parse_redis_url
 
 log = logging.getLogger(__name__)
-
-#: How long the Redis writer waits for more stores (RedisTier's ``write_linger_s``).
-NATIVE_WRITE_LINGER_S = 0.005
 
 OWNERSHIP = "kvtier-redis"
 METRIC_PREFIX = "vllm:kvtier_native_"
@@ -226,9 +224,8 @@ class KvtierRedisTier(SecondaryTierManager):
             redis_timeout_s=s.redis_timeout_s, ssl_ca_certs=s.redis_ssl_ca_certs,
             write_queue_max=s.write_queue_max,
             write_queue_max_bytes=max(s.write_queue_max * self.block_size_bytes, 1 << 20),
-            # vLLM's CPU blocks stay held while their store job runs: a short linger keeps
-            # them free for eviction (the 200 ms default was measured for kvtier's own slots)
-            write_linger_s=NATIVE_WRITE_LINGER_S,
+            # vLLM's CPU blocks stay held while their store job runs
+            write_linger_s=SHORT_WRITE_LINGER_S,
             **password)  # delete_corrupt: RedisTier's default (on), never turned off here
         if self._tp_rank == 0:  # once per engine
             for warning in s.redis_warnings:

@@ -12,6 +12,10 @@ from offload_tiers.redis.url import parse_redis_url
 #: :mod:`offload_tiers.redis.write_behind`): the steps that hand saves over in the meantime
 #: share one round trip, and the writer takes the GIL once for all of them.
 WRITE_LINGER_S = 0.2
+#: The linger of writers whose queued stores hold slots that others wait for: vLLM's CPU
+#: blocks (the native tier's store jobs) and the host tier's shared slots (the daemon). The
+#: 200 ms above was measured for the connector's own CPU-tier slots only.
+SHORT_WRITE_LINGER_S = 0.005
 
 
 def check_redis_url(url: str) -> str:

@@ -285,6 +285,14 @@ def test_loaded_by_module_path_and_cascades_every_stored_chunk(engines: Any, red
     eng.finish(ctx)
 
 
+def test_the_cascade_s_writer_keeps_a_short_linger(engines: Any) -> None:
+    """vLLM's CPU blocks stay held while their store job runs: the writer does not wait the
+    connector's 200 ms for more stores."""
+    from offload_tiers.redis.settings import SHORT_WRITE_LINGER_S, WRITE_LINGER_S
+
+    assert engines().tier.redis._writer._linger_s == SHORT_WRITE_LINGER_S < WRITE_LINGER_S
+
+
 def test_chunk_already_held_is_not_rewritten(engines: Any) -> None:
     eng = engines(chunks=2)
     keys = chain(4)
