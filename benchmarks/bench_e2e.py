@@ -51,8 +51,13 @@ Ratios (JSON ``ratios``):
                                        tree (caller + engine core + worker, psutil; it
                                        counts vLLM's spin-waits, so it tracks wall time)
   native_/null_/cpu_only_overhead...   the same for (b), (n), (c')
-The detail (JSON ``detail``) adds fastest-pass ratios and each pass's TTFT sum (the time
-before first tokens) beside its decode time.
+  kvtier_vs_native_no_hit[_{model}]    kvtier's no-hit pass / native's of the same prompts,
+                                       run in turn - 1: the two connectors compared
+                                       directly (median over passes; pooled over models)
+The detail (JSON ``detail``) adds fastest-pass ratios, each pass's TTFT sum (the time
+before first tokens) beside its decode time, and the quartiles of every config's paired
+ratios (``nohit_paired_spread``): a connector that does nothing (n) gives this machine's
+noise floor.
 
 Usage: python benchmarks/bench_e2e.py [--quick] [--json PATH] [--redis-url URL]
        [--models llama,hybrid] [--reps N] [--with-cpu-only] [--reserved-cpus N|vllm]
@@ -313,8 +318,21 @@ def _ttft_split(phases: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 
 def _paired(runs: dict[str, Any], config: str, key: str) -> list[float]:
     """Per pass: ``config``'s time / vLLM alone's time for the same prompts, run in turn."""
-    mine, ref = _nohit_values(runs.get(config, {}), key), _nohit_values(runs["none"], key)
-    return [mine[n] / ref[n] for n in mine if n in ref]
+    return _paired_with(runs, config, "none", key)
+
+
+def _paired_with(runs: dict[str, Any], config: str, ref: str, key: str) -> list[float]:
+    """Per pass: ``config``'s time / ``ref``'s time for the same prompts, run in turn."""
+    mine, theirs = _nohit_values(runs.get(config, {}), key), _nohit_values(runs.get(ref, {}), key)
+    return [mine[n] / theirs[n] for n in mine if n in theirs]
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    """The quartiles of paired ratios: how far one run's median can be trusted."""
+    if len(values) < 2:
+        return None
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"q1": q1, "median": q2, "q3": q3, "min": min(values), "max": max(values)}
 
 
 def _nohit_cached(phases: dict[str, dict[str, Any]]) -> int:
@@ -399,7 +417,13 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
                     _ratio(fastest[key][c], fastest[key]["none"]))
                 ratios[f"{OVERHEAD_OF[c]}overhead_no_hit{suffix}_{model}"] = \
                     overhead[f"{c}{suffix}"]
+        vs_native = _paired_with(runs, "kvtier", "native", "wall_s")
+        pooled.setdefault("kvtier_vs_native_no_hit", []).extend(vs_native)
+        ratios[f"kvtier_vs_native_no_hit_{model}"] = _median_minus_one(vs_native)
         detail[model] = {
+            "kvtier_vs_native_paired": vs_native,
+            "nohit_paired_spread": {c: _spread(_paired(runs, c, "wall_s"))
+                                    for c in configs[1:]},
             "recomputed_after_reset": {c: _recomputed(runs[c].get("reset"))
                                        for c in runs if "reset" in runs[c]},
             "vllm_counter_local_compute_after_reset": {
@@ -459,6 +483,9 @@ def _print_model(model: str, result: dict[str, Any], d: dict[str, Any]) -> list[
             f"{c} {_fmt(oh.get(f'{c}{suffix}'), True)}" for c in configs)
             + "; fastest/fastest " + ", ".join(
             f"{c} {_fmt(oh.get(f'{c}{suffix}_fastest'), True)}" for c in configs))
+    print("  paired wall ratios vs none, quartiles [min-max]: " + ", ".join(
+        f"{c} {v['q1']:.2f}/{v['median']:.2f}/{v['q3']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
+        for c, v in d["nohit_paired_spread"].items() if v is not None))
     print("no-hit pass (median) split: summed TTFT / after first tokens, s: " + ", ".join(
         f"{c}={v['ttft_sum_s']:.3f}/{v['after_first_token_s']:.3f}"
         for c, v in d["nohit_ttft_split"].items() if v["ttft_sum_s"] is not None))

@@ -13,8 +13,9 @@ streaming completions (``httpx`` async). Side by side in one run:
            serves the prefixes)
   kvtier   TieredOffloadingConnector with ``redis_url`` pointing at a loopback latency
            proxy (its own process, ``tests/support/tcp_proxy.py``, +``--rtt-ms`` per round
-           trip) in front of Redis, write_mode "back" (the default): warm the prefixes in one
-           server, wait until Redis holds them, stop it, start a new server process and
+           trip; ``--rtt-ms 0``: no proxy) in front of Redis, write_mode "back" (the
+           default): warm the prefixes in one server, wait until Redis holds them, stop it,
+           start a new server process and
            measure: every prefix comes from Redis (asynchronous probe, then an
            asynchronous fetch in the worker's I/O threads)
 
@@ -46,6 +47,10 @@ prefill, as latency-minded deployments run). With vLLM's default budget a 1024-t
 is one step ~10x a decode step, prefill steps are about 1 % of the window's ITL samples, and
 the p99 falls between the two modes: one config's per-round p99 ranged 8-102 ms in one
 run of 2026-12-04. ``--max-num-batched-tokens 0`` runs vLLM's default.
+
+Each round also gives its own ratios against vLLM alone's same round (ITL p99, storing and
+restoring TTFT p50): their median and range (JSON ``connectors.<name>.round_ratios``) say
+how far one run's pooled ratio can be trusted.
 
 Reported per config: ITL p50/p99 (engine), client ITL p50/p99 and idle p50,
 restoring requests' TTFT p50/p90 and cached
@@ -506,16 +511,17 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                 **(kvtier_extra or {})}
     try:
         if "kvtier" in configs:
-            proxy = Proxy(redis_url, rtt_s)
+            proxy = Proxy(redis_url, rtt_s) if rtt_s > 0 else None
             runs["kvtier"]["redis_keys_after_warm"] = _warm_kvtier_redis(
                 model_dir, log_dir, shape, env, settings, redis_url)
         for config in configs:
             ktc = {"none": None, "native": _native_config()}.get(config)
             if config == "kvtier":
-                assert proxy is not None
-                _say(f"kvtier: a new server process; Redis behind the proxy "
-                     f"(+{rtt_s * 1e3:.1f} ms per round trip)")
-                ktc = kvtier_transfer_config({**settings, "redis_url": proxy.url})
+                _say("kvtier: a new server process; " + (
+                    f"Redis behind the proxy (+{rtt_s * 1e3:.1f} ms per round trip)"
+                    if proxy is not None else "Redis direct (--rtt-ms 0: no proxy)"))
+                ktc = kvtier_transfer_config(
+                    {**settings, "redis_url": proxy.url if proxy is not None else redis_url})
             servers[config] = _server(model_dir, log_dir, config, shape, ktc, env)
             if config != "kvtier":
                 warm = _warm_prompts(shape)
@@ -582,6 +588,8 @@ def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
         "itl_p99_ms": 1e3 * hist_percentile(engine, 99),
         "itl_samples": sum(engine),
         "itl_p99_ms_per_round": [1e3 * hist_percentile(r["itl_engine"], 99) for r in rounds],
+        "store_ttft_p50_ms_per_round": [1e3 * _pct(r["store_ttft"], 50) for r in rounds],
+        "restore_ttft_p50_ms_per_round": [1e3 * _pct(r["restore_ttft"], 50) for r in rounds],
         "client_itl_p50_ms": 1e3 * _pct(itl, 50), "client_itl_p99_ms": 1e3 * _pct(itl, 99),
         "client_itl_max_ms": 1e3 * max(itl, default=float("nan")),
         "client_itl_samples": len(itl),
@@ -620,6 +628,28 @@ def ratios_for(summary: dict[str, dict[str, Any]], config: str) -> dict[str, flo
     return out
 
 
+#: Ratios also taken round by round (name, per-round summary key).
+ROUND_RATIO_KEYS = (("itl_p99_vs_no_connector", "itl_p99_ms_per_round"),
+                    ("store_ttft_p50_vs_no_connector", "store_ttft_p50_ms_per_round"),
+                    ("restore_ttft_p50_vs_no_connector", "restore_ttft_p50_ms_per_round"))
+
+
+def round_ratios(summary: dict[str, dict[str, Any]], config: str) -> dict[str, dict[str, Any]]:
+    """Each round's figure over vLLM alone's in the same round (run within seconds of it):
+    per round, their median and range. The spread says how much one pooled ratio of this
+    run can be trusted."""
+    ref, mine = summary.get("none"), summary.get(config)
+    out: dict[str, dict[str, Any]] = {}
+    if ref is None or mine is None:
+        return out
+    for name, key in ROUND_RATIO_KEYS:
+        per = [m / r for m, r in zip(mine[key], ref[key], strict=True) if r and r == r]
+        if per:
+            out[name] = {"per_round": per, "median": statistics.median(per),
+                         "min": min(per), "max": max(per)}
+    return out
+
+
 def render(summary: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> str:
     cols = [("ITL p50", "itl_p50_ms", "{:.1f}"), ("ITL p99", "itl_p99_ms", "{:.1f}"),
             ("client ITL p50", "client_itl_p50_ms", "{:.1f}"),
@@ -651,7 +681,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REDIS_URL",
                                                               "redis://127.0.0.1:6379/0"))
     parser.add_argument("--rtt-ms", type=float, default=4.0,
-                        help="latency the proxy adds per Redis round trip (default 4)")
+                        help="latency the proxy adds per Redis round trip (default 4; 0: no proxy, "
+                             "kvtier reads Redis directly)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--rounds", type=int, default=None, help="override the shape's rounds")
     parser.add_argument("--reserved-cpus", default="1",
@@ -691,6 +722,7 @@ def main(argv: list[str]) -> int:
     ratios: dict[str, Any] = dict(per.get("kvtier", {}))
     for name, value in per.get("native", {}).items():
         ratios[f"native_{name}"] = value
+    by_round = {c: round_ratios(summary, c) for c in summary if c != "none"}
 
     budget = shape.max_num_batched_tokens or "vLLM's default"
     print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama, token budget {budget} "
@@ -714,11 +746,15 @@ def main(argv: list[str]) -> int:
     print("ratios (kvtier; native_*: native)")
     for key, value in ratios.items():
         print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")
+    print("round by round (each round over vLLM alone's same round): median [min-max]")
+    for config, rr in by_round.items():
+        for key, r in rr.items():
+            print(f"  {config:<7} {key:<34} {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
     print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
     if args.json_path:
         out = {"ratios": ratios,
-               "connectors": {c: {"ratios": per.get(c), "summary": summary[c]}
-                              for c in summary},
+               "connectors": {c: {"ratios": per.get(c), "round_ratios": by_round.get(c),
+                                  "summary": summary[c]} for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,
                "kvtier_extra": kvtier_extra,
                "elapsed_s": time.monotonic() - t0}

@@ -147,10 +147,17 @@ def e2e(d: dict[str, Any]) -> str:
     if any(f"cpu_only_overhead_no_hit_{m}" in r for m in models):
         cpu_only = "; kvtier with its CPU tier only " + " / ".join(
             pct(r.get(f"cpu_only_overhead_no_hit_{m}")) for m in models)
+    direct = ""
+    if r.get("kvtier_vs_native_no_hit") is not None:
+        direct = (f"; kvtier's no-hit pass vs native's, paired: "
+                  f"{pct(r['kvtier_vs_native_no_hit'])} pooled")
+    null = ""
+    if r.get("null_overhead_no_hit") is not None:
+        null = f"; a connector that does nothing {pct(r['null_overhead_no_hit'])} pooled"
     return (f"recomputed prefill tokens after vLLM's cache is emptied, kvtier vs vLLM's native "
             f"OffloadingConnector: {reset}; after an engine restart (kvtier from Redis): "
             f"{restart}. No-hit overhead (wall, kvtier as deployed, Redis configured): "
-            f"{over}; native {native}{cpu_only} in the same run ({when(d)})")
+            f"{over}; native {native}{cpu_only}{direct}{null} in the same run ({when(d)})")
 
 
 def stall(d: dict[str, Any]) -> str:
@@ -163,7 +170,18 @@ def stall(d: dict[str, Any]) -> str:
             f"{x(r.get('restore_ttft_p50_vs_no_connector'))} / "
             f"{x(r.get('native_restore_ttft_p50_vs_no_connector'))}; storing TTFT p50 "
             f"{x(r.get('store_ttft_p50_vs_no_connector'))} / "
-            f"{x(r.get('native_store_ttft_p50_vs_no_connector'))} ({when(d)})")
+            f"{x(r.get('native_store_ttft_p50_vs_no_connector'))}"
+            f"{_stall_rounds(d)} ({when(d)})")
+
+
+def _stall_rounds(d: dict[str, Any]) -> str:
+    """kvtier's per-round ratios (median [range]), where the run recorded them."""
+    rr = d.get("connectors", {}).get("kvtier", {}).get("round_ratios") or {}
+    parts = [f"{label} {v['median']:.2f}× [{v['min']:.2f}–{v['max']:.2f}]"
+             for label, key in (("ITL p99", "itl_p99_vs_no_connector"),
+                                ("storing TTFT", "store_ttft_p50_vs_no_connector"))
+             for v in [rr.get(key)] if v]
+    return ("; kvtier round by round, median [range]: " + ", ".join(parts)) if parts else ""
 
 
 def nohit_ttft(*runs: dict[str, Any]) -> str:

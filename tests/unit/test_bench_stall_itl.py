@@ -13,6 +13,7 @@ from benchmarks.bench_stall import (
     hist_percentile,
     itl_bucket_args,
     itl_histogram,
+    round_ratios,
 )
 
 
@@ -69,3 +70,19 @@ def test_the_server_argument_names_the_same_buckets() -> None:
     flag, value = itl_bucket_args()
     assert flag == "--custom-histogram-buckets"
     assert f'"inter_token_latency": [{ITL_BUCKETS_S[0]}' in value
+
+
+def test_round_ratios_pair_each_round_with_vllm_alone_s_same_round() -> None:
+    none = {"itl_p99_ms_per_round": [2.0, 4.0, 8.0],
+            "store_ttft_p50_ms_per_round": [50.0, 100.0, float("nan")],
+            "restore_ttft_p50_ms_per_round": [300.0, 0.0, 200.0]}
+    kvtier = {"itl_p99_ms_per_round": [3.0, 4.0, 4.0],
+              "store_ttft_p50_ms_per_round": [25.0, 300.0, 10.0],
+              "restore_ttft_p50_ms_per_round": [30.0, 10.0, 100.0]}
+    rr = round_ratios({"none": none, "kvtier": kvtier}, "kvtier")
+    assert rr["itl_p99_vs_no_connector"] == {"per_round": [1.5, 1.0, 0.5], "median": 1.0,
+                                             "min": 0.5, "max": 1.5}
+    # a round where vLLM alone has no figure (nan) or a zero one is left out, not divided by
+    assert rr["store_ttft_p50_vs_no_connector"]["per_round"] == [0.5, 3.0]
+    assert rr["restore_ttft_p50_vs_no_connector"]["per_round"] == [0.1, 0.5]
+    assert round_ratios({"kvtier": kvtier}, "kvtier") == {}
