@@ -89,6 +89,9 @@ class DaemonRedis:
         """No outage counters of its own (see :meth:`stats`)."""
         return {}
 
+    #: :meth:`counts` never moves (``RedisTier.events_serial``'s counterpart).
+    events_serial = 0
+
     def stats(self) -> dict[str, Any]:
         """The Redis tier's outage counters the worker follows (the daemon keeps the real
         ones: ``kvtier daemon``'s /stats)."""

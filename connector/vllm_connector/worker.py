@@ -138,6 +138,7 @@ class TieredWorker:
         self._failed_now: set[str] = set()  # requests whose load failed in this step
         self._report = WorkerReport()
         self._redis_seen: dict[str, int] = {}
+        self._redis_events_serial = 0  # RedisTier.events_serial when last mirrored
         self._redis_up_sent: int | None = None  # the Redis health last reported
         # Rank 0 tells the scheduler its layout (the presence summary's key names) until a
         # plan says it arrived.
@@ -698,7 +699,12 @@ class TieredWorker:
         return report
 
     def _follow_redis_events(self) -> None:
-        """Mirror the Redis tier's outage/recovery counts into the connector's counters."""
+        """Mirror the Redis tier's outage/recovery counts into the connector's counters
+        (read only when they moved: this runs every step)."""
+        serial = self.redis.events_serial
+        if serial == self._redis_events_serial:
+            return
+        self._redis_events_serial = serial
         st = self.redis.counts()
         for name, ours in (("unavailable_events", "redis_unavailable_events"),
                            ("recoveries", "redis_recoveries"),

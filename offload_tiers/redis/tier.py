@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 _MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
 _NODE_THREADS = 8  # Cluster nodes exchanged with at once
+#: The event counts that move :attr:`RedisTier.events_serial` (outages, bad values).
+EVENT_COUNTS = ("unavailable_events", "recoveries", "corrupt", "corrupt_deleted", "stale_saves")
 
 #: Reads the reply to command ``i`` of a batch from the reader.
 ReadReply = Callable[[Reader, int], Any]
@@ -169,6 +171,7 @@ class RedisTier:
              "exists_checks", "deletes", "errors", "unavailable_events", "recoveries",
              "dropped_unavailable", "skipped_unavailable", "stale_saves", "corrupt_deleted",
              "corrupt_changed", "corrupt_delete_failures"), 0)
+        self._events_serial = 0  # moves with every count in EVENT_COUNTS (read per step)
         self._writer = WriteBehind(self._sink, max_items=write_queue_max,
                                    max_bytes=write_queue_max_bytes, tick=self._probe,
                                    linger_s=write_linger_s, name="kvtier-redis-writer")
@@ -253,6 +256,7 @@ class RedisTier:
             self._n["errors"] += 1
             if was_up:
                 self._n["unavailable_events"] += 1
+                self._events_serial += 1
         if was_up:
             log.warning("Redis tier %s (%s) unavailable: %s; reads miss and writes drop "
                         "until it answers again", ep.label, self.target.redacted, text)
@@ -263,6 +267,7 @@ class RedisTier:
         with self._lock:
             recovered = ep.recovered()
             self._n["recoveries"] += recovered
+            self._events_serial += recovered
         if recovered:
             log.warning("Redis tier %s (%s) answers again", ep.label, self.target.redacted)
 
@@ -590,6 +595,7 @@ class RedisTier:
             self._n["misses"] += n - hits
             self._n["corrupt"] += corrupt
             self._n["stale_saves"] += stale
+            self._events_serial += corrupt + stale
 
     def get(self, key: BlockKey) -> memoryview | None:
         return self.get_many([key])[0]
@@ -678,6 +684,7 @@ class RedisTier:
         with self._lock:
             self._n["exists_checks"] += len(keys)
             self._n["corrupt"] += corrupt
+            self._events_serial += corrupt
         self._delete_corrupt(doomed)
         return out
 
@@ -713,6 +720,7 @@ class RedisTier:
                 self._scripts_refused = True
         with self._lock:
             self._n["corrupt_deleted"] += deleted
+            self._events_serial += deleted
             self._n["corrupt_changed"] += changed
             self._n["corrupt_delete_failures"] += failed
         if self._scripts_refused and failed:
@@ -734,6 +742,12 @@ class RedisTier:
         """The event counters alone (cheap enough to read every engine step)."""
         with self._lock:
             return dict(self._n)
+
+    @property
+    def events_serial(self) -> int:
+        """Moves whenever one of :data:`EVENT_COUNTS` does: a caller mirroring them reads
+        :meth:`counts` only when it moved (one int read per engine step otherwise)."""
+        return self._events_serial
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -12,7 +12,7 @@ import redis
 
 from offload_tiers import codec
 from offload_tiers.keys import BlockKind
-from offload_tiers.redis.tier import RedisTier
+from offload_tiers.redis.tier import EVENT_COUNTS, RedisTier
 from tests.support.redis_server import RedisServer
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload, run_threads
 
@@ -82,8 +82,13 @@ def test_hand_written_bad_values_are_counted_misses(tier: RedisTier, raw: redis.
     # the list: once by the read, once by the probe
     assert s["corrupt"] == len(bad) + (len(bad) - 2) + 2 and s["hits"] == 0
     assert s["corrupt_deleted"] == 2 * len(bad) - 2  # all but the probes' flipped and empty
+    # the serial a per-step reader polls moved with every one of those events
+    assert tier.events_serial == sum(s[name] for name in EVENT_COUNTS) > 0
     raw.delete(name)
+    serial = tier.events_serial
     assert tier.put_many([(k, data)]) == 1 and bytes(tier.get(k)) == data
+    assert tier.exists_many([k, key(8)]) == [True, False] and tier.get(key(8)) is None
+    assert tier.events_serial == serial  # hits, misses and writes are no events
 
 
 def test_partial_value_does_not_answer_full_lookup(tier: RedisTier) -> None:
