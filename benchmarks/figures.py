@@ -213,6 +213,19 @@ def thread_cpu(d: dict[str, Any]) -> str:
             f"({when(d)})")
 
 
+def hooks(*runs: dict[str, Any]) -> str:
+    """Per engine step, the connector hooks' thread CPU in the engine core plus the worker."""
+    def per_step(d: dict[str, Any]) -> float:
+        return sum(p["cpu_us_per_step"] or 0.0 for p in d["processes"].values())
+
+    by_model: dict[str, list[str]] = {}
+    for d in runs:
+        by_model.setdefault(d["model"], []).append(f"{d['config']} {per_step(d):.0f} µs")
+    return ("connector hooks' thread CPU per engine step (engine core + worker): " + "; ".join(
+        f"{model}: " + ", ".join(cells) for model, cells in by_model.items())
+        + f" ({when(runs[0])})")
+
+
 def native(d: dict[str, Any]) -> str:
     rows = {(row["config"], row["phase"]): row for row in d["rows"]}
     k, f, n = (rows[(c, "restart")] for c in ("kvtier", "fs", "none"))
@@ -337,6 +350,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
     "thread-cpu": (("thread_cpu_hybrid.json",), thread_cpu),
+    "hooks": (tuple(f"hooks_{m}_{c}.json" for m in ("llama", "hybrid")
+                    for c in ("kvtier-cpu", "kvtier", "native")), hooks),
     "ttft": (("ttft.json",), ttft),
     "index": (("index.json",), index),
     "route": (("route.json",), route),
