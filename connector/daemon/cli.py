@@ -152,6 +152,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def say_line(text: str) -> None:
+    """One whole line to stdout in one write, flushed: ``print`` writes the text and its
+    newline separately, and a log line from another thread (stderr, often the same pipe)
+    could land between them (a supervisor reading "listening on ...:PORT" then read the
+    log's first digits into the port)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 async def _serve(cfg: DaemonConfig) -> int:
     from aiohttp import web
 
@@ -193,10 +202,9 @@ async def _serve(cfg: DaemonConfig) -> int:
         bridge = daemon.host_tier.bridge
         redis = (f"; Redis write-behind and restores through {bridge.redis.target.redacted}"
                  if bridge is not None else "")
-        print(f"kvtier host tier: {daemon.host_tier.num_slots} slots of "
-              f"{daemon.host_tier.slot_bytes} bytes on {daemon.host_tier.socket_path}{redis}",
-              flush=True)
-    print(f"kvtier daemon listening on http://{bound[0]}:{bound[1]}", flush=True)
+        say_line(f"kvtier host tier: {daemon.host_tier.num_slots} slots of "
+                 f"{daemon.host_tier.slot_bytes} bytes on {daemon.host_tier.socket_path}{redis}")
+    say_line(f"kvtier daemon listening on http://{bound[0]}:{bound[1]}")
     await stop.wait()
     log.info("kvtier daemon: shutting down")
     await runner.cleanup()

@@ -60,15 +60,18 @@ class DaemonProcess:
                 self.kill()
                 raise RuntimeError(f"daemon exited {self.proc.returncode} before listening: "
                                    f"{self.output.decode(errors='replace')[-3000:]}")
+        last: object = None  # the last /healthz answer or error, for the failure message
         while time.monotonic() < deadline:
             try:
-                if self.get("/healthz")["status"] == "ok":
+                last = self.get("/healthz")
+                if last["status"] == "ok":
                     return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
+            except (urllib.error.URLError, ConnectionError, OSError) as exc:
+                last = exc
             time.sleep(0.1)
         self.kill()
-        raise RuntimeError("daemon did not become healthy")
+        raise RuntimeError(f"daemon did not become healthy (last /healthz: {last!r}): "
+                           f"{self.output.decode(errors='replace')[-3000:]}")
 
     def _read_output(self) -> None:
         """Keep the daemon's output (it never blocks on a full pipe); note its port."""

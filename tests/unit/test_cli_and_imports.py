@@ -76,3 +76,24 @@ def test_bench_without_benchmarks_says_where_to_look(tmp_path, monkeypatch, caps
     monkeypatch.setattr(bench_cli, "__file__", str(tmp_path / "a" / "b" / "bench_cli.py"))
     assert bench_cli.main(["tiers"]) == 2
     assert "KVTIER_BENCHMARKS" in capsys.readouterr().err
+
+
+def test_the_daemon_s_status_lines_go_out_in_one_write(monkeypatch) -> None:  # noqa: ANN001
+    """Supervisors (and tests/support/daemon_proc.py) read "listening on ...:PORT" from the
+    daemon's output, where log lines of other threads land too: the text and its newline in
+    one write, so nothing can come between them (print writes them separately)."""
+    from connector.daemon.cli import say_line
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            writes.append("<flush>")
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    say_line("kvtier daemon listening on http://127.0.0.1:44965")
+    assert writes == ["kvtier daemon listening on http://127.0.0.1:44965\n", "<flush>"]
