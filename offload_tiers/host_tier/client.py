@@ -331,6 +331,12 @@ class HostTierClient:
         try:
             sock.connect(self.socket_path)
             self._sock = sock
+            if self._closed.is_set():
+                # close() ran before this socket was published, so it shut none down: leave
+                # now, or recv below would wait for a daemon that never speaks (close() joins
+                # this thread). close() sets the flag, then reads _sock; this thread publishes
+                # _sock, then reads the flag: one of the two always sees the other.
+                return
             sock.sendall(frame(Hello(PROTOCOL_VERSION, os.getpid(), self.label,
                                      self.subscribe, self.presence)))
             inbox = bytearray()
