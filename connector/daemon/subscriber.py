@@ -315,12 +315,18 @@ class Subscriber:
                         del dealers[old]
                     dealers[src.dealer] = src
                     poller.register(src.dealer, zmq.POLLIN)
-            try:
-                ready = dict(poller.poll(100))
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                raise
+            if not subs and not dealers:
+                # No event source (a daemon serving only the host tier): zmq's poll returns
+                # at once with nothing to poll, and this loop would take a whole core.
+                self._stop.wait(0.1)
+                ready = {}
+            else:
+                try:
+                    ready = dict(poller.poll(100))
+                except zmq.ZMQError:
+                    if self._stop.is_set():
+                        break
+                    raise
             for sock in ready:
                 src = subs.get(sock)
                 on = src.on_live if src is not None else None
