@@ -21,13 +21,19 @@ three processes) with a tiny Llama (one KV-cache group) and a tiny Mamba+attenti
 Each config's engine is its own child process (``benchmarks/e2e_engine.py``), started one
 after the other and then kept alive together. Each runs ``cold`` (fresh engine) and
 ``reset`` (vLLM's GPU prefix cache dropped, tiers kept); then the configs take turns on
-the no-hit passes (``NOHIT``: 16 requests of 480 tokens + 16 answer tokens, one at a time,
-prompts that share nothing with anything stored, every block of them saved: to the CPU
-tier and, for (c), to Redis). Pass k of every config runs the same prompts, seconds apart,
-order rotated per pass, so load from elsewhere on the machine falls on all configs alike;
-a pause before each pass lets the engine that ran before stop spinning. (d) is a new engine
-after the others stopped. A restarted engine without a persistent tier is a fresh engine,
-so (a)-(c) after a restart recompute what they recomputed in ``cold``.
+the no-hit passes, spread over ``--instances`` engines per config (default 2: the first
+half of the passes on these engines, then a new engine per config for the rest, one engine
+per config alive at a time). An engine of vLLM alone runs the same passes a few percent
+faster or slower than another of vLLM alone for as long as it lives (2-6 % in ad hoc runs
+of identical engines, docs/benchmarks-e2e.md), so one engine per config measures its
+instance as much as its config. A no-hit pass (``NOHIT``) is 16 requests of 480 tokens +
+16 answer tokens, one at a time, prompts that share nothing with anything stored, every
+block of them saved: to the CPU tier and, for (c), to Redis. Pass k of every config runs
+the same prompts, seconds apart, order rotated per pass, so load from elsewhere on the
+machine falls on all configs alike; a pause before each pass lets the engine that ran
+before stop spinning. (d) is a new engine after the others stopped. A restarted engine
+without a persistent tier is a fresh engine, so (a)-(c) after a restart recompute what
+they recomputed in ``cold``.
 
 Every engine gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``): vLLM's default
 reserves one more core whenever a kv_transfer_config is set, which on a 2-core machine
@@ -55,12 +61,14 @@ Ratios (JSON ``ratios``):
                                        run in turn - 1: the two connectors compared
                                        directly (median over passes; pooled over models)
 The detail (JSON ``detail``) adds fastest-pass ratios, each pass's TTFT sum (the time
-before first tokens) beside its decode time, and the quartiles of every config's paired
-ratios (``nohit_paired_spread``): a connector that does nothing (n) gives this machine's
+before first tokens) beside its decode time, the quartiles of every config's paired
+ratios (``nohit_paired_spread``) and their median per engine instance
+(``nohit_paired_by_instance``): a connector that does nothing (n) gives this machine's
 noise floor.
 
 Usage: python benchmarks/bench_e2e.py [--quick] [--json PATH] [--redis-url URL]
-       [--models llama,hybrid] [--reps N] [--with-cpu-only] [--reserved-cpus N|vllm]
+       [--models llama,hybrid] [--reps N] [--instances N] [--with-cpu-only]
+       [--reserved-cpus N|vllm]
        [--gap-s S] [--lmcache-path DIR] [--log-dir DIR]
 """
 
@@ -189,56 +197,88 @@ class Bench:
         self.prefixes.clear()
 
 
-def _interleaved(engines: dict[str, EngineProc], reps: int, gap_s: float
-                 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """``reps`` no-hit passes per engine, the engines taking turns (order rotated per rep).
+def split_passes(reps: int, instances: int) -> list[list[int]]:
+    """The no-hit passes each engine instance of a config runs: ``reps`` passes in
+    ``instances`` contiguous runs, as even as they divide."""
+    if not 1 <= instances <= reps:
+        raise ValueError(f"instances must be 1 to {reps} (the passes), not {instances}")
+    return [[k for k in range(reps) if k * instances // reps == i] for i in range(instances)]
+
+
+def _interleaved(engines: dict[str, EngineProc], passes: list[int], reps: int, gap_s: float,
+                 instance: int = 0) -> dict[str, dict[str, dict[str, Any]]]:
+    """No-hit passes ``passes`` (of ``reps``) on every engine, the engines taking turns (the
+    order rotated per pass), after one unmeasured warm-up pass each.
 
     Every config's pass ``k`` runs the same prompts, within seconds of the others' pass
     ``k``: load from elsewhere on the machine falls on all of them alike. ``gap_s`` before
     each pass lets the engine that just ran stop spinning (vLLM's shm queues busy-poll
-    for 1 s after their last message).
+    for 1 s after their last message). Each result records its engine ``instance``.
     """
     names = list(engines)
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
-    for rep in [-1, *range(reps)]:  # -1: one unmeasured warm-up pass each
+    for rep in [-1, *passes]:  # -1: one unmeasured warm-up pass each
         phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
         order = names[rep % len(names):] + names[:rep % len(names)] if rep >= 0 else names
         for name in order:
             time.sleep(gap_s)
             result = engines[name].run(phase)
             result["load_1m"] = os.getloadavg()[0]
+            result["instance"] = instance
             if rep >= 0:
                 out[name][phase["name"]] = result
         if rep >= 0:
-            _say(f"  no-hit pass {rep + 1}/{reps}: " + ", ".join(
+            _say(f"  no-hit pass {rep + 1}/{reps} (engines #{instance + 1}): " + ", ".join(
                 f"{n} {out[n][phase['name']]['wall_s']:.3f} s" for n in names)
                 + f" (load {os.getloadavg()[0]:.1f})")
     return out
 
 
+def _configs(bench: Bench, with_cpu_only: bool) -> dict[str, Any]:
+    """Each config's kv_transfer_config (kvtier's with a Redis namespace of its own)."""
+    native = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": dict(NATIVE_EXTRA)}
+    configs: dict[str, Any] = {"none": None, "null": NULL, "native": native,
+                               "kvtier": bench.kvtier(redis=True)}
+    if with_cpu_only:
+        configs["kvtier-cpu"] = bench.kvtier(redis=False)
+    return configs
+
+
 def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
                 lmcache_path: str | None, with_cpu_only: bool = False,
-                gap_s: float = 1.5) -> dict[str, Any]:
-    """Every configuration on one model; returns phases by config plus table rows."""
+                gap_s: float = 1.5, instances: int = 1) -> dict[str, Any]:
+    """Every configuration on one model; returns phases by config plus table rows.
+
+    The no-hit passes are spread over ``instances`` engines per config, one set of engines
+    (one per config) alive at a time: an engine's speed differs from another's of the
+    same config by a few percent for as long as it lives, so one engine per config
+    measures its instance as much as its config.
+    """
     main_phases = [{"name": "cold"}, {"name": "reset", "reset_before": True}]
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     skipped: dict[str, str] = {}
-    native = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": dict(NATIVE_EXTRA)}
-    deployed = bench.kvtier(redis=True)
-    configs: dict[str, Any] = {"none": None, "null": NULL, "native": native,
-                               "kvtier": deployed}
-    if with_cpu_only:
-        configs["kvtier-cpu"] = bench.kvtier(redis=False)
+    configs = _configs(bench, with_cpu_only)
+    deployed = configs["kvtier"]
     engines: dict[str, EngineProc] = {}
     try:
         for config, ktc in configs.items():
             _say(f"[bench] {model}: {config}: start, cold and reset passes")
             engines[config] = bench.engine(f"{model}-{config}", model, ktc, workload)
             runs[config] = {p["name"]: engines[config].run(p) for p in main_phases}
-        _say(f"[bench] {model}: {reps} no-hit passes per config, taking turns")
-        for config, phases in _interleaved(engines, reps, gap_s).items():
-            runs[config].update(phases)
+        for instance, passes in enumerate(split_passes(reps, instances)):
+            if instance:
+                for engine in engines.values():
+                    engine.stop()
+                engines = {}
+                for config, ktc in _configs(bench, with_cpu_only).items():
+                    engines[config] = bench.engine(f"{model}-{config}-{instance + 1}", model,
+                                                   ktc, workload)
+            _say(f"[bench] {model}: no-hit passes {passes[0] + 1}-{passes[-1] + 1} of {reps} "
+                 f"on engines #{instance + 1} of {instances}, taking turns")
+            for config, phases in _interleaved(engines, passes, reps, gap_s,
+                                               instance).items():
+                runs[config].update(phases)
     finally:
         for engine in engines.values():
             engine.stop()
@@ -325,6 +365,20 @@ def _paired_with(runs: dict[str, Any], config: str, ref: str, key: str) -> list[
     """Per pass: ``config``'s time / ``ref``'s time for the same prompts, run in turn."""
     mine, theirs = _nohit_values(runs.get(config, {}), key), _nohit_values(runs.get(ref, {}), key)
     return [mine[n] / theirs[n] for n in mine if n in theirs]
+
+
+def _by_instance(runs: dict[str, Any], config: str, ref: str, key: str
+                 ) -> list[float | None]:
+    """Per engine instance: the median of ``config``'s paired ratios to ``ref`` over the
+    passes that instance ran (instance ``i`` of every config ran the same passes)."""
+    mine, theirs = runs.get(config, {}), runs.get(ref, {})
+    ratios: dict[int, list[float]] = {}
+    for name, pass_ in mine.items():
+        if name.startswith("nohit") and name in theirs and pass_.get(key) and theirs[name].get(key):
+            ratios.setdefault(pass_.get("instance", 0), []).append(
+                pass_[key] / theirs[name][key])
+    return [statistics.median(ratios[i]) if i in ratios else None
+            for i in range(max(ratios, default=-1) + 1)]
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -424,6 +478,9 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
             "kvtier_vs_native_paired": vs_native,
             "nohit_paired_spread": {c: _spread(_paired(runs, c, "wall_s"))
                                     for c in configs[1:]},
+            "nohit_paired_by_instance": {
+                **{c: _by_instance(runs, c, "none", "wall_s") for c in configs[1:]},
+                "kvtier_vs_native": _by_instance(runs, "kvtier", "native", "wall_s")},
             "recomputed_after_reset": {c: _recomputed(runs[c].get("reset"))
                                        for c in runs if "reset" in runs[c]},
             "vllm_counter_local_compute_after_reset": {
@@ -486,6 +543,10 @@ def _print_model(model: str, result: dict[str, Any], d: dict[str, Any]) -> list[
     print("  paired wall ratios vs none, quartiles [min-max]: " + ", ".join(
         f"{c} {v['q1']:.2f}/{v['median']:.2f}/{v['q3']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
         for c, v in d["nohit_paired_spread"].items() if v is not None))
+    if any(len(v) > 1 for v in d["nohit_paired_by_instance"].values()):
+        print("  paired wall ratios vs none, median per engine instance: " + ", ".join(
+            f"{c} " + "/".join("n/a" if v is None else f"{v:.3f}" for v in vs)
+            for c, vs in d["nohit_paired_by_instance"].items()))
     print("no-hit pass (median) split: summed TTFT / after first tokens, s: " + ", ".join(
         f"{c}={v['ttft_sum_s']:.3f}/{v['after_first_token_s']:.3f}"
         for c, v in d["nohit_ttft_split"].items() if v["ttft_sum_s"] is not None))
@@ -505,6 +566,9 @@ def main(argv: list[str]) -> int:
                         help="also run kvtier with the CPU tier only (c')")
     parser.add_argument("--reps", type=int, default=None,
                         help="no-hit passes per config (default 6 quick, 10 full)")
+    parser.add_argument("--instances", type=int, default=2,
+                        help="engines per config the no-hit passes are spread over, one "
+                             "set alive at a time (default 2; 1: one engine per config)")
     parser.add_argument("--gap-s", type=float, default=1.5,
                         help="pause before each no-hit pass (engines stop spinning)")
     parser.add_argument("--reserved-cpus", default="1",
@@ -521,6 +585,8 @@ def main(argv: list[str]) -> int:
     if reps >= MAX_NOHIT_PASSES:
         parser.error(f"--reps: at most {MAX_NOHIT_PASSES - 1} (each pass needs prompts of "
                      "its own)")
+    if not 1 <= args.instances <= reps:
+        parser.error(f"--instances: 1 to {reps} (the no-hit passes)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     choice = choose_redis(args.redis_url)
     if not choice.reachable:
@@ -538,7 +604,7 @@ def main(argv: list[str]) -> int:
     try:
         for model in models:
             results[model] = bench_model(bench, model, workload, reps, lmcache_path,
-                                         args.with_cpu_only, args.gap_s)
+                                         args.with_cpu_only, args.gap_s, args.instances)
             load[f"after_{model}"] = os.getloadavg()[0]
     except EngineRunError as exc:
         _say(f"[bench] failed: {exc}")
@@ -553,8 +619,9 @@ def main(argv: list[str]) -> int:
           f"conversations x {w.turns} turns, {w.system_words}-token shared system prompt, "
           f"+{w.user_words} user tokens and {w.max_tokens} answer tokens per turn. No-hit "
           f"pass: {n.conversations} requests of {n.system_words + n.user_words} tokens + "
-          f"{n.max_tokens} answer tokens, one at a time; {reps} passes per config, the "
-          f"configs' engines alive together and taking turns. kvtier: {tiers}"
+          f"{n.max_tokens} answer tokens, one at a time; {reps} passes per config over "
+          f"{args.instances} engine(s) each; one engine per config alive at a time, the "
+          f"configs taking turns. kvtier: {tiers}"
           f", write_mode back. Engine env: {env or 'vLLM defaults'}. "
           f"1-min load: " + ", ".join(f"{k} {v:.1f}" for k, v in load.items()))
     all_rows: dict[str, list[dict[str, Any]]] = {}
@@ -569,7 +636,8 @@ def main(argv: list[str]) -> int:
     if args.json_path:
         out = {"ratios": ratios, "detail": detail, "rows": all_rows,
                "workload": asdict(workload), "nohit_workload": asdict(NOHIT),
-               "nohit_passes": reps, "engine_env": env, "load": load,
+               "nohit_passes": reps, "nohit_instances": args.instances,
+               "engine_env": env, "load": load,
                "skipped": {m: r["skipped"] for m, r in results.items()},
                "redis": {"used": choice.reachable, "url": choice.shown},
                "elapsed_s": time.monotonic() - t0}
