@@ -154,10 +154,27 @@ def e2e(d: dict[str, Any]) -> str:
     null = ""
     if r.get("null_overhead_no_hit") is not None:
         null = f"; a connector that does nothing {pct(r['null_overhead_no_hit'])} pooled"
+    pooled = "; pooled over both models: kvtier " + pct(r.get("overhead_no_hit")) + \
+        ", native " + pct(r.get("native_overhead_no_hit"))
+    if r.get("cpu_only_overhead_no_hit") is not None:
+        pooled += ", kvtier-cpu " + pct(r["cpu_only_overhead_no_hit"])
     return (f"recomputed prefill tokens after vLLM's cache is emptied, kvtier vs vLLM's native "
             f"OffloadingConnector: {reset}; after an engine restart (kvtier from Redis): "
             f"{restart}. No-hit overhead (wall, kvtier as deployed, Redis configured): "
-            f"{over}; native {native}{cpu_only}{direct}{null} in the same run ({when(d)})")
+            f"{over}; native {native}{cpu_only}{pooled}{direct}{null}{_e2e_instances(d)} "
+            f"in the same run ({when(d)})")
+
+
+def _e2e_instances(d: dict[str, Any]) -> str:
+    """kvtier against native per pair of engines, where the passes ran on several."""
+    n = d.get("nohit_instances", 1)
+    if n < 2:
+        return ""
+    pairs = [f"{pct(v - 1)} ({m})" for m, md in d["detail"].items()
+             for v in md.get("nohit_paired_by_instance", {}).get("kvtier_vs_native", [])
+             if v is not None]
+    return (f"; passes over {n} engines per config, kvtier vs native per pair of engines: "
+            + ", ".join(pairs))
 
 
 def stall(d: dict[str, Any]) -> str:
