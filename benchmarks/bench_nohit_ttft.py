@@ -14,10 +14,13 @@ every no-hit request** (bench_e2e's ``NOHIT`` prompts, one request at a time; vL
 The engines (vLLM's default multiprocess executors) are alive together and take turns, the
 order rotated every pass, as in bench_e2e, with bench_e2e's engine environment
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: with vLLM's default a connector changes how many cores
-the worker's OpenMP gets). Ratios: each config's median TTFT over ``none``'s.
+the worker's OpenMP gets). As in bench_e2e the passes are spread over ``--instances``
+engines per config (default 2, one set alive at a time): two engines of one config differ
+by a few percent for as long as they live. Ratios: each config's median TTFT over
+``none``'s; ``median_ms_by_instance``: each config's median on each of its engines.
 
-Usage: python benchmarks/bench_nohit_ttft.py [--model hybrid] [--passes 5] [--with-native]
-       [--json PATH]
+Usage: python benchmarks/bench_nohit_ttft.py [--model hybrid] [--passes 6] [--instances 2]
+       [--with-native] [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from benchmarks.bench_e2e import (  # noqa: E402
     NOHIT,
     Bench,
     _nohit_phase,
+    split_passes,
 )
 from benchmarks.e2e_engine import EngineProc  # noqa: E402
 from connector.demo.cli import choose_redis  # noqa: E402
@@ -74,38 +78,46 @@ def summarize(ttfts: dict[str, list[float]], baseline: str = "none") -> dict[str
 
 
 def take_turns(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float,
-               measure: Callable[[str, EngineProc, dict[str, Any]], dict[str, Any]]
-               ) -> list[dict[str, dict[str, Any]]]:
-    """One engine per config, alive together; one unmeasured warm-up pass each, then
-    ``passes`` no-hit passes taking turns (the order rotated every pass). ``measure(config,
-    engine, phase)`` runs one pass; per measured pass, its result per config."""
-    engines: dict[str, EngineProc] = {}
+               measure: Callable[[str, EngineProc, dict[str, Any]], dict[str, Any]],
+               instances: int = 1) -> list[dict[str, dict[str, Any]]]:
+    """One engine per config, alive together; one unmeasured warm-up pass each, then no-hit
+    passes taking turns (the order rotated every pass). With ``instances`` > 1 the passes
+    are split into that many runs, each on a new engine per config (one set alive at a
+    time: two engines of one config differ by a few percent for as long as they live).
+    ``measure(config, engine, phase)`` runs one pass; per measured pass, its result per
+    config, each with its engine ``instance``."""
     out: list[dict[str, dict[str, Any]]] = []
-    try:
-        for config in configs:
-            engines[config] = bench.engine(config, model, transfer_config(bench, config),
-                                           NOHIT)
-        for rep in range(-1, passes):  # -1: one unmeasured warm-up pass each
-            phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-            got: dict[str, dict[str, Any]] = {}
-            for config in order:
-                time.sleep(gap_s)  # the engine that just ran stops spinning
-                got[config] = measure(config, engines[config], phase)
-            if rep >= 0:
-                out.append(got)
-                print(f"  pass {rep + 1}/{passes}: " + ", ".join(
-                    f"{c} {r['wall_s']:.3f} s" for c, r in got.items()), file=sys.stderr,
-                    flush=True)
-    finally:
-        for engine in engines.values():
-            engine.stop()
+    for instance, numbers in enumerate(split_passes(passes, instances)):
+        engines: dict[str, EngineProc] = {}
+        try:
+            for config in configs:
+                label = config if instances == 1 else f"{config}-{instance + 1}"
+                engines[config] = bench.engine(label, model, transfer_config(bench, config),
+                                               NOHIT)
+            for rep in [-1, *numbers]:  # -1: one unmeasured warm-up pass each
+                phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
+                order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+                got: dict[str, dict[str, Any]] = {}
+                for config in order:
+                    time.sleep(gap_s)  # the engine that just ran stops spinning
+                    got[config] = {**measure(config, engines[config], phase),
+                                   "instance": instance}
+                if rep >= 0:
+                    out.append(got)
+                    print(f"  pass {rep + 1}/{passes} (engines #{instance + 1}): " + ", ".join(
+                        f"{c} {r['wall_s']:.3f} s" for c, r in got.items()), file=sys.stderr,
+                        flush=True)
+        finally:
+            for engine in engines.values():
+                engine.stop()
     return out
 
 
-def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float
-        ) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
-    """Per config, every no-hit request's TTFT; per pass, each config's wall time."""
+def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float,
+        instances: int = 1
+        ) -> tuple[dict[str, list[float]], list[dict[str, float]], dict[str, list[float]]]:
+    """Per config, every no-hit request's TTFT; per pass, each config's wall time; per
+    config, its median TTFT on each engine instance (ms)."""
     def measure(config: str, engine: EngineProc, phase: dict[str, Any]) -> dict[str, Any]:
         result = engine.run(phase)
         cached = sum(r["cached_tokens"] for r in result["requests"])
@@ -113,9 +125,13 @@ def run(bench: Bench, model: str, configs: list[str], passes: int, gap_s: float
             raise RuntimeError(f"{config}: {cached} tokens of a no-hit pass hit")
         return result
 
-    per_pass = take_turns(bench, model, configs, passes, gap_s, measure)
+    per_pass = take_turns(bench, model, configs, passes, gap_s, measure, instances)
     ttfts = {c: [r["ttft_s"] for p in per_pass for r in p[c]["requests"]] for c in configs}
-    return ttfts, [{c: p[c]["wall_s"] for c in configs} for p in per_pass]
+    by_instance = {c: [1e3 * statistics.median(r["ttft_s"] for p in per_pass
+                                               if p[c]["instance"] == i
+                                               for r in p[c]["requests"])
+                       for i in range(instances)] for c in configs}
+    return ttfts, [{c: p[c]["wall_s"] for c in configs} for p in per_pass], by_instance
 
 
 def add_arguments(parser: argparse.ArgumentParser, passes: int) -> None:
@@ -136,9 +152,14 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser, passes=5)
+    add_arguments(parser, passes=6)
     parser.add_argument("--with-native", action="store_true")
+    parser.add_argument("--instances", type=int, default=2,
+                        help="engines per config the passes are spread over, one set alive "
+                             "at a time (default 2; 1: one engine per config)")
     args = parse(parser, argv)
+    if not 1 <= args.instances <= args.passes:
+        parser.error(f"--instances: 1 to {args.passes} (the passes)")
     choice = choose_redis(args.redis_url)
     configs = [c for c in CONFIGS if c != "kvtier" or choice.reachable]
     if args.with_native:
@@ -148,21 +169,25 @@ def main(argv: list[str]) -> int:
                   choice.url if choice.reachable else None)
     t0 = time.monotonic()
     try:
-        ttfts, walls = run(bench, args.model, configs, args.passes, args.gap_s)
+        ttfts, walls, by_instance = run(bench, args.model, configs, args.passes, args.gap_s,
+                                        args.instances)
     finally:
         bench.cleanup()
-    summary = summarize(ttfts)
+    summary = {**summarize(ttfts), "median_ms_by_instance": by_instance}
     print(f"\nbench_nohit_ttft — {args.model}, {args.passes} passes x {NOHIT.conversations} "
           f"no-hit requests of {NOHIT.system_words + NOHIT.user_words} tokens, one at a "
           f"time; engines alive together, taking turns; env {env}; Redis "
           f"{choice.shown if choice.reachable else 'not reachable (kvtier skipped)'}")
-    print(f"{'config':<12} {'requests':>8} {'TTFT median':>12} {'TTFT p90':>10} {'vs none':>8}")
+    print(f"{'config':<12} {'requests':>8} {'TTFT median':>12} {'TTFT p90':>10} {'vs none':>8}"
+          f"  median per engine")
     for config, row in summary["rows"].items():
         ratio = summary["ratios"].get(f"ttft_nohit_{config.replace('-', '_')}_vs_none", 1.0)
         print(f"{config:<12} {row['requests']:>8} {row['median_ms']:>9.1f} ms "
-              f"{row['p90_ms']:>7.1f} ms {ratio:>7.3f}x")
+              f"{row['p90_ms']:>7.1f} ms {ratio:>7.3f}x  "
+              + " / ".join(f"{v:.1f}" for v in by_instance[config]))
     if args.json_path:
         out = {**summary, "model": args.model, "passes": args.passes,
+               "instances": args.instances,
                "workload": asdict(NOHIT), "engine_env": env, "pass_wall_s": walls,
                "redis": {"used": choice.reachable, "url": choice.shown},
                "elapsed_s": time.monotonic() - t0}

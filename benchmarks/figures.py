@@ -207,10 +207,19 @@ def nohit_ttft(*runs: dict[str, Any]) -> str:
         ratio = d["ratios"].get(f"ttft_nohit_{config.replace('-', '_')}_vs_none")
         return ms if ratio is None else f"{ms} ({x(ratio)})"
 
+    def engines(d: dict[str, Any]) -> str:
+        by = d.get("median_ms_by_instance") or {}
+        if d.get("instances", 1) < 2 or not by:
+            return ""
+        return "; per engine " + ", ".join(
+            f"{c} " + "/".join(f"{v:.1f}" for v in vs) for c, vs in by.items())
+
     per_model = "; ".join(f"{d['model']}: " + ", ".join(cell(d, c) for c in d["rows"])
-                          for d in runs)
+                          + engines(d) for d in runs)
+    spread = runs[0].get("instances", 1)
+    over = f" over {spread} engines each" if spread > 1 else ""
     return (f"median TTFT of {runs[0]['rows']['none']['requests']} no-hit requests per config "
-            f"and model; {per_model} ({when(runs[0])})")
+            f"and model{over}; {per_model} ({when(runs[0])})")
 
 
 def thread_cpu(d: dict[str, Any]) -> str:
