@@ -5,6 +5,7 @@ value is a miss with correct output."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,8 +109,11 @@ def test_tp2_cpu_tier_hits_with_identical_output(baseline: dict[str, Any],
 def test_tp2_new_engine_restores_every_rank_from_redis(baseline: dict[str, Any],
                                                        second: dict[str, Any]) -> None:
     a2 = by_name(second)["A2"]
-    why = (a2["delta"], [line for line in second.get("log", "").splitlines()
-                         if "kvtier" in line][-40:])
+    # On failure, every counter of the request and the engine's kvtier log lines, in full
+    # (a tuple is cut short in pytest's report).
+    why = "\n".join([json.dumps(a2["delta"], sort_keys=True),
+                     *[line for line in second.get("log", "").splitlines()
+                       if "kvtier" in line][-40:]])
     assert a2["delta"].get("hit_tokens_redis", 0) == 128, why
     assert a2["delta"].get("blocks_loaded_redis", 0) == 2 * 4
     assert a2["token_ids"] == baseline["A2"]["token_ids"]
