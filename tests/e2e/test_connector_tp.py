@@ -31,6 +31,15 @@ def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {o["name"]: o for o in result["outputs"]}
 
 
+def why_missed(result: dict[str, Any], name: str) -> str:
+    """For a failed restore: every counter of request ``name``, the steps' waits and the
+    engine's kvtier log lines, in full (pytest cuts a long repr short)."""
+    return "\n".join([json.dumps(by_name(result)[name]["delta"], sort_keys=True),
+                      json.dumps([o for o in result["outputs"] if "delta" not in o])[:4000],
+                      *[line for line in result.get("log", "").splitlines()
+                        if "kvtier" in line][-40:]])
+
+
 @pytest.fixture(scope="module")
 def prefix(redis_url: str) -> Iterator[str]:
     with scratch_prefix(redis_url) as name:
@@ -109,12 +118,7 @@ def test_tp2_cpu_tier_hits_with_identical_output(baseline: dict[str, Any],
 def test_tp2_new_engine_restores_every_rank_from_redis(baseline: dict[str, Any],
                                                        second: dict[str, Any]) -> None:
     a2 = by_name(second)["A2"]
-    # On failure, every counter of the request and the engine's kvtier log lines, in full
-    # (a tuple is cut short in pytest's report).
-    why = "\n".join([json.dumps(a2["delta"], sort_keys=True),
-                     *[line for line in second.get("log", "").splitlines()
-                       if "kvtier" in line][-40:]])
-    assert a2["delta"].get("hit_tokens_redis", 0) == 128, why
+    assert a2["delta"].get("hit_tokens_redis", 0) == 128, why_missed(second, "A2")
     assert a2["delta"].get("blocks_loaded_redis", 0) == 2 * 4
     assert a2["token_ids"] == baseline["A2"]["token_ids"]
 
@@ -164,6 +168,6 @@ def test_tp2_shards_of_different_saves_are_never_served_together_and_heal(
     assert b1["delta"].get("blocks_loaded_redis", 0) == 0
     assert b1["delta"].get("failed_restores", 0) == 0
     again = by_name(third)["B1"]
-    assert again["delta"].get("hit_tokens_redis", 0) == 128
+    assert again["delta"].get("hit_tokens_redis", 0) == 128, why_missed(third, "B1")
     assert again["delta"].get("blocks_loaded_redis", 0) == 2 * 4
     assert again["token_ids"] == baseline["B1"]["token_ids"]
