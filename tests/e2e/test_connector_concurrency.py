@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import no_faults
 from tests.support.batches import HIT, WARM, toks
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
@@ -75,10 +76,10 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tight_redis(tiny_llama_dir: Any, redis_url: str, redis_prefix: str) -> dict[str, Any]:
-    # A generous Redis timeout: a write a loaded machine delays past the 0.25 s default
-    # would count as failed (correctly, but this test asserts none failed).
+    # A write a stalled machine delays past the deadline would count as failed (correctly,
+    # but this test asserts none failed): no_faults.
     return run({"cpu_bytes": TIGHT_CPU_BYTES, "redis_url": redis_url,
-                "redis_prefix": redis_prefix, "redis_timeout_s": 10.0})
+                "redis_prefix": redis_prefix, **no_faults.CONNECTOR})
 
 
 def test_batched_requests_hit_the_cpu_tier_with_identical_output(

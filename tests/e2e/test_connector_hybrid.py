@@ -18,7 +18,7 @@ import pytest
 
 from connector.demo.tiny_models import prompt_words
 from connector.events.wire import BlockStored
-from tests.support import engine_starts, worker_probe
+from tests.support import engine_starts, no_faults, worker_probe
 from tests.support.batches import HIT, WARM
 from tests.support.connector_runner import (
     counters,
@@ -93,7 +93,7 @@ def redis_runs(tiny_hybrid_dir: Path, redis_url: str) -> Iterator[list[dict[str,
     for FAILED."""
     with scratch_prefix(redis_url) as prefix:
         extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
-                 "redis_timeout_s": 10.0}  # only a hung Redis: this test injects no fault
+                 **no_faults.CONNECTOR}  # this test injects no fault
         conversation = ["multi_turn", FIRST_PROMPT, 3]
         first = run_in_subprocess({"model": "hybrid", "extra": extra, "engine": ENGINE,
                                    "steps": [conversation, FAILED_STEPS[0], ["reset"],

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
@@ -45,10 +46,9 @@ def prefix(redis_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def extra(redis_url: str, prefix: str) -> dict[str, Any]:
-    # A generous Redis timeout: a reply a loaded machine delays past the 0.25 s default
-    # would mark Redis down (a correct miss, but not what these tests are about).
+    # A stalled machine must not make a miss: not what these tests are about (no_faults).
     return {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
-            "redis_timeout_s": 10.0}
+            **no_faults.CONNECTOR}
 
 
 @pytest.fixture(scope="module")

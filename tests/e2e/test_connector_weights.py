@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
@@ -40,10 +41,10 @@ def by_name(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tiny_llama_dir: Any, redis_url: str) -> Iterator[dict[str, dict[str, Any]]]:
     with scratch_prefix(redis_url) as prefix:
-        # Stores land before each generate returns; a busy machine may take more than the
-        # default 0.25 s per Redis call (a fetch that times out is a recomputed miss).
+        # Stores land before each generate returns; a stalled machine must not make a
+        # fetch time out into a recomputed miss (no_faults).
         extra = {"cpu_bytes": 64 << 20, "redis_url": redis_url, "redis_prefix": prefix,
-                 "write_mode": "through", "redis_timeout_s": 5.0}
+                 "write_mode": "through", **no_faults.CONNECTOR}
         a = run_in_subprocess({"model": "llama", "extra": extra,
                                "steps": [["reset_connector"], *_serve("a")]})
         b = run_in_subprocess({"model": "llama", "extra": extra, "steps": [

@@ -30,6 +30,7 @@ import pytest
 
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
+from tests.support import no_faults
 from tests.support.daemon_proc import HostTierDaemon
 from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_keys import scratch_prefix, wait_for_keys
@@ -183,9 +184,9 @@ def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix:
     password_file = logs / "redis-password"
     password_file.write_text(secret_redis.user_password + "\n")
     password_file.chmod(0o600)
-    # 10 s: a deadline only a hung Redis reaches (2 s let one loaded CI run time a probe
-    # out: B then computed SHARED instead of restoring it); no test here injects a fault.
-    common = {"cpu_bytes": 64 << 20, "redis_prefix": prefix, "redis_timeout_s": 10.0}
+    # No test here injects a fault: deadlines only a hung Redis reaches (no_faults; 2 s let
+    # one loaded CI run time a probe out: B then computed SHARED instead of restoring it).
+    common = {"cpu_bytes": 64 << 20, "redis_prefix": prefix, **no_faults.CONNECTOR}
     by_env = kvtier_transfer_config({**common, "redis_url_env": URL_ENV})
     plain_url = f"redis://127.0.0.1:{secret_redis.server.port}/0"  # no credentials in it
     by_file = kvtier_transfer_config({**common, "redis_url": plain_url,

@@ -36,7 +36,7 @@ import pytest
 import redis
 
 from connector.demo.tiny_models import prompt_words
-from tests.support import engine_starts
+from tests.support import engine_starts, no_faults
 from tests.support.connector_runner import corrupt_redis
 from tests.support.engine_host import run_native_engine as run_in_subprocess
 from tests.support.ports import free_port
@@ -89,9 +89,9 @@ def kvtier(where: dict[str, Any], prefix: str, prompts: list[list[Any]],
     """``where``: ``redis_url`` and tier settings naming the Redis. ``wait_for``: metrics the
     engine is stepped for until they reach a value (cascades to Redis are counted when a
     later step collects them; see native_tier_engine)."""
-    # A loaded 2-core machine can stall a Redis reply past the 0.25 s default (the tier then
-    # counts drops, by design); only the fault test below sets a short timeout.
-    tier = {"redis_timeout_s": 10.0, **where.get("tier", {}), **tier}
+    # A stalled machine must not make a miss (no_faults); only the fault test below sets a
+    # short timeout.
+    tier = {"redis_timeout_s": no_faults.REDIS_TIMEOUT_S, **where.get("tier", {}), **tier}
     return run_in_subprocess({"mode": "kvtier", "redis_url": where.get("redis_url"),
                               "redis_prefix": prefix, "prompts": prompts, "tier": tier,
                               "engine": engine or {}, "wait_for": wait_for or []}, env=env)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from tests.support import no_faults
 from tests.support.engine_host import run_native_engine as run_in_subprocess
 from tests.support.redis_keys import scratch_prefix
 
@@ -19,11 +20,10 @@ PROMPT = prompt_words(31, 150)
 PROMPT2 = PROMPT + " w8 w9"
 TP2 = {"tensor_parallel_size": 2}
 N = "vllm:kvtier_native_"
-# A loaded 2-core machine can stall a Redis reply past the 0.25 s default (then the tier
-# counts drops, and an existence check that times out is a miss, by design); this test is
-# about the layout, not about faults. 2 s was once not enough in a CI run (the second
-# engine's look-up missed): 10 s is a deadline only a hung Redis reaches.
-SLOW_MACHINE = {"redis_timeout_s": 10.0}
+# This test is about the layout, not about faults: an existence check that times out is a
+# miss by design, so the deadline is one only a hung Redis reaches (no_faults: 10 s was
+# once not enough here, beside two other engine-running files).
+SLOW_MACHINE = {"redis_timeout_s": no_faults.REDIS_TIMEOUT_S}
 
 
 @pytest.fixture(scope="module")
