@@ -45,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="physical block size of a KV-cache group (else learned from full "
                         "announcements). Repeatable.")
     p.add_argument("--max-entries", type=int, help="cap on resident index entries")
+    p.add_argument("--max-pending-batches", type=int,
+                   help="live batches buffered while a replay is in flight (default 10000)")
+    p.add_argument("--hwm", type=int, help="ZMQ receive high-water mark per SUB socket "
+                   "(default 100000)")
+    p.add_argument("--clear-on-restart", type=_media_list, metavar="MEDIA",
+                   help="comma-separated media dropped when a publisher's seq returns to 0 "
+                        "(default GPU,CPU; '' for none)")
+    p.add_argument("--score-weight", action="append", metavar="MEDIUM=WEIGHT",
+                   dest="score_weights",
+                   help="POST /score's weight of a tier (e.g. STORAGE=0.5). Repeatable.")
     p.add_argument("--replay-timeout", type=float, dest="replay_timeout_s")
     p.add_argument("--replay-idle-probe", type=float, dest="replay_idle_probe_s",
                    help="seconds of silence before asking the replay buffer for batches "
@@ -66,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--redis-prefix", help="key prefix of the Redis tier (default kvtier)")
     j.add_argument("--redis-ttl-s", type=int, dest="redis_ttl_s",
                    help="seconds values the host tier writes behind live (default 7 days)")
+    j.add_argument("--redis-ssl-ca-certs", help="CA bundle for rediss:// with a private CA")
+    j.add_argument("--redis-timeout-s", type=float, dest="redis_timeout_s",
+                   help="bound on every Redis wait, seconds (default 2)")
+    j.add_argument("--janitor-scan-count", type=int, help="SCAN COUNT (default 100)")
+    j.add_argument("--janitor-allowed-fingerprint", action="append", metavar="FP",
+                   dest="janitor_allowed_fingerprints",
+                   help="a namespace in use (32 hex digits); with any given, values of other "
+                        "namespaces are deleted as retired. Repeatable.")
     j.add_argument("--janitor-interval", type=float, dest="janitor_interval_s",
                    help="seconds between passes (default 300)")
     j.add_argument("--janitor-max-keys-per-s", type=float, dest="janitor_max_keys_per_s",
@@ -87,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host-tier-group", dest="host_tier_group",
                    help="group allowed to attach (segment and socket 0660); default: only "
                         "this user (0600)")
+    h.add_argument("--host-tier-max-clients", type=int,
+                   help="engine processes attached at once (default 256)")
     return p
 
 
@@ -105,6 +125,25 @@ def _size(text: str) -> int:
     return value
 
 
+def _media_list(text: str) -> list[str]:
+    """``GPU,CPU`` -> ["GPU", "CPU"]; ``""`` -> [] (the config checks the names)."""
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _pairs(flag: str, specs: list[str], value: type) -> dict[str, Any]:
+    """``["A=1", ...]`` -> {"A": value("1")}; ConfigError naming ``flag`` otherwise."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            out[name.strip()] = value(text.strip())
+        except ValueError:
+            raise ConfigError(f"{flag} expects NAME=VALUE, got {spec!r}") from None
+    return out
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "http": args.http, "connect_host": args.connect_host, "max_entries": args.max_entries,
@@ -121,7 +160,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_bytes": args.cpu_bytes, "slot_bytes": args.slot_bytes,
         "host_tier_socket": args.host_tier_socket, "host_tier_name": args.host_tier_name,
         "host_tier_group": args.host_tier_group,
+        "max_pending_batches": args.max_pending_batches, "hwm": args.hwm,
+        "clear_on_restart": args.clear_on_restart,
+        "redis_ssl_ca_certs": args.redis_ssl_ca_certs, "redis_timeout_s": args.redis_timeout_s,
+        "janitor_scan_count": args.janitor_scan_count,
+        "janitor_allowed_fingerprints": args.janitor_allowed_fingerprints,
+        "host_tier_max_clients": args.host_tier_max_clients,
     }
+    if args.score_weights:
+        out["score_weights"] = _pairs("--score-weight", args.score_weights, float)
     if args.endpoint:
         pubs = []
         for spec in args.endpoint:

@@ -21,6 +21,7 @@ import pytest
 import redis as redis_py
 
 from connector.demo.tiny_models import prompt_words
+from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.daemon_proc import HostTierDaemon
 
@@ -222,13 +223,16 @@ def redis_daemons(tmp_path_factory: pytest.TempPathFactory, redis_url: str
     new daemon (an empty segment) and a new engine asking B2 restore it from Redis."""
     sock = tmp_path_factory.mktemp("host-tier-redis") / "run" / "host.sock"
     prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
-    extra = {"cpu_bytes": 16 << 20, "host_tier_socket": str(sock), "host_tier_redis": True}
+    # No Redis fault is injected here: deadlines only a hung Redis reaches (no_faults).
+    extra = {"cpu_bytes": 16 << 20, "host_tier_socket": str(sock), "host_tier_redis": True,
+             "max_probe_asks": no_faults.CONNECTOR["max_probe_asks"]}
     daemons = []
 
     def start() -> HostTierDaemon:
         daemons.append(HostTierDaemon(sock, f"e2e-redis-{uuid.uuid4().hex[:12]}", slots=256,
                                       slot_bytes=64 << 10, redis_url=redis_url,
-                                      redis_prefix=prefix).start())
+                                      redis_prefix=prefix,
+                                      redis_timeout_s=no_faults.DAEMON_REDIS_TIMEOUT_S).start())
         return daemons[-1]
 
     try:

@@ -147,11 +147,15 @@ class DaemonProcess:
 class HostTierDaemon(DaemonProcess):
     """``kvtier daemon`` serving a host tier: ``slots`` slots of ``slot_bytes`` on the
     Unix socket ``sock``, its segment named ``name`` (/dev/shm/kvtier-NAME); with
-    ``redis_url`` it also writes behind to Redis and restores from it (``redis_prefix``)."""
+    ``redis_url`` it also writes behind to Redis and restores from it (``redis_prefix``;
+    ``redis_timeout_s``: the daemon's bound on every Redis wait, its default when None)."""
 
     def __init__(self, sock: Path, name: str, *, slots: int = 8, slot_bytes: int = 4096,
-                 redis_url: str | None = None, redis_prefix: str = "kvtier") -> None:
+                 redis_url: str | None = None, redis_prefix: str = "kvtier",
+                 redis_timeout_s: float | None = None) -> None:
         redis = ["--redis-url", redis_url, "--redis-prefix", redis_prefix] if redis_url else []
+        if redis_timeout_s is not None:
+            redis += ["--redis-timeout-s", str(redis_timeout_s)]
         super().__init__("--cpu-bytes", str(slots * slot_bytes), "--slot-bytes",
                          str(slot_bytes), "--host-tier-socket", str(sock),
                          "--host-tier-name", name, *redis)

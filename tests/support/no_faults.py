@@ -21,3 +21,6 @@ REDIS_TIMEOUT_S = 300.0
 #: may wait for its probe as many engine steps as that takes (the probe's own deadline is
 #: the Redis timeout).
 CONNECTOR: dict[str, Any] = {"redis_timeout_s": REDIS_TIMEOUT_S, "max_probe_asks": 10**9}
+
+#: The daemon's ``redis_timeout_s`` for such tests: its largest allowed value.
+DAEMON_REDIS_TIMEOUT_S = 60.0
