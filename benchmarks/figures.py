@@ -214,12 +214,14 @@ def nohit_ttft(*runs: dict[str, Any]) -> str:
         return "; per engine " + ", ".join(
             f"{c} " + "/".join(f"{v:.1f}" for v in vs) for c, vs in by.items())
 
-    per_model = "; ".join(f"{d['model']}: " + ", ".join(cell(d, c) for c in d["rows"])
-                          + engines(d) for d in runs)
-    spread = runs[0].get("instances", 1)
-    over = f" over {spread} engines each" if spread > 1 else ""
-    return (f"median TTFT of {runs[0]['rows']['none']['requests']} no-hit requests per config "
-            f"and model{over}; {per_model} ({when(runs[0])})")
+    def sample(d: dict[str, Any]) -> str:
+        spread = d.get("instances", 1)
+        over = f" over {spread} engines" if spread > 1 else ""
+        return f"{d['rows']['none']['requests']} requests per config{over}"
+
+    per_model = "; ".join(f"{d['model']} ({sample(d)}): "
+                          + ", ".join(cell(d, c) for c in d["rows"]) + engines(d) for d in runs)
+    return f"median TTFT of the no-hit requests; {per_model} ({when(runs[0])})"
 
 
 def thread_cpu(d: dict[str, Any]) -> str:
