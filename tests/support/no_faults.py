@@ -6,8 +6,8 @@ are not what a test of shards, namespaces or restores asserts, and this machine 
 sometimes stalls processes for seconds while engines start. Measured 2026-12-05 beside three
 engine-running test files on two pytest workers: a 50 ms sleep that overshot by 16 s, and
 ``vmstat 1`` silent for 17 s, at the same moment; a Redis PING that took 6.3 s. In those
-runs a new TP=2 engine's probe gave up after its 10,000 asks (the steps went on, its I/O
-thread did not), and another's fetches timed out at 30 s on both ranks.
+runs a new TP=2 engine's probe gave up after its 10,000 asks (``probe_gave_up``), and
+another's fetches timed out at 30 s on both ranks (``failed_restores``).
 """
 
 from __future__ import annotations
