@@ -291,9 +291,10 @@ class HostTierServer:
                     self._handle(conn, decode_to_daemon(body))
                 self._broadcast()
         except ProtocolError as exc:
-            self.protocol_errors += 1
             log.warning("host tier: closing client pid %d (%s): %s", conn.pid, conn.label, exc)
-            self._close(conn)
+            with self.lock:  # stats() sees the error and the quarantine together
+                self.protocol_errors += 1
+                self._close(conn)
             return
         if conn.refused:  # the reason first, then the close
             with contextlib.suppress(OSError):
@@ -445,6 +446,10 @@ class HostTierServer:
         self._selector.modify(conn.sock, want, conn)
 
     def _close(self, conn: _Conn) -> None:
+        with self.lock:  # the counters stats() reads change in one step
+            self._close_locked(conn)
+
+    def _close_locked(self, conn: _Conn) -> None:
         assert self._selector is not None
         if self._conns.pop(conn.sock.fileno(), None) is None:
             return
@@ -470,8 +475,9 @@ class HostTierServer:
         _pid, row = self._waiting_exit.pop(pidfd)
         self._selector.unregister(pidfd)
         os.close(pidfd)
-        self.quarantined_rows -= 1
-        self._release(row)
+        with self.lock:
+            self.quarantined_rows -= 1
+            self._release(row)
 
     def _release(self, row: int) -> None:
         with self.lock:
