@@ -31,12 +31,18 @@ kept in the JSON (``restore_gbps_per_ttft``). JSON ``ratios``:
 ``ttft_cpu_hit_vs_recompute_4k``, ``ttft_redis_hit_vs_recompute_4k``,
 ``restore_gbps_vs_tier_limit_cpu``, ``restore_gbps_vs_tier_limit_redis`` (at the largest
 size). ``--quick`` runs each measurement once; the default runs it three times (median).
+
+Each measured request also records the CPU time every thread on the machine ran meanwhile
+(``/proc``, ``connector/demo/thread_times.py``); for the Redis hits at the largest size it
+is printed and kept (``cpu_ms``) by who ran: vLLM's engine core and worker main threads
+(their spin-waits included), kvtier's I/O threads, ``redis-server``, and everything else.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -84,7 +90,7 @@ def _phases(sizes: list[int], repeats: int, store: bool, evict: bool) -> list[di
                        for i in range(2)]
         for r in range(repeats):
             phases.append({"name": f"hit-{size}-{r}", "reset_before": store or r > 0,
-                           "workload": _workload(size)})
+                           "workload": _workload(size), "machine_threads": True})
     return phases
 
 
@@ -115,7 +121,26 @@ def _measure(phases: dict[str, dict[str, Any]], size: int, repeats: int) -> dict
             "load_s": _counter(first, "load_us") / 1e6,
             "fetch_redis_s": _counter(first, "fetch_us_redis") / 1e6,
             "hit_tokens_cpu": _counter(first, "hit_tokens_cpu"),
-            "hit_tokens_redis": _counter(first, "hit_tokens_redis")}
+            "hit_tokens_redis": _counter(first, "hit_tokens_redis"),
+            "wall_s": first["wall_s"], "cpu_ms": _cpu_split(first.get("machine_threads_s"))}
+
+
+#: Who ran during a measured request: thread-name prefixes ("process / thread"), in order.
+CPU_GROUPS = (("engine core (main thread)", "VLLM::EngineCor / VLLM::EngineCor (main)"),
+              ("worker (main thread)", "VLLM::Worker / VLLM::Worker (main)"),
+              ("kvtier I/O threads", "VLLM::Worker / kvtier-io"),
+              ("redis-server", "redis-server /"))
+
+
+def _cpu_split(threads: dict[str, float] | None) -> dict[str, float]:
+    """Milliseconds of CPU the machine's threads ran during one request, in
+    :data:`CPU_GROUPS` and ``other``."""
+    out = {name: 0.0 for name, _ in CPU_GROUPS} | {"other": 0.0}
+    for thread, seconds in (threads or {}).items():
+        group = next((name for name, prefix in CPU_GROUPS if thread.startswith(prefix)),
+                     "other")
+        out[group] += 1e3 * seconds
+    return out
 
 
 def _gbps(nbytes: float, seconds: float) -> float:
@@ -206,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
           f"bytes {limit_cpu:6.2f}"
           f"\n  Redis      {restore_redis:6.2f} ({per_ttft['redis']:5.2f})   redis-benchmark GET "
           + (f"{redis_get:6.2f}" if redis_get else limit_redis.get("skipped", "n/a")))
+    for name in ("kvtier Redis", "kvtier Redis, new engine"):
+        m = table[name][largest]
+        print(f"\nCPU during the {name} hit at {largest} tokens (ms; the request's wall "
+              f"{1e3 * m['wall_s']:.0f} ms, {1e3 * m['wall_s'] * (os.cpu_count() or 1):.0f} "
+              f"ms of {os.cpu_count()} cores): " + ", ".join(
+                  f"{group} {ms:.0f}" for group, ms in m["cpu_ms"].items()))
     size_4k = 4096 if 4096 in sizes else largest
     ratios = {
         "ttft_cpu_hit_vs_recompute_4k":

@@ -279,7 +279,16 @@ def ttft(d: dict[str, Any]) -> str:
             f"{ms['native CPU']:,.0f} ms ({x(r['ttft_native_cpu_hit_vs_recompute_4k'])}). "
             f"Restore at {max(d['sizes']) // 1024}k tokens vs the tier's raw limit: CPU "
             f"{x(r['restore_gbps_vs_tier_limit_cpu'])} of memcpy, Redis {x(redis)} of "
-            f"redis-benchmark GET{_restore_rates(d)} ({when(d)})")
+            f"redis-benchmark GET{_restore_rates(d)}{_restore_cpu(d)} ({when(d)})")
+
+
+def _restore_cpu(d: dict[str, Any]) -> str:
+    """Who ran during the same engine's Redis hit, when the run recorded it."""
+    m = d["table"]["kvtier Redis"][str(max(d["sizes"]))]
+    if not m.get("cpu_ms"):
+        return ""
+    return (f"; CPU during that {1e3 * m['wall_s']:.0f} ms request: " + ", ".join(
+        f"{group} {ms:.0f} ms" for group, ms in m["cpu_ms"].items()))
 
 
 def _restore_rates(d: dict[str, Any]) -> str:

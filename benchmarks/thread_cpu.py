@@ -36,52 +36,10 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.bench_e2e import NOHIT, Bench  # noqa: E402
 from benchmarks.bench_nohit_ttft import add_arguments, parse, take_turns  # noqa: E402
 from connector.demo.cli import choose_redis  # noqa: E402
+from connector.demo.thread_times import process_tree, thread_deltas, thread_times  # noqa: E402
 
 #: Threads below this many ms of CPU in a pass are left out of the table (not the JSON).
 SHOWN_MS = 1.0
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every descendant process (by ``/proc/PID/task/PID/children``)."""
-    out = [root]
-    for pid in out:
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                out.extend(int(child) for child in f.read().split())
-        except OSError:
-            continue
-    return out
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def thread_times(root: int) -> dict[tuple[str, str], float]:
-    """Seconds each thread of ``root``'s tree has run, keyed by (process name, thread name
-    with its CPU binding), threads of one name summed."""
-    out: dict[tuple[str, str], float] = {}
-    for pid in process_tree(root):
-        try:
-            process = _read(f"/proc/{pid}/comm").strip()
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            base = f"/proc/{pid}/task/{tid}"
-            try:
-                name = _read(f"{base}/comm").strip()
-                cpus = next(line.split()[1] for line in _read(f"{base}/status").splitlines()
-                            if line.startswith("Cpus_allowed_list"))
-                ran = int(_read(f"{base}/schedstat").split()[0]) / 1e9
-            except (OSError, StopIteration, IndexError, ValueError):
-                continue  # the thread just ended
-            if int(tid) == pid:
-                name += " (main)"
-            key = (process, f"{name} @{cpus}")
-            out[key] = out.get(key, 0.0) + ran
-    return out
 
 
 def redis_counts(client: Any) -> dict[str, float]:
@@ -93,10 +51,12 @@ def redis_counts(client: Any) -> dict[str, float]:
 
 def measure_pass(engine: Any, phase: dict[str, Any], redis_client: Any) -> dict[str, Any]:
     pid = engine.pid
-    before, r0 = thread_times(pid), redis_counts(redis_client) if redis_client else None
+    before = thread_times(process_tree(pid))
+    r0 = redis_counts(redis_client) if redis_client else None
     result = engine.run(phase)
-    after, r1 = thread_times(pid), redis_counts(redis_client) if redis_client else None
-    threads = {f"{p} / {t}": after[(p, t)] - before.get((p, t), 0.0) for p, t in after}
+    after = thread_times(process_tree(pid))
+    r1 = redis_counts(redis_client) if redis_client else None
+    threads = thread_deltas(before, after)
     ttfts = sorted(r["ttft_s"] for r in result["requests"])
     out: dict[str, Any] = {"wall_s": result["wall_s"], "ttft_median_s": statistics.median(ttfts),
                            "threads_s": threads}

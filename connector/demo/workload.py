@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.demo.presets import apply_cpu_engine_env, engine_kwargs
+from connector.demo.thread_times import all_processes, busiest, thread_deltas, thread_times
 from connector.demo.tiny_models import prompt_words
 
 PROGRESS_TAG = "[kvtier-progress]"
@@ -77,6 +78,9 @@ class PhaseResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # this process's CPU time (engine + connector run in-process)
     reset_ok: bool | None = None
+    # With a phase's "machine_threads": seconds every thread on the machine ran during the
+    # phase, the busiest first ("process / thread @cpus", connector/demo/thread_times.py).
+    machine_threads_s: dict[str, float] | None = None
 
     def ttft_p50_ms(self) -> float:
         return 1000.0 * statistics.median(r.ttft_s for r in self.requests)
@@ -191,7 +195,12 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             reset_ok = reset_gpu_prefix_cache(llm)
         progress(f"{spec['label']}: running phase '{phase['name']}'")
         workload = Workload(**{**base, **phase.get("workload", {})})
+        watch = phase.get("machine_threads", False)
+        threads_before = thread_times(all_processes()) if watch else {}
         result = run_workload(llm, workload, phase["name"])
+        if watch:
+            result.machine_threads_s = busiest(thread_deltas(
+                threads_before, thread_times(all_processes())))
         result.reset_ok = reset_ok
         phases.append(asdict(result))
     progress(f"{spec['label']}: shutting engine down")
