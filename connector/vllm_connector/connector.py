@@ -106,13 +106,13 @@ class TieredConnectorMetadata(KVConnectorMetadata):
         # vLLM pickles this into every step's broadcast to the workers. Most steps' plans are
         # empty; the rest go as msgpack (pickling the dataclasses costs ~60 us each way).
         if not self.plan:
-            return _quiet_metadata, (self.plan.layout_known,)
+            return _quiet_metadata, (self.plan.layout_known, self.plan.idle)
         return _metadata_from_wire, (to_wire(self.plan),)
 
 
-def _quiet_metadata(layout_known: bool) -> TieredConnectorMetadata:
+def _quiet_metadata(layout_known: bool, idle: bool = False) -> TieredConnectorMetadata:
     """The metadata of a step with nothing to do (see ``__reduce__``)."""
-    return TieredConnectorMetadata(StepPlan(layout_known=layout_known))
+    return TieredConnectorMetadata(StepPlan(layout_known=layout_known, idle=idle))
 
 
 def _metadata_from_wire(data: bytes) -> TieredConnectorMetadata:
@@ -456,7 +456,9 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         gone = preempted | set(scheduler_output.finished_req_ids or ())
         state = scheduler_output.kv_connector_block_state
         boundary = state.boundary_state_offloads if state is not None else {}
-        return TieredConnectorMetadata(self.scheduler.plan(computed_after, boundary or {}, gone))
+        plan = self.scheduler.plan(computed_after, boundary or {}, gone)
+        plan.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return TieredConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -111,6 +111,9 @@ class StepPlan:
     tail_reqs: list[str] = field(default_factory=list)
     # The scheduler knows rank 0's layout (the rank-0 worker stops sending it).
     layout_known: bool = False
+    # vLLM scheduled no tokens in this step: no forward runs on the workers' compute cores
+    # (its fetches may use them: affinity.SpareCores.fetching).
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.fetches or self.saves or self.probes or self.async_reqs

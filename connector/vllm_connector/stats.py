@@ -64,6 +64,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "load_us",  # microseconds the worker spent copying loads into vLLM's KV cache
     "bytes_fetched_redis",  # validated bytes read from Redis into CPU-tier slots
     "fetch_us_redis",  # microseconds the I/O threads spent reading them (wall, per batch)
+    "fetches_without_forward",  # Redis fetch batches planned in a step with no tokens
     "bytes_fetched_host",  # host-tier bytes checked in place (then loaded from there)
     "fetch_us_host",
     "redis_saves_via_daemon",  # saves whose Redis write the daemon does (host_tier_redis)

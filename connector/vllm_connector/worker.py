@@ -209,7 +209,7 @@ class TieredWorker:
                 self.holds[op.slot] = None
         for req_id, ops in by_req.items():
             self._fetching[req_id] = self._fetching.get(req_id, 0) + 1
-            self._io.submit(self._fetch, req_id, ops)
+            self._io.submit(self._fetch, req_id, ops, plan.idle)
         for req_id in plan.async_reqs:
             if req_id not in self._fetching:
                 self._finish_recv(req_id)
@@ -310,16 +310,20 @@ class TieredWorker:
             log.exception("kvtier: Redis probe failed")
         self._done.append(("probe", (probe.job, [i or 0 for i in ids])))
 
-    def _fetch(self, req_id: str, ops: list[FetchOp]) -> None:
+    def _fetch(self, req_id: str, ops: list[FetchOp], idle: bool = False) -> None:
         """Read values from Redis or the host tier straight into their slots, validated (I/O
-        thread)."""
+        thread). ``idle``: planned in a step without a forward (the rank's compute cores
+        are free: see :meth:`SpareCores.fetching`)."""
         from_redis = [op for op in ops if op.host is None]
         oks = dict.fromkeys((op.job for op in ops), False)
+        if idle and from_redis:
+            self.counters.add("fetches_without_forward")
         t0 = time.perf_counter_ns()
         try:
             if self.redis is not None and from_redis:
                 dests = [self.slab[op.slot, :self._nbytes(op.key.group)] for op in from_redis]
-                with short_switch_interval():  # the GIL comes back sooner after each recv
+                with self._cores.fetching(idle), short_switch_interval():
+                    # the GIL comes back sooner after each recv
                     got = self.redis.get_many_into(
                         [self.storage_key(op.key) for op in from_redis], dests,
                         save_ids=[op.save_id for op in from_redis])

@@ -83,15 +83,16 @@ def test_plan_and_report_pickle() -> None:
     assert pickle.loads(pickle.dumps(report)) == report  # noqa: S301
 
 
-def test_a_quiet_steps_metadata_pickles_small_and_keeps_layout_known() -> None:
+def test_a_quiet_steps_metadata_pickles_small_and_keeps_layout_known_and_idle() -> None:
     """vLLM pickles the metadata into every step's broadcast; most plans are empty."""
     for known in (False, True):
-        quiet = TieredConnectorMetadata(StepPlan(layout_known=known))
-        blob = pickle.dumps(quiet)
-        again = pickle.loads(blob)  # noqa: S301 - our own bytes
-        assert isinstance(again, TieredConnectorMetadata)
-        assert again.plan == StepPlan(layout_known=known)
-        assert len(blob) < 120
+        for idle in (False, True):
+            quiet = TieredConnectorMetadata(StepPlan(layout_known=known, idle=idle))
+            blob = pickle.dumps(quiet)
+            again = pickle.loads(blob)  # noqa: S301 - our own bytes
+            assert isinstance(again, TieredConnectorMetadata)
+            assert again.plan == StepPlan(layout_known=known, idle=idle)
+            assert len(blob) < 120
 
 
 def test_busy_metadata_and_reports_cross_processes_as_typed_msgpack() -> None:
@@ -99,7 +100,7 @@ def test_busy_metadata_and_reports_cross_processes_as_typed_msgpack() -> None:
                     fetches=[FetchOp(7, "r", 2, K2, 5, ((1, 2, 3), (4, 5, 6)))],
                     saves=[SaveOp(8, "r", 0, 5, 3, K1, to_redis=True, save_id=9)],
                     probes=[ProbeOp(9, (K1, K2))], async_reqs=["r"], tail_reqs=["t"],
-                    layout_known=True)
+                    layout_known=True, idle=True)
     again = pickle.loads(pickle.dumps(TieredConnectorMetadata(plan)))  # noqa: S301
     assert again.plan == plan and again.plan.saves[0].key.kind is BlockKind.FULL
     assert isinstance(again.plan.probes[0].keys, tuple)

@@ -90,6 +90,29 @@ def test_pool_threads_started_later_run_on_the_spare_cores(
             "kvtier-io_0"
 
 
+def test_a_fetch_planned_without_a_forward_runs_on_the_compute_cores_then_moves_back(
+        bound_to_first_cpu: tuple[set[int], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed, first = bound_to_first_cpu
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(first))
+    cores = SpareCores()
+    cores.adopt(ranks=1)
+    assert cores.compute == {first} and cores.cpus == allowed - {first}
+
+    def placed(idle: bool) -> tuple[set[int], set[int]]:
+        with cores.fetching(idle):
+            during = os.sched_getaffinity(0)
+        return during, os.sched_getaffinity(0)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="kvtier-io",
+                            initializer=cores.pin_current) as pool:
+        assert pool.submit(placed, True).result() == ({first}, cores.cpus)
+        assert pool.submit(placed, False).result() == (cores.cpus, cores.cpus)
+    unbound = SpareCores()  # no spare cores found: nothing moves
+    assert unbound.compute is None
+    with unbound.fetching(True):
+        assert os.sched_getaffinity(0) == {first}
+
+
 def _os_name(thread: threading.Thread) -> str:
     with open(f"/proc/self/task/{thread.native_id}/comm") as comm:
         return comm.read().strip()
