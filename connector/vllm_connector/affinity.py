@@ -97,6 +97,8 @@ class SpareCores:
     def __init__(self) -> None:
         self.cpus: set[int] | None = None
         self.compute: set[int] | None = None  # this rank's OpenMP cores (vLLM's binding)
+        self._lock = threading.Lock()
+        self._on_compute: set[int] = set()  # native ids of threads fetching on ``compute``
 
     def adopt(self, ranks: int) -> None:
         """Find the spare cores (after vLLM bound this thread) and move kvtier's threads
@@ -111,7 +113,8 @@ class SpareCores:
     @contextlib.contextmanager
     def fetching(self, idle: bool) -> Iterator[None]:
         """On an I/O thread, around a Redis fetch planned in a step with no forward
-        (``idle``): the thread runs on this rank's compute cores, then back on the spare ones.
+        (``idle``): the thread runs on this rank's compute cores until the fetch ends or the
+        next forward starts (:meth:`forward_starts`), then on the spare ones again.
 
         A restore is its request's critical path, and with no forward the compute cores only
         run vLLM's wait for the next step, which yields. On the spare cores the fetch shares
@@ -123,16 +126,33 @@ class SpareCores:
         if not idle or not self.cpus or not self.compute:
             yield
             return
-        try:
-            os.sched_setaffinity(0, self.compute)
-        except OSError:
-            yield
-            return
+        tid = threading.get_native_id()
+        with self._lock:
+            try:
+                os.sched_setaffinity(0, self.compute)
+                self._on_compute.add(tid)
+            except OSError:
+                pass
         try:
             yield
         finally:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, self.cpus)
+            with self._lock:
+                if tid in self._on_compute:
+                    self._on_compute.discard(tid)
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(0, self.cpus)
+
+    def forward_starts(self) -> None:
+        """Main thread, first thing in a step with a forward: fetches still running on the
+        compute cores move to the spare ones, off the forward's OpenMP threads."""
+        if not self._on_compute:
+            return
+        with self._lock:
+            assert self.cpus is not None
+            for tid in self._on_compute:
+                with contextlib.suppress(OSError):  # the thread just ended
+                    os.sched_setaffinity(tid, self.cpus)
+            self._on_compute.clear()
 
     def pin_current(self) -> None:
         name_current_thread()

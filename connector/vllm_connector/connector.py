@@ -355,9 +355,13 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """The first call of every step, before any KV block can be written: the last
-        step's saves finish copying (the saver thread)."""
+        step's saves finish copying (the saver thread); in a step with a forward, Redis
+        fetches leave the compute cores (affinity.SpareCores.forward_starts)."""
         if self.worker is not None:
             self.worker.fence()
+            if isinstance(kv_connector_metadata, TieredConnectorMetadata) \
+                    and not kv_connector_metadata.plan.idle:
+                self.worker.forward_starts()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()

@@ -310,6 +310,10 @@ class TieredWorker:
             log.exception("kvtier: Redis probe failed")
         self._done.append(("probe", (probe.job, [i or 0 for i in ids])))
 
+    def forward_starts(self) -> None:
+        """A step with a forward begins: fetches on the compute cores leave them."""
+        self._cores.forward_starts()
+
     def _fetch(self, req_id: str, ops: list[FetchOp], idle: bool = False) -> None:
         """Read values from Redis or the host tier straight into their slots, validated (I/O
         thread). ``idle``: planned in a step without a forward (the rank's compute cores

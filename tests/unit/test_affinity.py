@@ -107,6 +107,26 @@ def test_a_fetch_planned_without_a_forward_runs_on_the_compute_cores_then_moves_
                             initializer=cores.pin_current) as pool:
         assert pool.submit(placed, True).result() == ({first}, cores.cpus)
         assert pool.submit(placed, False).result() == (cores.cpus, cores.cpus)
+    inside, release = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def watched() -> None:  # an I/O thread: on the spare cores, then a fetch
+        cores.pin_current()
+        seen["spare"] = os.sched_getaffinity(0)
+        with cores.fetching(True):
+            seen["before"] = os.sched_getaffinity(0)
+            inside.set()
+            release.wait()
+            seen["moved"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=watched, name="kvtier-io-test")
+    thread.start()
+    assert inside.wait(600)
+    cores.forward_starts()
+    release.set()
+    thread.join()
+    # a forward started during the fetch: moved off the compute cores at once
+    assert seen == {"spare": cores.cpus, "before": {first}, "moved": cores.cpus}
     unbound = SpareCores()  # no spare cores found: nothing moves
     assert unbound.compute is None
     with unbound.fetching(True):
