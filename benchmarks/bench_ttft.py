@@ -32,10 +32,12 @@ kept in the JSON (``restore_gbps_per_ttft``). JSON ``ratios``:
 ``restore_gbps_vs_tier_limit_cpu``, ``restore_gbps_vs_tier_limit_redis`` (at the largest
 size). ``--quick`` runs each measurement once; the default runs it three times (median).
 
-Each measured request also records the CPU time every thread on the machine ran meanwhile
-(``/proc``, ``connector/demo/thread_times.py``); for the Redis hits at the largest size it
-is printed and kept (``cpu_ms``) by who ran: vLLM's engine core and worker main threads
-(their spin-waits included), kvtier's I/O threads, ``redis-server``, and everything else.
+Each measured request also records the CPU time every thread on the machine ran around it
+(``/proc``, ``connector/demo/thread_times.py``; the two readings span the request and the
+time the readings take, ``cpu_window_s``); for the Redis hits at the largest size it is
+printed and kept (``cpu_ms``) by who ran: vLLM's engine core and worker main threads (their
+spin-waits included), kvtier's I/O threads, ``redis-server``, and everything else (the
+readings themselves included).
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ def _measure(phases: dict[str, dict[str, Any]], size: int, repeats: int) -> dict
             "fetch_redis_s": _counter(first, "fetch_us_redis") / 1e6,
             "hit_tokens_cpu": _counter(first, "hit_tokens_cpu"),
             "hit_tokens_redis": _counter(first, "hit_tokens_redis"),
-            "wall_s": first["wall_s"], "cpu_ms": _cpu_split(first.get("machine_threads_s"))}
+            "wall_s": first["wall_s"], "cpu_ms": _cpu_split(first.get("machine_threads_s")),
+            "cpu_window_s": first.get("machine_window_s", 0.0)}
 
 
 #: Who ran during a measured request: thread-name prefixes ("process / thread"), in order.
@@ -233,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f"{redis_get:6.2f}" if redis_get else limit_redis.get("skipped", "n/a")))
     for name in ("kvtier Redis", "kvtier Redis, new engine"):
         m = table[name][largest]
-        print(f"\nCPU during the {name} hit at {largest} tokens (ms; the request's wall "
-              f"{1e3 * m['wall_s']:.0f} ms, {1e3 * m['wall_s'] * (os.cpu_count() or 1):.0f} "
-              f"ms of {os.cpu_count()} cores): " + ", ".join(
+        print(f"\nCPU around the {name} hit at {largest} tokens (ms; the request took "
+              f"{1e3 * m['wall_s']:.0f} ms, the readings span {1e3 * m['cpu_window_s']:.0f} "
+              f"ms: {1e3 * m['cpu_window_s'] * (os.cpu_count() or 1):.0f} ms of "
+              f"{os.cpu_count()} cores): " + ", ".join(
                   f"{group} {ms:.0f}" for group, ms in m["cpu_ms"].items()))
     size_4k = 4096 if 4096 in sizes else largest
     ratios = {

@@ -285,9 +285,11 @@ def ttft(d: dict[str, Any]) -> str:
 def _restore_cpu(d: dict[str, Any]) -> str:
     """Who ran during the same engine's Redis hit, when the run recorded it."""
     m = d["table"]["kvtier Redis"][str(max(d["sizes"]))]
-    if not m.get("cpu_ms"):
+    if not m.get("cpu_ms") or not m.get("cpu_window_s"):
         return ""
-    return (f"; CPU during that {1e3 * m['wall_s']:.0f} ms request: " + ", ".join(
+    window = m["cpu_window_s"]
+    return (f"; CPU around that {1e3 * m['wall_s']:.0f} ms request (readings spanning "
+            f"{1e3 * window:.0f} ms): " + ", ".join(
         f"{group} {ms:.0f} ms" for group, ms in m["cpu_ms"].items()))
 
 

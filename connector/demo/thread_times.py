@@ -34,11 +34,15 @@ def all_processes() -> list[int]:
         if os.path.isdir("/proc") else []
 
 
-def thread_times(pids: list[int]) -> dict[tuple[str, str], float]:
-    """Seconds each thread of ``pids`` has run (``/proc/PID/task/TID/schedstat``, ns), keyed
-    by (process name, thread name with its CPU binding), threads of one name summed;
-    ``(main)`` marks a process's main thread."""
-    out: dict[tuple[str, str], float] = {}
+#: One thread's reading: (process name, thread name with its CPU binding, seconds run).
+Reading = tuple[str, str, float]
+
+
+def thread_times(pids: list[int]) -> dict[int, Reading]:
+    """Each thread of ``pids`` by thread id: its process's name, its own name with its CPU
+    binding (``(main)`` marks a process's main thread) and the seconds it has run
+    (``/proc/PID/task/TID/schedstat``, ns)."""
+    out: dict[int, Reading] = {}
     for pid in pids:
         try:
             process = _read(f"/proc/{pid}/comm").strip()
@@ -56,15 +60,20 @@ def thread_times(pids: list[int]) -> dict[tuple[str, str], float]:
                 continue  # the thread just ended
             if int(tid) == pid:
                 name += " (main)"
-            key = (process, f"{name} @{cpus}")
-            out[key] = out.get(key, 0.0) + ran
+            out[int(tid)] = (process, f"{name} @{cpus}", ran)
     return out
 
 
-def thread_deltas(before: dict[tuple[str, str], float],
-                  after: dict[tuple[str, str], float]) -> dict[str, float]:
-    """Seconds each thread ran between two :func:`thread_times`, as ``"process / thread"``."""
-    return {f"{p} / {t}": after[(p, t)] - before.get((p, t), 0.0) for p, t in after}
+def thread_deltas(before: dict[int, Reading], after: dict[int, Reading]) -> dict[str, float]:
+    """Seconds each thread ran between two :func:`thread_times`, matched by thread id (names
+    and bindings change: a kernel worker's name says what it is doing), summed by its
+    names in ``after`` as ``"process / thread @cpus"``; a thread new in ``after`` counts
+    whole."""
+    out: dict[str, float] = {}
+    for tid, (process, thread, ran) in after.items():
+        key = f"{process} / {thread}"
+        out[key] = out.get(key, 0.0) + ran - (before[tid][2] if tid in before else 0.0)
+    return out
 
 
 def busiest(deltas: dict[str, float], least_s: float = 0.0005) -> dict[str, float]:

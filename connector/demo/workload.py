@@ -81,6 +81,7 @@ class PhaseResult:
     # With a phase's "machine_threads": seconds every thread on the machine ran during the
     # phase, the busiest first ("process / thread @cpus", connector/demo/thread_times.py).
     machine_threads_s: dict[str, float] | None = None
+    machine_window_s: float = 0.0  # the wall time those readings span (the phase and more)
 
     def ttft_p50_ms(self) -> float:
         return 1000.0 * statistics.median(r.ttft_s for r in self.requests)
@@ -196,11 +197,13 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         progress(f"{spec['label']}: running phase '{phase['name']}'")
         workload = Workload(**{**base, **phase.get("workload", {})})
         watch = phase.get("machine_threads", False)
+        window_t0 = time.perf_counter()
         threads_before = thread_times(all_processes()) if watch else {}
         result = run_workload(llm, workload, phase["name"])
         if watch:
             result.machine_threads_s = busiest(thread_deltas(
                 threads_before, thread_times(all_processes())))
+            result.machine_window_s = time.perf_counter() - window_t0
         result.reset_ok = reset_ok
         phases.append(asdict(result))
     progress(f"{spec['label']}: shutting engine down")

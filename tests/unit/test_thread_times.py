@@ -16,7 +16,7 @@ from connector.demo.thread_times import (
     thread_deltas,
     thread_times,
 )
-from offload_tiers.thread_names import name_current_thread
+from offload_tiers.thread_names import name_current_thread, name_native_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -35,7 +35,7 @@ def _burn(ran: list[float], burnt: threading.Event, release: threading.Event) ->
     release.wait()
 
 
-def test_a_named_threads_cpu_time_is_counted_under_its_name() -> None:
+def test_a_named_threads_cpu_time_is_counted_under_its_name_even_once_renamed() -> None:
     before = thread_times(all_processes())
     ran: list[float] = []
     burnt, release = threading.Event(), threading.Event()
@@ -43,17 +43,23 @@ def test_a_named_threads_cpu_time_is_counted_under_its_name() -> None:
     worker.start()
     try:
         assert burnt.wait(600)
+        early = thread_times([os.getpid()])
+        worker.name = "kvtier-renamed"  # a thread's name may change between readings
+        name_native_thread(worker)
         after = thread_times([os.getpid()])
     finally:
         release.set()
         worker.join()
-    burn = [(p, t) for p, t in after if t.startswith("kvtier-burn @")]
-    assert len(burn) == 1, sorted(after)
-    spent = thread_deltas(before, after)
-    key = f"{burn[0][0]} / {burn[0][1]}"
-    assert spent[key] >= ran[0] * 0.99  # the scheduler's run time: at least the CPU time
-    assert key in busiest(spent, least_s=BURN_S * 0.9)
-    assert any(t.startswith("MainThread") or "(main)" in t for _, t in after)
+    assert worker.native_id is not None
+    assert early[worker.native_id][1].startswith("kvtier-burn @")
+    process, thread, _ = after[worker.native_id]
+    assert thread.startswith("kvtier-renamed @")
+    spent = thread_deltas(early, after)  # the burn was before both: next to nothing since
+    assert spent[f"{process} / {thread}"] < ran[0] / 2
+    spent = thread_deltas(before, after)  # started after ``before``: counted whole
+    assert spent[f"{process} / {thread}"] >= ran[0] * 0.99  # run time >= its CPU time
+    assert f"{process} / {thread}" in busiest(spent, least_s=BURN_S * 0.9)
+    assert any("(main)" in t for _, t, _ in after.values())
 
 
 def test_the_process_tree_holds_a_child_and_busiest_sorts_and_filters() -> None:
