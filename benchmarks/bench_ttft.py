@@ -15,7 +15,8 @@ runs again; that second request's TTFT (``RequestOutput.metrics.first_token_late
 * ``kvtier CPU``: kvtier, CPU tier only;
 * ``kvtier Redis``: kvtier with a CPU tier just big enough for the largest prefix (a restore
   from Redis stages through CPU-tier slots); after storing, two other prompts of the largest
-  size push the prefix out of it, so it comes back from Redis in the same engine;
+  size push the prefix out of it, so it comes back from Redis in the same engine (a second
+  after them: their writes behind hold CPU-tier slots until written);
   ``kvtier Redis, new engine``: a new engine process on the same Redis prefix, whose first
   request restores from Redis;
 * ``native CPU``: vLLM's OffloadingConnector, plain CPU tier (``CpuPeerOffloadingSpec``).
@@ -77,6 +78,12 @@ def _workload(size: int) -> dict[str, Any]:
             "user_words": USER_WORDS, "max_tokens": 1, "seed": 1000 + size}
 
 
+#: Pause before a measured Redis hit that follows evicting prompts: their writes behind
+#: (200 ms linger, then ~50 MB) hold CPU-tier slots until written, and a restore stages
+#: through those slots (it takes what fits: a run measured 224 of 256 blocks without it).
+SETTLE_S = 1.0
+
+
 def _phases(sizes: list[int], repeats: int, store: bool, evict: bool) -> list[dict[str, Any]]:
     """Per size: a storing run (unless ``store`` is False); with ``evict``, two prompts of the
     largest size (other words) that push it out of kvtier's CPU tier (sized for one largest
@@ -92,7 +99,8 @@ def _phases(sizes: list[int], repeats: int, store: bool, evict: bool) -> list[di
                        for i in range(2)]
         for r in range(repeats):
             phases.append({"name": f"hit-{size}-{r}", "reset_before": store or r > 0,
-                           "workload": _workload(size), "machine_threads": True})
+                           "workload": _workload(size), "machine_threads": True,
+                           "settle_s": SETTLE_S if evict else 0.0})
     return phases
 
 

@@ -196,6 +196,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             reset_ok = reset_gpu_prefix_cache(llm)
         progress(f"{spec['label']}: running phase '{phase['name']}'")
         workload = Workload(**{**base, **phase.get("workload", {})})
+        if phase.get("settle_s"):  # a benchmark's pause: background work of the last phase ends
+            time.sleep(float(phase["settle_s"]))
         watch = phase.get("machine_threads", False)
         window_t0 = time.perf_counter()
         threads_before = thread_times(all_processes()) if watch else {}
