@@ -68,10 +68,36 @@ def spare_cpus(ranks: int) -> set[int] | None:
         own = os.sched_getaffinity(0)
     except OSError:
         return None
+    if not own < allowed:
+        return None  # not bound: nothing to avoid
+    # vLLM binds each OpenMP thread to one core, this one to the first: the rank computes on
+    # all of theirs (auto binding on 2 cores with a connector: [0, 1], this thread on 0)
+    own = own | threads_bound_within(allowed)
     bound = bound_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), ranks, own)
-    if bound is None or not own < allowed:
-        return None  # not bound (nothing to avoid), or the others' cores unknown
+    if bound is None:
+        return None  # the others' cores unknown
     return (allowed - bound) or None
+
+
+def threads_bound_within(allowed: set[int]) -> set[int]:
+    """The cores of every thread of this process, but kvtier's, bound to fewer cores than
+    ``allowed`` (vLLM's OpenMP threads); empty off Linux."""
+    cores: set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return cores
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().startswith(THREAD_PREFIX):
+                    continue
+            cpus = os.sched_getaffinity(int(tid))
+        except OSError:  # the thread just ended
+            continue
+        if cpus < allowed:
+            cores |= cpus
+    return cores
 
 
 def move_threads(cpus: set[int]) -> int:

@@ -16,6 +16,7 @@ from connector.vllm_connector.affinity import (
     move_threads,
     parse_cpu_list,
     spare_cpus,
+    threads_bound_within,
 )
 from offload_tiers.thread_names import name_native_thread
 
@@ -88,6 +89,46 @@ def test_pool_threads_started_later_run_on_the_spare_cores(
         assert pool.submit(os.sched_getaffinity, 0).result() == cores.cpus
         assert pool.submit(lambda: _os_name(threading.current_thread())).result() == \
             "kvtier-io_0"
+
+
+def test_cores_of_other_bound_threads_are_not_spare(
+        bound_to_first_cpu: tuple[set[int], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's auto binding pins each OpenMP thread to one core, the main thread to the
+    first: an OpenMP thread on another core makes that core the rank's too."""
+    allowed, first = bound_to_first_cpu
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    other = max(allowed)
+    go, bound = threading.Event(), threading.Event()
+
+    def omp_like() -> None:
+        os.sched_setaffinity(0, {other})
+        bound.set()
+        go.wait()
+
+    def kvtier_like() -> None:  # a kvtier thread's binding says nothing of vLLM's
+        os.sched_setaffinity(0, {other})
+        bound.set()
+        go.wait()
+
+    kv = threading.Thread(target=kvtier_like, name="kvtier-bound")
+    kv.start()
+    assert bound.wait(600)
+    name_native_thread(kv)
+    try:
+        assert spare_cpus(ranks=1) == allowed - {first}
+        bound.clear()
+        omp = threading.Thread(target=omp_like, name="omp-worker")
+        omp.start()
+        assert bound.wait(600)
+        try:
+            assert threads_bound_within(allowed) >= {first, other}
+            assert spare_cpus(ranks=1) == (allowed - {first, other} or None)
+        finally:
+            go.set()
+            omp.join()
+    finally:
+        go.set()
+        kv.join()
 
 
 def test_a_fetch_planned_without_a_forward_runs_on_the_compute_cores_then_moves_back(
