@@ -10,8 +10,12 @@ forward step (on this 2-core machine: the one core the worker computes on).
 :func:`spare_cpus` names the cores of this engine's process that no worker of the engine
 computes on: the cores the worker's parent (vLLM's engine core, never bound) may use, less
 the binding of every rank — known from an explicit ``VLLM_CPU_OMP_THREADS_BIND`` list
-(``"0-3|4-7"``), or from this thread's own binding when the engine is one rank (with
-several ranks bound automatically the others' cores are unknown: nothing is moved).
+(``"0-3|4-7"``), or, when the engine is one rank, from the bindings of this process's
+threads: vLLM binds each OpenMP thread to one core and the main thread to the first, so
+with its auto binding on 2 cores and a connector (no core left to reserve) OpenMP runs on
+both and no core is spare (with several ranks bound automatically the others' cores are
+unknown: nothing is moved). Where nothing is spare, kvtier's threads keep the binding they
+inherit.
 """
 
 from __future__ import annotations
