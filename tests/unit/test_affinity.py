@@ -100,24 +100,20 @@ def test_cores_of_other_bound_threads_are_not_spare(
     other = max(allowed)
     go, bound = threading.Event(), threading.Event()
 
-    def omp_like() -> None:
+    def on_the_other_core() -> None:
         os.sched_setaffinity(0, {other})
         bound.set()
         go.wait()
 
-    def kvtier_like() -> None:  # a kvtier thread's binding says nothing of vLLM's
-        os.sched_setaffinity(0, {other})
-        bound.set()
-        go.wait()
-
-    kv = threading.Thread(target=kvtier_like, name="kvtier-bound")
+    # a kvtier thread's binding says nothing of vLLM's
+    kv = threading.Thread(target=on_the_other_core, name="kvtier-bound")
     kv.start()
     assert bound.wait(600)
     name_native_thread(kv)
     try:
         assert spare_cpus(ranks=1) == allowed - {first}
         bound.clear()
-        omp = threading.Thread(target=omp_like, name="omp-worker")
+        omp = threading.Thread(target=on_the_other_core, name="omp-worker")
         omp.start()
         assert bound.wait(600)
         try:
