@@ -1,9 +1,8 @@
-"""CPU time by thread of a process tree, and the machine's busy time, from ``/proc`` (Linux).
+"""CPU time by thread, of a process tree or of the whole machine, from ``/proc`` (Linux).
 
 Used around a phase of a benchmark: what each of the engine's threads (vLLM's engine core
 and workers, kvtier's named threads, ``offload_tiers/thread_names.py``) ran meanwhile, and
-how much of the machine's cores anything else took (``redis-server`` on the same host).
-Off Linux every reading is empty.
+what else did (``redis-server`` on the same host). Off Linux every reading is empty.
 """
 
 from __future__ import annotations

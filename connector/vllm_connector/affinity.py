@@ -61,10 +61,11 @@ def bound_cpus(bind: str | None, ranks: int, own: set[int]) -> set[int] | None:
     return set(own) if ranks == 1 else None
 
 
-def spare_cpus(ranks: int) -> set[int] | None:
-    """Cores of this process's allowance that no rank computes on (see the module); None
-    when there are none, when they are unknown, or off Linux. Call from the worker's main
-    thread after vLLM bound it."""
+def rank_cpus() -> tuple[set[int], set[int]] | None:
+    """(this rank's compute cores, the process's allowance); None when this thread is not
+    bound (nothing to avoid) or off Linux. vLLM binds each OpenMP thread to one core and
+    this one to the first: the rank computes on all of theirs (auto binding on 2 cores with
+    a connector: [0, 1], this thread on 0). Call from the worker's main thread."""
     if not hasattr(os, "sched_getaffinity"):
         return None
     try:
@@ -73,10 +74,18 @@ def spare_cpus(ranks: int) -> set[int] | None:
     except OSError:
         return None
     if not own < allowed:
-        return None  # not bound: nothing to avoid
-    # vLLM binds each OpenMP thread to one core, this one to the first: the rank computes on
-    # all of theirs (auto binding on 2 cores with a connector: [0, 1], this thread on 0)
-    own = own | threads_bound_within(allowed)
+        return None
+    return own | threads_bound_within(allowed), allowed
+
+
+def spare_cpus(ranks: int) -> set[int] | None:
+    """Cores of this process's allowance that no rank computes on (see the module); None
+    when there are none, when they are unknown, or off Linux. Call from the worker's main
+    thread after vLLM bound it."""
+    found = rank_cpus()
+    if found is None:
+        return None
+    own, allowed = found
     bound = bound_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), ranks, own)
     if bound is None:
         return None  # the others' cores unknown
@@ -135,7 +144,8 @@ class SpareCores:
         there; nothing when there are none."""
         self.cpus = spare_cpus(ranks)
         if self.cpus:
-            self.compute = os.sched_getaffinity(0)
+            found = rank_cpus()
+            self.compute = found[0] if found else None
             moved = move_threads(self.cpus)
             log.info("kvtier: its threads run on CPUs %s, outside the worker's OpenMP "
                      "cores (%d moved)", sorted(self.cpus), moved)
@@ -149,10 +159,9 @@ class SpareCores:
         A restore is its request's critical path, and with no forward the compute cores only
         run vLLM's wait for the next step, which yields. On the spare cores the fetch shares
         a core with everything else kvtier and vLLM put there, and with a local
-        ``redis-server`` that the kernel places beside the reader it wakes (measured on
-        2 cores, 48 MiB from a local Redis in an idle engine: 94-98 ms on the spare core,
-        56-58 ms on the compute core; ``docs/connector.md``). A fetch planned beside a
-        forward stays on the spare cores."""
+        ``redis-server`` (ad hoc on 2 cores, 2026-12-05: 48 MiB from a local Redis in an
+        idle engine took the fetch thread 94-98 ms on the spare core, 56-58 ms on the
+        compute core). A fetch planned beside a forward stays on the spare cores."""
         if not idle or not self.cpus or not self.compute:
             yield
             return
