@@ -52,6 +52,7 @@ from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.host_tier.client import new_save_id as new_host_save_id
 from offload_tiers.keys import BlockKey, BlockKind
+from offload_tiers.redis.settings import WRITE_SETTLE_S
 from offload_tiers.thread_names import name_current_thread
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def make_redis_tier(config: TieredConfig) -> Any:
     redis = RedisTier.from_url(
         config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
         redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs,
-        write_linger_s=config.redis_write_linger_ms / 1e3)
+        write_linger_s=config.redis_write_linger_ms / 1e3, write_settle_s=WRITE_SETTLE_S)
     if not redis.available:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)

@@ -16,6 +16,10 @@ WRITE_LINGER_S = 0.2
 #: blocks (the native tier's store jobs) and the host tier's shared slots (the daemon). The
 #: 200 ms above was measured for the connector's own CPU-tier slots only.
 SHORT_WRITE_LINGER_S = 0.005
+#: How long after a hand-over of stores the write-behind thread of a vLLM worker waits
+#: before it writes (see :mod:`offload_tiers.redis.write_behind`): past the tail of the
+#: step that handed them over.
+WRITE_SETTLE_S = 0.005
 
 
 def check_redis_url(url: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from connector.vllm_connector.config import ConnectorConfigError, check_parallel_shape, load_config
 from connector.vllm_connector.worker import make_redis_tier
+from offload_tiers.redis.settings import WRITE_SETTLE_S
 
 
 def test_defaults() -> None:
@@ -23,6 +24,7 @@ def test_the_writer_lingers_as_configured(redis_url: str) -> None:
     tier = make_redis_tier(load_config({"redis_url": redis_url, "redis_write_linger_ms": 250}))
     try:
         assert tier._writer._linger_s == 0.25
+        assert tier._writer._settle_s == WRITE_SETTLE_S > 0  # a vLLM worker's writer settles
     finally:
         tier.close()
 

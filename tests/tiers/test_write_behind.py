@@ -126,9 +126,42 @@ def test_a_lingering_writer_takes_later_items_into_the_same_batch() -> None:
     assert batches[-1] == ["e"] and wb.dropped == 0
 
 
-def test_linger_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="linger_s"):
-        WriteBehind(lambda b: [True] * len(b), max_items=1, max_bytes=1, linger_s=-1)
+def test_a_full_batch_waits_for_its_hand_over_to_settle_and_a_flush_cuts_it_short() -> None:
+    """A batch filled by one hand-over (a step's saves) is not written at once: the writer
+    waits ``settle_s`` after it (here an hour), so only the flush writes it."""
+    batches: list[list[str]] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        batches.append([i.key for i in batch])
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=10, max_bytes=10_000, batch_items=2, linger_s=3600,
+                     settle_s=3600)
+    assert wb.submit_many([Item(n, b"x", 1, None) for n in "ab"]) == [True, True]
+    assert wait_until(lambda: wb.settles == 1, timeout=10)  # woken by the full batch
+    assert batches == [] and wb.depth == 2  # settling: nothing taken yet
+    assert wb.flush(10)
+    assert batches == [["a", "b"]]
+    wb.close(timeout=10)
+
+
+def test_without_settle_a_full_batch_is_written_at_once() -> None:
+    written = threading.Event()
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        written.set()
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=10, max_bytes=10_000, batch_items=2, linger_s=3600)
+    assert wb.submit_many([Item(n, b"x", 1, None) for n in "ab"]) == [True, True]
+    assert written.wait(10) and wb.settles == 0  # no flush asked: the full batch went
+    wb.close(timeout=10)
+
+
+@pytest.mark.parametrize("knob", ["linger_s", "settle_s"])
+def test_linger_and_settle_must_not_be_negative(knob: str) -> None:
+    with pytest.raises(ValueError, match=knob):
+        WriteBehind(lambda b: [True] * len(b), max_items=1, max_bytes=1, **{knob: -1})
 
 
 def test_the_writer_thread_is_named_at_the_os_level() -> None:
