@@ -13,7 +13,7 @@ one batch. A submit wakes the thread only when the queue was empty or a batch is
 ``settle_s``: the thread takes a batch no sooner than that long after the latest hand-over
 (at most that much later than the linger alone would): a batch filled by a step's saves is
 not written in that step's tail either. Ad hoc, 2026-12-05, llama no-hit requests one at
-a time (a batch of 32 filled every third request, in its prefill's tail), TTFT median over
+a time (a prefill filled a batch of 32 every 2-3 requests, in its tail), TTFT median over
 128 requests, engines taking turns: 200 ms linger without settle 11.0 and 9.8 ms in two
 runs, CPU tier alone 8.9 and 9.2 ms; with a 5 ms settle 8.7 ms (second run). A flush or
 close cuts both short.
