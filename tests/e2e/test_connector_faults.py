@@ -49,6 +49,11 @@ EXTRA = {"cpu_bytes": 64 << 20, "redis_timeout_s": 0.2, "redis_prefix": "kvf"}
 # Their steps start once kvtier reports Redis up.
 HEALTHY = dict(EXTRA, redis_timeout_s=10.0)
 REDIS_UP = ["wait_redis", 1, 300.0]
+# The proxied engine: a timeout a loaded machine does not reach on a healthy link (0.2 s was:
+# its first contact, while the engine started, marked Redis down before any request), and a
+# latency past it; its steps too start once kvtier reports Redis up.
+PROXIED = dict(EXTRA, redis_timeout_s=1.0)
+SLOW_LINK_S = 1.5  # the proxy's delay of every chunk, either way: past PROXIED's timeout
 TIGHT_CPU_BYTES = 1 << 20  # the connector's minimum: ~30 blocks of the tiny Llama
 
 
@@ -71,10 +76,11 @@ def baseline(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
     steps = [
+        REDIS_UP,
         ["generate", "PT-alice", PT, "alice"],
         ["generate", "P1", P1],
         ["snapshot", "healthy"],
-        ["proxy", "latency", 0.6],          # every reply arrives after redis_timeout_s
+        ["proxy", "latency", SLOW_LINK_S],  # every reply arrives after redis_timeout_s
         ["generate", "P2", P2],
         ["snapshot", "slow"],
         ["reset"],
@@ -91,7 +97,7 @@ def proxied(tiny_llama_dir: Path, redis_srv: RedisServer) -> dict[str, Any]:
         ["generate", "P4", P4],
         ["snapshot", "recovered"],
     ]
-    return run_in_subprocess({"model": "llama", "extra": dict(EXTRA), "steps": steps,
+    return run_in_subprocess({"model": "llama", "extra": dict(PROXIED), "steps": steps,
                               "proxy_to": redis_srv.port})
 
 
@@ -172,7 +178,7 @@ def test_recovers_after_the_link_heals_and_its_writes_are_served(
     assert read["healed-recomputed"]["num_cached_tokens"] == 0
     assert read["healed"]["token_ids"] == read["healed-recomputed"]["token_ids"]
     # The next request's blocks each have an outcome after recovery (written, or failed and
-    # counted: a reply the loaded machine delays past this engine's 0.2 s timeout), and
+    # counted: a reply the loaded machine delays past this engine's 1 s timeout), and
     # whatever another engine reads of them is valid.
     p4 = runs["P4"]["delta"]
     assert p4["blocks_saved"] == (p4.get("blocks_written_redis", 0)
