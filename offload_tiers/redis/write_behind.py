@@ -113,8 +113,7 @@ class WriteBehind:
                 accepted.append(ok)
             # The thread waits idle only on an empty queue, and lingers until a batch is
             # full: any other wake-up would only take the GIL to wait again.
-            if any(accepted) and (was_empty or len(self._q) >= self._batch_items
-                                  or self._bytes >= self._batch_bytes):
+            if any(accepted) and (was_empty or self._full()):
                 self._cond.notify()
                 self.wakeups += 1
         for item, ok in zip(items, accepted, strict=True):
@@ -171,26 +170,14 @@ class WriteBehind:
             batch.append(item)
         return batch
 
-    def _linger(self) -> None:
-        """Wait (holding the condition) up to ``linger_s`` for more items; cut short by a
-        full batch, a flush or close."""
-        deadline = time.monotonic() + self._linger_s
-        while (not self._closed and not self._flushing
-               and len(self._q) < self._batch_items and self._bytes < self._batch_bytes):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._cond.wait(remaining)
+    def _full(self) -> bool:
+        return len(self._q) >= self._batch_items or self._bytes >= self._batch_bytes
 
-    def _settle(self) -> None:
-        """Wait (holding the condition) until ``settle_s`` after the latest hand-over; cut
-        short by a flush or close."""
-        until = self._last_submit + self._settle_s
-        if time.monotonic() >= until:
-            return
-        self.settles += 1
-        while not self._closed and not self._flushing:
-            remaining = until - time.monotonic()
+    def _wait_until(self, deadline: float, until_full: bool) -> None:
+        """Wait (holding the condition) until ``deadline``; cut short by a flush or close,
+        and with ``until_full`` by a full batch."""
+        while not (self._closed or self._flushing or (until_full and self._full())):
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             self._cond.wait(remaining)
@@ -204,10 +191,12 @@ class WriteBehind:
                     return
                 if not self._q:
                     self._cond.wait(self._tick_interval)
-                if self._q and self._linger_s:
-                    self._linger()
-                if self._q and self._settle_s:
-                    self._settle()
+                if self._q and self._linger_s:  # gather more saves
+                    self._wait_until(time.monotonic() + self._linger_s, until_full=True)
+                settled = self._last_submit + self._settle_s
+                if self._q and self._settle_s and time.monotonic() < settled:
+                    self.settles += 1  # past the tail of the step that handed them over
+                    self._wait_until(settled, until_full=False)
                 batch = self._take()
                 self._busy = len(batch)
             now = time.monotonic()
