@@ -231,7 +231,7 @@ class RedisTier:
             with self._lock:
                 if self._client is None:
                     self._client = client
-                self._init_ep.recovered()
+            self._mark_ok(self._init_ep)  # after a failed start: a recovery, counted
         return self._client
 
     # ------------------------------------------------------------------ health

@@ -15,6 +15,7 @@ from redis.cluster import RedisCluster
 from offload_tiers import codec
 from offload_tiers.redis.tier import RedisTier
 from tests.support.redis_cluster import RedisClusterProcs
+from tests.support.tcp_proxy import TcpProxy
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import key, payload
 
@@ -217,6 +218,29 @@ def test_tier_recovers_after_a_failed_topology_refresh(cluster: RedisClusterProc
         assert wait_until(lambda: t.get_many_into([fresh], [dests[0]]) == [True])
     finally:
         t.close(timeout=1)
+
+
+def test_a_cluster_down_at_start_is_counted_down_then_up_once_it_answers(
+        cluster: RedisClusterProcs, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The tier starts while its seed node refuses connections (the Cluster client cannot
+    be built): one outage, counted and logged. Once the seed answers, the writer's probe
+    builds the client: one recovery, counted like any other, and stores go through."""
+    proxy = TcpProxy("127.0.0.1", cluster.servers[0].port).start()
+    proxy.mode = "refuse"
+    t = RedisTier.from_url(proxy.url, prefix=key_prefix, cluster=True, redis_timeout_s=0.5,
+                           backoff_initial_s=0.05, backoff_max_s=0.2)
+    try:
+        assert not t.available
+        assert (t.counts()["unavailable_events"], t.counts()["recoveries"]) == (1, 0)
+        proxy.mode = "forward"
+        assert wait_until(lambda: t.available)
+        assert (t.counts()["unavailable_events"], t.counts()["recoveries"]) == (1, 1)
+        assert "answers again" in caplog.text
+        k = key(7)
+        assert t.put_many([(k, payload(k, 500))]) == 1 and bytes(t.get(k)) == payload(k, 500)
+    finally:
+        t.close(timeout=1)
+        proxy.stop()
 
 
 def test_cluster_deletes_corrupt_values_on_their_nodes_conditionally(
