@@ -63,6 +63,8 @@ _FIXES: dict[str, str] = {
                        "URL`), or false (default)",
     "async_saves": "use true (default: on the CPU a step's saves are copied after the step "
                    "returns, before the next one) or false (copied inside the step)",
+    "redis_backfill": "use true (default: CPU-tier entries saved while Redis was down are "
+                      "written to it once it answers again) or false",
     "config_file": "point to a readable YAML file with a mapping of these keys",
 }
 
@@ -116,6 +118,9 @@ class TieredConfig(BaseModel):
     # On the CPU, copy a step's saves on the saver thread after the step returns (fenced
     # before the next step); false: inside the step, before its output goes back.
     async_saves: bool = True
+    # Once Redis answers again, write the CPU-tier entries saved while it was down (or whose
+    # write failed) from their slots, a writer batch at a time (write_mode back only).
+    redis_backfill: bool = True
     _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
 
     @field_validator("redis_url")

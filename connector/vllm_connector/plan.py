@@ -62,6 +62,9 @@ class FetchOp:
 #: The slot of a save that found no CPU-tier slot: the worker copies the block into a buffer
 #: of its own, which only the Redis writer reads.
 OVERFLOW_SLOT = -1
+#: The request id of a backfill's save: no request, an entry of the CPU tier written to
+#: Redis after it came back.
+BACKFILL_REQ = ""
 #: The "slot" of a host-tier restore: no CPU-tier slot; the worker checks the shard where it
 #: lies in the shared segment and loads it from there into vLLM's KV cache.
 HOST_SLOT = -2
@@ -114,10 +117,13 @@ class StepPlan:
     # vLLM scheduled no tokens in this step: no forward runs on the workers' compute cores
     # (its fetches may use them: affinity.SpareCores.fetching).
     idle: bool = False
+    # CPU-tier entries that never reached Redis, written now from their slots (pinned until
+    # every rank wrote its shard): ``block_id`` is unused, ``req_id`` is BACKFILL_REQ.
+    backfills: list[SaveOp] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.fetches or self.saves or self.probes or self.async_reqs
-                    or self.tail_reqs)
+                    or self.tail_reqs or self.backfills)
 
 
 #: A probe answer where ranks read different saves of one key (never a hit).

@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from connector.events.wire import Medium
+from connector.vllm_connector.backfill import Backfill
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.jobs import JobBook, TierChange
 from connector.vllm_connector.plan import (
+    BACKFILL_REQ,
     HOST_SLOT,
     OVERFLOW_SLOT,
     FetchOp,
@@ -204,6 +206,10 @@ class TieredScheduler:
         if self.redis_configured:
             self.counters.set_gauge("redis_configured", 1)
         self.counters.set_gauge("redis_available", int(self.redis_up))
+        # Entries saved to the CPU tier only (Redis down, or the write failed): written to
+        # Redis from their slots once it answers again (connector/vllm_connector/backfill.py).
+        self.backfill = Backfill(num_slots) if (
+            config.redis_backfill and config.redis_url and config.write_mode == "back") else None
         self.attention = [g for g in groups if g.kind == ATTENTION]
         self.mamba = [g for g in groups if g.kind == MAMBA]
         self.supported = bool(self.attention) and all(
@@ -658,7 +664,24 @@ class TieredScheduler:
             if tracked is None or req_id in gone:
                 continue
             self._plan_mamba(tracked, entries, computed_after.get(req_id, 0), plan)
+        self._plan_backfills(plan)
         return plan
+
+    def _plan_backfills(self, plan: StepPlan) -> None:
+        """A batch of entries that never reached Redis, once it answers: each slot pinned
+        until every rank wrote its shard from it."""
+        if self.backfill is None:
+            return
+        for key in self.backfill.take(self.redis_up):
+            if key in self._in_redis or not self.directory.contains(key):
+                continue  # written since, or evicted
+            slot = self.directory.acquire(key)
+            assert slot is not None
+            job = self.jobs.open_save(key, slot, BACKFILL_REQ, None, True)
+            plan.backfills.append(SaveOp(job, BACKFILL_REQ, key.group, -1, slot, key, True,
+                                         new_save_id()))
+        self.backfill.sent(len(plan.backfills))
+        self.counters.add("redis_backfills", len(plan.backfills))
 
     def _plan_attention(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
         request = tracked.request
@@ -757,6 +780,8 @@ class TieredScheduler:
             self.directory.acquire(key)
         elif self.redis_configured:
             self.counters.add("redis_unavailable_saves")
+            if self.backfill is not None:
+                self.backfill.note(key)
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
         to_host = self.host is not None and self.host.ready
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
@@ -810,13 +835,19 @@ class TieredScheduler:
 
     def _save_done(self, info: Any, all_ok: bool) -> None:
         key = info.key
+        backfilled = info.req_id == BACKFILL_REQ
+        if backfilled and self.backfill is not None:
+            self.backfill.answered()
         if info.to_redis and info.slot != OVERFLOW_SLOT:
             self._unpin(key)
         if not all_ok:
-            # A rank could not copy the block (or reach Redis): its slot is not trusted.
+            # A rank could not copy the block: its slot is not trusted.
             if info.gather_failed and self.directory.remove(key):
                 self.counters.add("store_drops")
                 self.outbox.append(TierChange(key, Medium.CPU, stored=False))
+            elif (info.to_redis and info.slot != OVERFLOW_SLOT and not backfilled
+                  and self.backfill is not None):
+                self.backfill.note(key)  # copied, but not written to Redis: later
             tracked = self._tracked.get(info.req_id)
             if tracked is not None and info.mark is not None:
                 tracked.saved.discard(info.mark)

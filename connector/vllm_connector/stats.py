@@ -68,6 +68,10 @@ COUNTER_NAMES: tuple[str, ...] = (
     "bytes_fetched_host",  # host-tier bytes checked in place (then loaded from there)
     "fetch_us_host",
     "redis_saves_via_daemon",  # saves whose Redis write the daemon does (host_tier_redis)
+    "redis_backfills",  # CPU-tier entries saved while Redis was down, later sent to Redis
+    "blocks_backfilled_redis",  # ... written (per rank, as blocks_written_redis)
+    "bytes_backfilled_redis",
+    "redis_backfill_failures",  # ... not written (Redis failed again, or the slot moved on)
 )
 
 #: Gauges, exported as ``vllm:kvtier_<name>`` (the latest value wins across halves/ranks).

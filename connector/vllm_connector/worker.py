@@ -190,6 +190,8 @@ class TieredWorker:
             self._failed_now = set()
         if plan.layout_known:
             self._send_layout = False
+        if plan.backfills:
+            self._backfill(plan.backfills)
         if self.transfer is None or not plan:
             return  # most steps: nothing to load, probe or fetch
         self._async.update(plan.async_reqs)
@@ -380,9 +382,10 @@ class TieredWorker:
                 oks[op.job] = True
         return oks
 
-    def _on_written(self, job: int, nbytes: int) -> Callable[[bool], None]:
+    def _on_written(self, job: int, nbytes: int, kind: str = "write"
+                    ) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
-            self._done.append(("write", (job, ok, nbytes)))
+            self._done.append((kind, (job, ok, nbytes)))
         return done
 
     def collect(self) -> None:
@@ -399,6 +402,14 @@ class TieredWorker:
                 self._report.saves[job] = counts
             elif kind == "sent":
                 self._finished_sending.update(value)
+            elif kind == "backfill":
+                job, ok, nbytes = value
+                self._report.saves[job] = [int(ok), 1, 0]
+                if ok:
+                    self.counters.add("blocks_backfilled_redis")
+                    self.counters.add("bytes_backfilled_redis", nbytes)
+                else:
+                    self.counters.add("redis_backfill_failures")
             else:
                 job, ok, nbytes = value
                 self._report.saves[job] = [int(ok), 1, 0]
@@ -672,6 +683,27 @@ class TieredWorker:
         # pinned by the scheduler until its job is reported: no copy.
         self.redis.submit_puts([(key, view, self._on_written(op.job, view.nbytes), op.save_id)
                                 for (op, view), (key, _) in zip(remote, keyed, strict=True)])
+
+    def _backfill(self, ops: list[SaveOp]) -> None:
+        """Hand entries that never reached Redis to its writer, from their slots (the last
+        step's saves are in them: :meth:`fence` ran). A slot that does not hold its key on
+        this rank fails its op as a failed copy: the scheduler drops the entry."""
+        if self.redis is None or self._daemon_redis:
+            for op in ops:
+                self._report_save(op.job, ok=False, gathered=True)
+            self.counters.add("redis_backfill_failures", len(ops))
+            return
+        puts = []
+        for op in ops:
+            if self.transfer is None or op.slot < 0 or self.holds[op.slot] != op.key:
+                self._report_save(op.job, ok=False, gathered=False)
+                self.counters.add("redis_backfill_failures")
+                continue
+            view = memoryview(self.slab[op.slot, :self._nbytes(op.group)])
+            puts.append((self.storage_key(op.key), view,
+                         self._on_written(op.job, view.nbytes, "backfill"), op.save_id))
+        if puts:
+            self.redis.submit_puts(puts)  # one hand-over; refusals answer False at once
 
     def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
         """Any thread: the main thread applies it to the report (:meth:`collect`)."""

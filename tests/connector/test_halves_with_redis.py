@@ -407,6 +407,76 @@ def test_write_pins_are_released_by_reports_and_redis_down_leaks_no_slot(
         e.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_entries_saved_while_redis_was_down_reach_it_once_it_answers(
+        redis_server: RedisServer, key_prefix: str, tp: int) -> None:
+    """Saves whose write timed out, and saves planned for the CPU tier only while Redis was
+    down, are written from their slots once it answers (each once, counted, no pin left):
+    another engine then restores the whole prefix from Redis, byte-exact."""
+    def config() -> TieredConfig:
+        return TieredConfig(cpu_bytes=1 << 20, redis_url=redis_server.url,
+                            redis_prefix=key_prefix, redis_timeout_s=1.0)
+
+    e, other = Halves(config(), tp_size=tp), None
+    try:
+        e.fill(range(1, 7), seed=3)
+        e.admit(Req("a", 6 * BS + 4), [[Blk(i, i * BS) for i in range(1, 7)]], 0)
+        e.step({"a": 2 * BS})
+        assert e.counter("blocks_written_redis") == [2] * tp
+        redis_server.pause()  # SIGSTOP: the next writes time out
+        try:
+            failed = e.step({"a": 4 * BS})
+            assert [op.to_redis for op in failed.plan.saves] == [True, True]
+            assert e.counter("redis_write_failures") == [2] * tp and not e.sched.redis_up
+            cpu_only = e.step({"a": 6 * BS})
+            assert [op.to_redis for op in cpu_only.plan.saves] == [False, False]
+            assert not e.step().plan.backfills  # nothing is tried while Redis is down
+        finally:
+            redis_server.resume()
+        _until_redis_up(e)
+        late = failed.plan.saves + cpu_only.plan.saves
+        result = e.step()
+        assert {op.key for op in result.plan.backfills} == {op.key for op in late}
+        assert e.sched.counters.snapshot()["redis_backfills"] == 4
+        assert e.counter("blocks_backfilled_redis") == [4] * tp
+        assert e.counter("redis_backfill_failures") == [0] * tp
+        assert e.counter("blocks_written_redis") == [2] * tp  # backfills counted apart
+        assert e.cpu()["pinned"] == 0
+        assert all(r.stored(op.key) == as_bytes(r.kv["attn0"][op.block_id])
+                   for op in late for r in e.ranks)
+        assert not e.step().plan.backfills  # each entry once
+
+        other = Halves(config(), tp_size=tp)
+        req = Req("b", 6 * BS + 4)
+        assert other.lookup(req) == (6 * BS, True)
+        other.admit(req, [[Blk(i) for i in range(9, 16)]], 6 * BS)
+        restored = other.step()
+        assert restored.finished == {"b"} and restored.failed == set()
+        assert _same_blocks(e, list(range(1, 7)), other, list(range(9, 15)))
+    finally:
+        e.close()
+        if other is not None:
+            other.close()
+
+
+def test_no_backfill_when_it_is_turned_off(redis_server: RedisServer, key_prefix: str) -> None:
+    e = Halves(TieredConfig(cpu_bytes=1 << 20, redis_url=redis_server.url,
+                            redis_prefix=key_prefix, redis_backfill=False))
+    try:
+        e.fill(range(1, 3), seed=4)
+        e.admit(Req("a", 2 * BS + 4), [[Blk(i, i * BS) for i in range(1, 3)]], 0)
+        redis_server.kill()  # refused at once: the write fails, Redis is marked down
+        e.step({"a": BS})
+        assert e.counter("redis_write_failures") == [1] and not e.sched.redis_up
+        assert [op.to_redis for op in e.step({"a": 2 * BS}).plan.saves] == [False]
+        redis_server.start()
+        _until_redis_up(e)
+        assert not e.step().plan.backfills
+        assert e.sched.counters.snapshot()["redis_backfills"] == 0
+    finally:
+        e.close()
+
+
 def _until_redis_up(e: Halves, deadline_s: float = 120.0) -> None:
     """Run empty steps (a worker reports its Redis health when it changes) until it
     answers."""

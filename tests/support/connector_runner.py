@@ -9,6 +9,7 @@ on the same Redis, and engines with test-only switches, each in its own process:
                   ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
                   ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
                   ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s],
+                  ["wait_backfills", timeout_s],
                   ["kill_pid", pid], ["stop_before_host_commits"], ["kill_engine"]],
         "max_tokens": 8, "logprobs": bool, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
@@ -387,6 +388,10 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
         if step[0] == "wait_writes":  # Redis takes writes again: the event, not the gauge
             outputs.append(wait_writes(gen, stats, float(step[1])))
             continue
+        if step[0] == "wait_backfills":  # entries saved while Redis was down, sent to it
+            tp = int(spec.get("engine", {}).get("tensor_parallel_size", 1))
+            outputs.append(wait_backfills(stats, poke, tp, float(step[1])))
+            continue
         if step[0] == "stop_before_host_commits":  # host saves end copied, never committed
             victims = llm.collective_rpc("kvtier_stop_before_host_commits")
             outputs.append({"name": "stop_before_host_commits", "result": victims})
@@ -496,6 +501,23 @@ def wait_writes(gen: Any, stats: Any, timeout_s: float) -> dict[str, Any]:
                     "blocks_written": written}
         if time.monotonic() > deadline:
             return {"name": "wait_writes", "reached": False, "tries": tries}
+
+
+def wait_backfills(stats: Any, poke: Any, tp: int, timeout_s: float) -> dict[str, Any]:
+    """Step the engine until it has planned backfills (CPU-tier entries that never reached
+    Redis, written once it answers again) and every rank answered every one planned so far
+    (written or failed). The deadline only ends a hung wait."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = stats()
+        planned, written, failed = (s.get(k, 0) for k in (
+            "redis_backfills", "blocks_backfilled_redis", "redis_backfill_failures"))
+        reached = planned > 0 and written + failed >= planned * tp
+        if reached or time.monotonic() > deadline:
+            return {"name": "wait_backfills", "reached": reached, "planned": planned,
+                    "written": written, "failed": failed}
+        poke()  # the engine steps: backfills are planned, and reports carry their outcomes
+        time.sleep(0.05)  # polling interval
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900,

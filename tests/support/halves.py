@@ -202,7 +202,7 @@ class Halves:
     def run(self, plan: StepPlan) -> None:
         """Every rank runs ``plan``: loads and fetches before the forward, saves after it."""
         jobs = {op.job for op in plan.saves} | {op.job for op in plan.fetches} \
-            | {op.job for op in plan.probes}
+            | {op.job for op in plan.probes} | {op.job for op in plan.backfills}
         for rank in self.ranks:
             rank.outstanding |= jobs
             rank.worker.start_step(plan)
