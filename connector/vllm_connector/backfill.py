@@ -56,6 +56,11 @@ class Backfill:
             self._queue.popitem(last=False)
         return taken
 
+    def clear(self) -> None:
+        """Forget every key (the CPU tier was emptied); a batch that is out stays out."""
+        self._queue.clear()
+        self._noted_now.clear()
+
     def sent(self, n: int) -> None:
         """``n`` of the taken keys were planned (the others had left the CPU tier)."""
         self.out += n

@@ -944,6 +944,8 @@ class TieredScheduler:
                 removed += 1
                 self.outbox.append(TierChange(key, Medium.CPU, stored=False))
         self._in_redis.clear()
+        if self.backfill is not None:
+            self.backfill.clear()
         return removed
 
     def stats(self) -> dict[str, Any]:

@@ -73,6 +73,22 @@ def test_a_key_noted_twice_is_taken_once() -> None:
     assert b.take(redis_up=True) == [key(2), key(1)]
 
 
+def test_clear_forgets_the_keys_but_not_the_batch_that_is_out() -> None:
+    b = Backfill(capacity=8, batch=1)
+    b.note(key(1))
+    b.note(key(2))
+    b.take(redis_up=False)
+    assert b.take(redis_up=True) == [key(1)]
+    b.sent(1)
+    b.note(key(3))
+    b.clear()
+    assert len(b) == 0
+    b.note(key(4))
+    assert b.take(redis_up=True) == []  # key(1) is still out
+    b.answered()
+    assert b.take(redis_up=True) == [key(4)]
+
+
 @pytest.mark.parametrize(("capacity", "batch"), [(0, 1), (1, 0)])
 def test_bad_sizes_are_refused(capacity: int, batch: int) -> None:
     with pytest.raises(ValueError, match="at least 1"):

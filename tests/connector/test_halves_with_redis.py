@@ -477,6 +477,43 @@ def test_no_backfill_when_it_is_turned_off(redis_server: RedisServer, key_prefix
         e.close()
 
 
+def test_a_backfill_whose_slot_moved_on_one_rank_drops_the_entry(
+        redis_server: RedisServer, key_prefix: str) -> None:
+    """TP=2: rank 1's slot no longer holds the key when the backfill runs. That rank writes
+    nothing and fails the op as a failed copy: the scheduler drops the entry, and another
+    engine finds no hit (rank 0's lone shard is never served)."""
+    def config() -> TieredConfig:
+        return TieredConfig(cpu_bytes=1 << 20, redis_url=redis_server.url,
+                            redis_prefix=key_prefix)
+
+    e, other = Halves(config(), tp_size=2), None
+    try:
+        e.fill(range(1, 3), seed=5)
+        e.admit(Req("a", 2 * BS + 4), [[Blk(i, i * BS) for i in range(1, 3)]], 0)
+        redis_server.kill()
+        e.step({"a": BS})  # refused at once: Redis marked down
+        assert not e.sched.redis_up
+        (op,) = e.step({"a": 2 * BS}).plan.saves
+        assert not op.to_redis
+        redis_server.start()
+        _until_redis_up(e)
+        e.ranks[1].worker.holds[op.slot] = None  # as after a copy into it that failed
+        result = e.step()
+        assert [b.key for b in result.plan.backfills if b.key == op.key] == [op.key]
+        assert e.counter("redis_backfill_failures")[1] >= 1
+        assert not e.sched.directory.contains(op.key)
+        assert e.ranks[1].stored(op.key) is None
+        other = Halves(config(), tp_size=2)
+        req = Req("b", 2 * BS + 4)
+        # the first block (its write was refused, then backfilled on both ranks), never the
+        # dropped one
+        assert other.lookup(req) == (BS, True)
+    finally:
+        e.close()
+        if other is not None:
+            other.close()
+
+
 def _until_redis_up(e: Halves, deadline_s: float = 120.0) -> None:
     """Run empty steps (a worker reports its Redis health when it changes) until it
     answers."""
