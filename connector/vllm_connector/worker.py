@@ -57,6 +57,14 @@ from offload_tiers.thread_names import name_current_thread
 
 log = logging.getLogger(__name__)
 
+#: A Redis write's counters by kind: (written, bytes written, what a failure adds to).
+_WRITE_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "write": ("blocks_written_redis", "bytes_written_redis",
+              ("redis_write_failures", "store_drops")),
+    "backfill": ("blocks_backfilled_redis", "bytes_backfilled_redis",
+                 ("redis_backfill_failures",)),
+}
+
 #: Base fingerprints (tenants x generations) whose rank fingerprints are kept.
 RANK_FP_CACHE_MAX = 4096
 
@@ -402,23 +410,16 @@ class TieredWorker:
                 self._report.saves[job] = counts
             elif kind == "sent":
                 self._finished_sending.update(value)
-            elif kind == "backfill":
+            else:  # a Redis write's outcome: a save's ("write") or a backfill's
                 job, ok, nbytes = value
                 self._report.saves[job] = [int(ok), 1, 0]
+                written, written_bytes, failed = _WRITE_COUNTERS[kind]
                 if ok:
-                    self.counters.add("blocks_backfilled_redis")
-                    self.counters.add("bytes_backfilled_redis", nbytes)
+                    self.counters.add(written)
+                    self.counters.add(written_bytes, nbytes)
                 else:
-                    self.counters.add("redis_backfill_failures")
-            else:
-                job, ok, nbytes = value
-                self._report.saves[job] = [int(ok), 1, 0]
-                if ok:
-                    self.counters.add("blocks_written_redis")
-                    self.counters.add("bytes_written_redis", nbytes)
-                else:
-                    self.counters.add("redis_write_failures")
-                    self.counters.add("store_drops")
+                    for name in failed:
+                        self.counters.add(name)
 
     def _fetched(self, req_id: str, ops: list[FetchOp], oks: list[bool]) -> None:
         for op, ok in zip(ops, oks, strict=True):
