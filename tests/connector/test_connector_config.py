@@ -35,6 +35,17 @@ def test_weights_version_is_a_setting() -> None:
     assert cfg.describe()["weights_version"] == "step-1000"
 
 
+def test_the_example_file_is_valid_and_sets_every_key_it_shows() -> None:
+    """configs/tiered.yaml (the README points to it) loads, and each key it shows is taken."""
+    import yaml
+
+    example = Path(__file__).resolve().parents[2] / "configs" / "tiered.yaml"
+    shown = yaml.safe_load(example.read_text())["connector"]
+    cfg = load_config({"config_file": str(example)})
+    assert shown and {k: getattr(cfg, k) for k in shown} == shown
+    assert cfg.redis_backfill
+
+
 def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
     path = tmp_path / "tiered.yaml"
     path.write_text("connector:\n  cpu_bytes: 2097152\n  write_mode: back\n  tenant: t1\n")
