@@ -311,7 +311,8 @@ def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
     turns = run["per_turn"]
     keep = ("hit_tokens_cpu", "hit_tokens_redis", "blocks_saved", "partial_blocks_saved",
             "blocks_written_redis", "store_drops", "redis_write_failures", "redis_lookup_skips",
-            "redis_unavailable_saves", "redis_available")
+            "redis_unavailable_saves", "redis_available", "redis_backfills",
+            "blocks_backfilled_redis", "redis_backfill_failures")
     print("KVTIER-HYBRID-SUMMARY", json.dumps([{k: t.get(k) for k in keep} for t in turns]))
     assert turns[1]["blocks_written_redis"] > 0  # healthy
     assert turns[2]["redis_available"] == 0  # killed before turn 2
@@ -321,6 +322,9 @@ def test_redis_degradation_visible_and_recovers(run: dict[str, Any]) -> None:
     assert run["before_pause"] == 1  # up after the restart, before the pause
     assert turns[4]["redis_available"] == 0  # paused before turn 4
     assert run["recovered"] == 1
+    # What turn 2 saved while Redis was gone was sent to it once it was back (the backfill;
+    # a write the pause cut short is a counted failure).
+    assert run["stats"]["redis_backfills"] > 0
 
 
 def test_restored_state_is_kept_in_vllms_own_cache_for_the_next_turn(
