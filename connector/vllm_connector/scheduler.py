@@ -670,7 +670,7 @@ class TieredScheduler:
     def _plan_backfills(self, plan: StepPlan) -> None:
         """A batch of entries that never reached Redis, once it answers: each slot pinned
         until every rank wrote its shard from it."""
-        if self.backfill is None:
+        if not self.backfill:  # off, or nothing to write (most steps)
             return
         for key in self.backfill.take(self.redis_up):
             if key in self._in_redis or not self.directory.contains(key):

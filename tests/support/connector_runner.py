@@ -517,7 +517,6 @@ def wait_backfills(stats: Any, poke: Any, tp: int, timeout_s: float) -> dict[str
             return {"name": "wait_backfills", "reached": reached, "planned": planned,
                     "written": written, "failed": failed}
         poke()  # the engine steps: backfills are planned, and reports carry their outcomes
-        time.sleep(0.05)  # polling interval
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: float = 900,
