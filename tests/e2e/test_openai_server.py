@@ -67,12 +67,16 @@ URL_ENV = "KVTIER_TEST_SECRET_REDIS_URL"
 
 
 def until(server: OpenAIServer, done: Callable[[dict[str, float]], bool]) -> dict[str, float]:
-    """Step the server with a prompt shorter than a block (kvtier neither looks it up nor
-    stores it; reports and metrics flow) until its ``vllm:kvtier_*`` metrics satisfy
-    ``done``; those metrics."""
+    """Step every engine core of the server (each gets a prompt shorter than a block, which
+    kvtier neither looks up nor stores; reports and metrics flow) until its
+    ``vllm:kvtier_*`` metrics satisfy ``done``; those metrics. Each core is named
+    (``X-data-parallel-rank``): an engine core that gets no request does not step, and
+    vLLM's load balancer may send every one of them to the same core."""
+    cores = server.data_parallel_size
     deadline = time.monotonic() + DEADLINE_S
     while True:
-        complete(server, "hi")
+        for rank in range(cores):
+            complete(server, "hi", rank=rank if cores > 1 else None)
         metrics = server.metrics()
         if done(metrics):
             return metrics
@@ -139,15 +143,14 @@ def _b_restores_a_prompts(b: OpenAIServer, before: dict[str, float]) -> dict[str
 
 
 def _b_data_parallel(b: OpenAIServer) -> dict[str, Any]:
-    """Four new prompts, vLLM's prefix caches emptied, the four again."""
-    out: dict[str, Any] = {"first": [complete(b, p) for p in DP_PROMPTS]}
+    """Four new prompts, two on each engine core (pinned, as a router pins them), vLLM's
+    prefix caches emptied, the four again on the same cores."""
+    cores = [i % 2 for i in range(len(DP_PROMPTS))]
+    out: dict[str, Any] = {"first": [complete(b, p, rank=r)
+                                     for p, r in zip(DP_PROMPTS, cores, strict=True)]}
     assert b.post("/reset_prefix_cache")["success"] is not False
-    # Read, not stepped: vLLM spreads requests over the engine cores in turn, and one more
-    # request here would send each prompt of the second pass to the other core (which then
-    # restores it from Redis, not from its CPU tier). The first pass hit nothing: the hit
-    # counters read here are final.
-    before = b.metrics()
-    out["second"] = [complete(b, p) for p in DP_PROMPTS]
+    before = b.metrics()  # the first pass hit nothing: the hit counters read here are final
+    out["second"] = [complete(b, p, rank=r) for p, r in zip(DP_PROMPTS, cores, strict=True)]
 
     def restored(m: dict[str, float]) -> float:
         return count(m, "hit_tokens_cpu") + count(m, "hit_tokens_redis")
@@ -157,9 +160,9 @@ def _b_data_parallel(b: OpenAIServer) -> dict[str, Any]:
 
 
 def _b_host_tier(b: OpenAIServer, daemon: HostTierDaemon) -> dict[str, Any]:
-    """Issue 22: each HOST prompt computed by one DP rank, then asked again at once (vLLM
-    hands it to the other rank) once the first rank's blocks are in the host tier: the
-    other rank restores it from there (before Redis, which has it too)."""
+    """Issue 22: each HOST prompt computed by one DP rank, then asked again of the other
+    rank once the first rank's blocks are in the host tier: the other rank restores it from
+    there (before Redis, which has it too)."""
     def settled(m: dict[str, float]) -> bool:  # every host write so far has reached it
         t = daemon.tier()
         return t["commits"] + t["duplicates_dropped"] + t["commits_rejected"] \
@@ -167,12 +170,12 @@ def _b_host_tier(b: OpenAIServer, daemon: HostTierDaemon) -> dict[str, Any]:
 
     before = until(b, settled)
     out: dict[str, Any] = {"first": [], "second": []}
-    for prompt in HOST_PROMPTS:
+    for i, prompt in enumerate(HOST_PROMPTS):
         commits = daemon.tier()["commits"]
-        out["first"].append(complete(b, prompt))
+        out["first"].append(complete(b, prompt, rank=i % 2))
         daemon.wait_for(lambda s, c=commits: s["host_tier"]["commits"] >= c + 4,
                         timeout=DEADLINE_S, what="the prompt's 4 blocks in the host tier")
-        out["second"].append(complete(b, prompt))
+        out["second"].append(complete(b, prompt, rank=(i + 1) % 2))
     out["metrics"] = (before, until(b, lambda m: count(m, "hit_tokens_host")
                                     >= count(before, "hit_tokens_host") + 2 * 128))
     out["tier"] = daemon.tier()
@@ -292,7 +295,7 @@ def test_b_restores_what_a_stored_and_a_novel_prompt_waits_for_no_probe(
 
 
 def test_data_parallel_engines_each_restore_from_their_cpu_tier(runs: dict[str, Any]) -> None:
-    """``--data-parallel-size 2``: requests are spread by vLLM; after
+    """``--data-parallel-size 2``, two prompts pinned to each engine core: after
     ``/reset_prefix_cache`` every one of them is restored by kvtier, from the CPU tier of
     the engine core that computed it, with the output of the pass that computed it."""
     first, second = runs["DP"]["first"], runs["DP"]["second"]

@@ -69,9 +69,7 @@ class OpenAIServer:
             else:
                 env[key] = value
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        args = self.extra_args
-        cores = int(args[args.index("--data-parallel-size") + 1]) \
-            if "--data-parallel-size" in args else 1
+        cores = self.data_parallel_size
         engine_starts.record(f"openai server ({cores} engine core{'s' * (cores > 1)})",
                              count=cores)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
@@ -91,6 +89,13 @@ class OpenAIServer:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine cores behind this server (``--data-parallel-size``, else 1)."""
+        args = self.extra_args
+        return int(args[args.index("--data-parallel-size") + 1]) \
+            if "--data-parallel-size" in args else 1
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -156,13 +161,16 @@ def _group_alive(pgid: int) -> list[int]:
     return alive
 
 
-def complete(server: OpenAIServer, prompt: str, *, stream: bool = False) -> dict[str, Any]:
+def complete(server: OpenAIServer, prompt: str, *, stream: bool = False,
+             rank: int | None = None) -> dict[str, Any]:
     """One greedy completion through the real OpenAI client; its text and cached tokens
-    (and, unstreamed, its prompt tokens)."""
+    (and, unstreamed, its prompt tokens). ``rank``: the engine core that serves it (vLLM's
+    ``X-data-parallel-rank`` header, as a router pins one), else vLLM's load balancer picks."""
     from openai import OpenAI
 
+    headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
     client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
-                    timeout=120)
+                    timeout=120, default_headers=headers)
     model = str(server.model_dir)
     if not stream:
         out = client.completions.create(model=model, prompt=prompt, max_tokens=8,
