@@ -1,13 +1,15 @@
 """kvtier with ``tensor_parallel_size=2`` (tiny Llama, vLLM's default executors; one core
 per rank via ``VLLM_CPU_OMP_THREADS_BIND="0|1"``): each rank saves and restores its own
-shard, a hit counts only if every rank can restore it, and one rank's missing or corrupt
-value is a miss with correct output."""
+shard, a hit counts only if every rank can restore it, one rank's missing or corrupt value
+is a miss with correct output, and what both ranks saved while Redis refused them reaches
+Redis once it answers (backfill)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 
@@ -22,6 +24,7 @@ A = prompt_words(51, 150)
 B = prompt_words(52, 150)
 C = prompt_words(53, 150)
 D = prompt_words(54, 150)
+E = prompt_words(55, 150)  # saved while Redis refuses the engine; backfilled; read back
 A2, B2, C2, D2 = A + " w1 w2", B + " w3", C + " w4", D + " w5"
 TP2 = {"tensor_parallel_size": 2}
 FIRST = [["generate", "A1", A], ["generate", "B1", B], ["reset"],
@@ -70,7 +73,7 @@ def run_tp(spec: dict[str, Any], redis_url: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def baseline(tiny_llama_dir: Any) -> dict[str, dict[str, Any]]:
     steps = [*FIRST, ["generate", "C1", C], ["generate", "C2", C2], ["generate", "D1", D],
-             ["generate", "D2", D2]]
+             ["generate", "D2", D2], ["generate", "E1", E], ["generate", "E2", E + " w6"]]
     return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": steps,
                                       "engine": TP2}))
 
@@ -171,3 +174,54 @@ def test_tp2_shards_of_different_saves_are_never_served_together_and_heal(
     assert again["delta"].get("hit_tokens_redis", 0) == 128, why_missed(third, "B1")
     assert again["delta"].get("blocks_loaded_redis", 0) == 2 * 4
     assert again["token_ids"] == baseline["B1"]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def backfilled(tiny_llama_dir: Any, redis_url: str) -> Iterator[tuple[dict[str, Any],
+                                                                       dict[str, Any]]]:
+    """A TP=2 engine whose Redis (behind a proxy) refuses every connection while it computes
+    E; Redis answers again; the engine steps until both ranks answered every backfill. Then
+    a new TP=2 engine, on Redis directly, asks for E with a new tail. Both engines use a
+    prefix of their own (no other test's damage reaches it)."""
+    with scratch_prefix(redis_url) as name:
+        extra = {"cpu_bytes": 64 << 20, "redis_prefix": name, **no_faults.CONNECTOR}
+        outage = run_in_subprocess({
+            "model": "llama", "extra": extra, "engine": TP2,
+            "proxy_to": urlparse(redis_url).port, "steps": [
+                ["wait_redis", 1, 300.0],
+                ["proxy", "mode", "refuse"], ["proxy", "reset"],  # new and open: refused
+                ["generate", "E1", E],
+                ["snapshot", "refused"],
+                ["proxy", "mode", "forward"],
+                ["wait_redis", 1, 300.0],
+                ["wait_backfills", 300.0],
+                ["snapshot", "backfilled"]]})
+        reader = run_tp({"model": "llama", "extra": dict(extra, redis_url_env=URL_ENV),
+                         "steps": [["generate", "E2", E + " w6"]]}, redis_url)
+        yield outage, reader
+
+
+def test_tp2_what_both_ranks_saved_while_redis_refused_them_is_backfilled(
+        baseline: dict[str, Any], backfilled: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """E's 4 blocks, saved to the CPU tier while no rank could write them to Redis, are
+    written by both ranks once Redis answers, each exactly once, and a new engine restores
+    them from Redis on both ranks with TP=2 alone's output."""
+    outage, reader = backfilled
+    runs = by_name(outage)
+    e1 = runs["E1"]
+    assert e1["token_ids"] == baseline["E1"]["token_ids"]
+    wait, refused = runs["wait_backfills"], runs["refused"]["stats"]
+    e2 = by_name(reader)["E2"]
+    print("KVTIER-TP-BACKFILL", json.dumps({"E1": e1["delta"], "wait": wait,
+                                            "E2": e2["delta"]}, sort_keys=True))
+    assert e1["delta"].get("blocks_saved", 0) == 2 * 4  # per rank
+    assert e1["delta"].get("blocks_written_redis", 0) == 0
+    assert refused["redis_available"] == 0
+    assert wait["reached"], wait
+    assert (wait["planned"], wait["written"], wait["failed"]) == (4, 2 * 4, 0), wait
+    after = runs["backfilled"]["stats"]
+    assert after["blocks_backfilled_redis"] == 2 * 4
+    assert after["bytes_backfilled_redis"] == e1["delta"]["bytes_saved_cpu"]
+    assert e2["delta"].get("hit_tokens_redis", 0) == 128, why_missed(reader, "E2")
+    assert e2["delta"].get("blocks_loaded_redis", 0) == 2 * 4
+    assert e2["token_ids"] == baseline["E2"]["token_ids"]
