@@ -6,7 +6,9 @@ Life of an entry::
     (write into view(slot) or slab[slot])
     commit(key)               # now visible: contains/acquire/get see it
     acquire(key) -> slot      # pin for an in-flight load (refcounted); never evicted while pinned
-    release(key)
+    release(key)              # ... and the entry becomes the most recently used
+    hold(key) -> slot         # pin while its bytes are copied elsewhere (a Redis write):
+    unhold(key)               # never evicted meanwhile, and its place in the LRU order kept
     remove(key)               # gone now; a pinned slot is freed at its last release
 
 ``put``/``get`` wrap those for callers that just want bytes in and out. Keys compare by
@@ -43,14 +45,20 @@ EvictCallback = Callable[[BlockKey, memoryview], None]
 
 
 class _Entry:
-    __slots__ = ("key", "slot", "nbytes", "committed", "pins")
+    __slots__ = ("key", "slot", "nbytes", "committed", "pins", "holds")
 
     def __init__(self, key: BlockKey, slot: int, nbytes: int) -> None:
         self.key = key
         self.slot = slot
         self.nbytes = nbytes
         self.committed = False
-        self.pins = 0
+        self.pins = 0  # acquire() and hold() together
+        self.holds = 0  # hold() alone: pins that leave the entry in the LRU order
+
+    @property
+    def in_use(self) -> bool:
+        """Pinned by a reader (acquire): out of the LRU order until its last release."""
+        return self.pins > self.holds
 
 
 @dataclass(slots=True)
@@ -144,7 +152,9 @@ class CpuTier:
         self._lock = threading.RLock()
         self._entries: dict[_Ik, _Entry] = {}
         self._doomed: dict[_Ik, _Entry] = {}  # removed while pinned
-        self._lru: OrderedDict[_Ik, None] = OrderedDict()  # committed and unpinned
+        # Committed entries no reader pins (held ones included: eviction passes over them),
+        # least recently used first.
+        self._lru: OrderedDict[_Ik, None] = OrderedDict()
         self._slot_len = [slot_bytes] * num_slots
         self._rows = list(self.slab)  # one view per slot: cheaper than slab[slot, :n] per call
         self._free = list(range(num_slots - 1, -1, -1))
@@ -259,9 +269,10 @@ class CpuTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        if not self._lru:
+        victim = self._lru_unpinned()
+        if victim is None:
             return None
-        victim, _ = self._lru.popitem(last=False)
+        del self._lru[victim]
         entry = self._entries.pop(victim)
         self._committed -= 1
         self._c.evictions += 1
@@ -273,6 +284,14 @@ class CpuTier:
                 self._c.evict_callback_errors += 1
                 log.exception("on_evict callback failed for %s", entry.key.name)
         return entry.slot
+
+    def _lru_unpinned(self) -> _Ik | None:
+        """The least recently used entry nothing pins (held ones are passed over; they are
+        few: the writes in flight)."""
+        for ik in self._lru:
+            if self._entries[ik].pins == 0:
+                return ik
+        return None
 
     # ---------------------------------------------------------------- read path
     def contains(self, key: BlockKey) -> bool:
@@ -294,9 +313,9 @@ class CpuTier:
         if entry is None or not entry.committed:
             self._c.misses += 1
             return None
-        entry.pins += 1
-        if entry.pins == 1:
+        if not entry.in_use:
             del self._lru[ik]
+        entry.pins += 1
         self._c.hits += 1
         return entry.slot
 
@@ -308,18 +327,48 @@ class CpuTier:
     def _release(self, ik: _Ik) -> None:
         entry = self._entries.get(ik)
         doomed = False
-        if entry is None or entry.pins == 0:
+        if entry is None or not entry.in_use:
             entry = self._doomed.get(ik)
             doomed = True
-        if entry is None or entry.pins == 0:
+        if entry is None or not entry.in_use:
             raise KeyError("block is not acquired")
         entry.pins -= 1
-        if entry.pins == 0:
+        if doomed:
+            self._free_if_unpinned(ik, entry)
+        elif not entry.in_use:
+            self._lru[ik] = None
+
+    def hold(self, key: BlockKey) -> int | None:
+        """Pin ``key``'s slot while its bytes are copied elsewhere (refcounted), leaving its
+        place in the LRU order as it is: a copy to another tier is not a use. Eviction
+        passes over it until :meth:`unhold`. None on a miss."""
+        with self._lock:
+            entry = self._entries.get(_ik(key))
+            if entry is None or not entry.committed:
+                return None
+            entry.pins += 1
+            entry.holds += 1
+            return entry.slot
+
+    def unhold(self, key: BlockKey) -> None:
+        """End one :meth:`hold`; the entry's place in the LRU order is unchanged."""
+        ik = _ik(key)
+        with self._lock:
+            entry, doomed = self._entries.get(ik), False
+            if entry is None or entry.holds == 0:
+                entry, doomed = self._doomed.get(ik), True
+            if entry is None or entry.holds == 0:
+                raise KeyError("block is not held")
+            entry.pins -= 1
+            entry.holds -= 1
             if doomed:
-                del self._doomed[ik]
-                self._free.append(entry.slot)
-            else:
-                self._lru[ik] = None
+                self._free_if_unpinned(ik, entry)
+
+    def _free_if_unpinned(self, ik: _Ik, entry: _Entry) -> None:
+        """A removed entry's slot is free once nothing pins it."""
+        if entry.pins == 0:
+            del self._doomed[ik]
+            self._free.append(entry.slot)
 
     def view(self, slot: int) -> memoryview:
         """Zero-copy view of a slot's stored bytes (valid while reserved or acquired)."""
@@ -384,17 +433,19 @@ class CpuTier:
             del self._entries[ik]
             self._committed -= 1
             self._c.removals += 1
+            if not entry.in_use:
+                del self._lru[ik]
             if entry.pins:
                 self._doomed[ik] = entry
             else:
-                del self._lru[ik]
                 self._free.append(entry.slot)
             return True
 
     def keys(self) -> list[BlockKey]:
-        """Committed keys, least recently used first (pinned ones first; a snapshot)."""
+        """Committed keys, least recently used first (those a reader pins first; a
+        snapshot)."""
         with self._lock:
-            pinned = [e.key for e in self._entries.values() if e.committed and e.pins]
+            pinned = [e.key for e in self._entries.values() if e.committed and e.in_use]
             return pinned + [self._entries[ik].key for ik in self._lru]
 
     def __len__(self) -> int:

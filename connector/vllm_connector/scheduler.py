@@ -538,6 +538,14 @@ class TieredScheduler:
         except KeyError:
             log.warning("kvtier: %s was not pinned", key.name)
 
+    def _unhold(self, key: BlockKey) -> None:
+        """The ranks are done writing ``key`` to Redis: its slot may go (its place in the
+        LRU order never changed: a write elsewhere is not a use)."""
+        try:
+            self.directory.unhold(key)
+        except KeyError:
+            log.warning("kvtier: %s was not held", key.name)
+
     # ------------------------------------------------------------------ allocation
     def on_alloc(self, request: RequestLike, blocks: Sequence[Sequence[BlockLike]],
                  num_external: int) -> None:
@@ -668,14 +676,14 @@ class TieredScheduler:
         return plan
 
     def _plan_backfills(self, plan: StepPlan) -> None:
-        """A batch of entries that never reached Redis, once it answers: each slot pinned
-        until every rank wrote its shard from it."""
+        """A batch of entries that never reached Redis, once it answers: each slot held
+        until every rank wrote its shard from it (in its place in the LRU order)."""
         if not self.backfill:  # off, or nothing to write (most steps)
             return
         for key in self.backfill.take(self.redis_up):
             if key in self._in_redis or not self.directory.contains(key):
                 continue  # written since, or evicted
-            slot = self.directory.acquire(key)
+            slot = self.directory.hold(key)
             assert slot is not None
             job = self.jobs.open_save(key, slot, BACKFILL_REQ, None, True)
             plan.backfills.append(SaveOp(job, BACKFILL_REQ, key.group, -1, slot, key, True,
@@ -777,7 +785,7 @@ class TieredScheduler:
             return
         self.directory.commit(key)
         if to_redis:
-            self.directory.acquire(key)
+            self.directory.hold(key)
         elif self.redis_configured:
             self.counters.add("redis_unavailable_saves")
             if self.backfill is not None:
@@ -839,7 +847,7 @@ class TieredScheduler:
         if backfilled and self.backfill is not None:
             self.backfill.answered()
         if info.to_redis and info.slot != OVERFLOW_SLOT:
-            self._unpin(key)
+            self._unhold(key)
         if not all_ok:
             # A rank could not copy the block: its slot is not trusted.
             if info.gather_failed and self.directory.remove(key):

@@ -411,8 +411,9 @@ def test_write_pins_are_released_by_reports_and_redis_down_leaks_no_slot(
 def test_entries_saved_while_redis_was_down_reach_it_once_it_answers(
         redis_server: RedisServer, key_prefix: str, tp: int) -> None:
     """Saves whose write timed out, and saves planned for the CPU tier only while Redis was
-    down, are written from their slots once it answers (each once, counted, no pin left):
-    another engine then restores the whole prefix from Redis, byte-exact."""
+    down, are written from their slots once it answers (each once, counted, no pin left,
+    not made recently used): another engine then restores the whole prefix from Redis,
+    byte-exact."""
     def config() -> TieredConfig:
         return TieredConfig(cpu_bytes=1 << 20, redis_url=redis_server.url,
                             redis_prefix=key_prefix, redis_timeout_s=1.0)
@@ -435,8 +436,11 @@ def test_entries_saved_while_redis_was_down_reach_it_once_it_answers(
             redis_server.resume()
         _until_redis_up(e)
         late = failed.plan.saves + cpu_only.plan.saves
+        order, hits = e.sched.directory.keys(), e.cpu()["hits"]
         result = e.step()
         assert {op.key for op in result.plan.backfills} == {op.key for op in late}
+        # Held while written, not read: the LRU order and the tier's hits are as they were.
+        assert e.sched.directory.keys() == order and e.cpu()["hits"] == hits
         assert e.sched.counters.snapshot()["redis_backfills"] == 4
         assert e.counter("blocks_backfilled_redis") == [4] * tp
         assert e.counter("redis_backfill_failures") == [0] * tp
