@@ -2,15 +2,19 @@
 ``openai`` client. Three servers, each started once and reused by every test:
 
 * ``baseline``: vLLM alone, every prompt below (the outputs to compare with);
-* ``A``: kvtier, the Redis URL from ``redis_url_env``. Streamed and non-streamed
-  completions identical to the baseline; after ``/reset_prefix_cache`` the prefix comes
-  from kvtier's CPU tier (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``);
+* ``A``: kvtier, the Redis URL from ``redis_url_env`` (a loopback proxy to the Redis).
+  Streamed and non-streamed completions identical to the baseline; after
+  ``/reset_prefix_cache`` the prefix comes from kvtier's CPU tier
+  (``prompt_tokens_details.cached_tokens`` and ``vllm:kvtier_*``). Then the proxy refuses A
+  while it computes OUTAGE (saved to its CPU tier only); once the proxy forwards again, A
+  writes OUTAGE's blocks to Redis from its CPU tier (backfill);
 * ``B``: kvtier at ``--data-parallel-size 2`` (two engine cores, each with its own kvtier
   scheduler and worker), started after A stored its prompts and running beside A; its
   credentials in a plain ``redis_url`` + ``redis_username`` + ``redis_password_file``.
   As a restarted server would, it restores A's prompts from Redis (its start walk found
   them); it restores a prefix A stored while both ran (learned from A's announcement, issue
-  19); a prompt nobody stored is answered without a Redis probe; after a reset its own
+  19); it restores OUTAGE, which reached Redis only by A's backfill; a prompt nobody
+  stored is answered without a Redis probe; after a reset its own
   prompts come back from its CPU tiers. B also uses a host tier (``kvtier daemon
   --cpu-bytes``, issue 22): a prompt one engine core computed is restored by the other
   from the daemon's segment.
@@ -35,6 +39,7 @@ from tests.support.daemon_proc import HostTierDaemon
 from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_keys import scratch_prefix, wait_for_keys
 from tests.support.redis_server import SecretRedis
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +48,7 @@ STREAMED = prompt_words(32, 170)
 PROMPT_BLOCKS, STREAMED_BLOCKS = 6, 5  # what the new server restores from Redis
 SHARED = prompt_words(41, 200)  # stored by A while B runs: 6 full blocks
 NOVEL = prompt_words(42, 150)  # stored by nobody
+OUTAGE = prompt_words(43, 150)  # computed by A while its Redis refuses it: 4 full blocks
 DP_PROMPTS = [prompt_words(90 + i, 150) for i in range(4)]
 HOST_PROMPTS = [prompt_words(70 + i, 150) for i in range(2)]  # 4 full blocks each
 DEADLINE_S = 300.0  # ends a hang only; every wait below is for an event
@@ -103,6 +109,7 @@ def _baseline(server: OpenAIServer) -> dict[str, Any]:
     out = session(server, reset_first=False)
     out["SHARED"] = complete(server, SHARED)
     out["NOVEL"] = complete(server, NOVEL)
+    out["OUTAGE"] = complete(server, OUTAGE)
     out["DP"] = [complete(server, p) for p in DP_PROMPTS]
     out["HOST"] = [complete(server, p) for p in HOST_PROMPTS]
     return out
@@ -114,6 +121,31 @@ def _a_first_request(a: OpenAIServer) -> dict[str, Any]:
     until(a, lambda m: count(m, "presence_synced") == 1)
     first = complete(a, PROMPT)
     return {"P1": first, "metrics": until(a, lambda m: count(m, "lookups") >= 1)}
+
+
+def _a_backfills(a: OpenAIServer, proxy: TcpProxy) -> dict[str, Any]:
+    """A's Redis link reset and every new connection refused while A computes OUTAGE: each
+    of its saves ends CPU-only or with a failed write (none written). The link forwards
+    again: A writes them from its CPU tier (backfill), and its presence feed walks again."""
+    def outcomes(m: dict[str, float]) -> float:
+        return sum(count(m, k) for k in ("blocks_written_redis", "redis_write_failures",
+                                         "redis_unavailable_saves"))
+
+    out: dict[str, Any] = {"before": until(a, lambda m: True)}
+    proxy.mode = "refuse"
+    proxy.reset_all()
+    out["first"] = complete(a, OUTAGE)
+    saved = count(out["before"], "blocks_saved") + 4
+    out["down"] = until(a, lambda m: count(m, "blocks_saved") >= saved
+                        and outcomes(m) - outcomes(out["before"]) >= 4)
+    proxy.mode = "forward"
+    planned = count(out["before"], "redis_backfills") + 4
+    out["backfilled"] = until(a, lambda m: count(m, "redis_backfills") >= planned
+                              and count(m, "blocks_backfilled_redis")
+                              + count(m, "redis_backfill_failures")
+                              >= count(m, "redis_backfills")
+                              and count(m, "presence_synced") == 1)
+    return out
 
 
 def _b_learns_and_restores(a: OpenAIServer, b: OpenAIServer) -> dict[str, Any]:
@@ -139,6 +171,13 @@ def _b_restores_a_prompts(b: OpenAIServer, before: dict[str, float]) -> dict[str
     """The restart case: PROMPT and STREAMED, which A stored before B started."""
     out = {"P1": complete(b, PROMPT), "S1": complete(b, STREAMED, stream=True)}
     out["metrics"] = until(b, lambda m: count(m, "lookups") >= count(before, "lookups") + 2)
+    return out
+
+
+def _b_restores_the_backfill(b: OpenAIServer, before: dict[str, float]) -> dict[str, Any]:
+    """OUTAGE, whose blocks reached Redis only by A's backfill."""
+    out = {"first": complete(b, OUTAGE)}
+    out["metrics"] = until(b, lambda m: count(m, "lookups") >= count(before, "lookups") + 1)
     return out
 
 
@@ -183,7 +222,8 @@ def _b_host_tier(b: OpenAIServer, daemon: HostTierDaemon) -> dict[str, Any]:
 
 
 def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix: str,
-                 started: list[OpenAIServer], daemon: HostTierDaemon) -> dict[str, Any]:
+                 started: list[OpenAIServer], daemon: HostTierDaemon,
+                 proxy: TcpProxy) -> dict[str, Any]:
     password_file = logs / "redis-password"
     password_file.write_text(secret_redis.user_password + "\n")
     password_file.chmod(0o600)
@@ -201,16 +241,19 @@ def _run_servers(model_dir: Path, logs: Path, secret_redis: SecretRedis, prefix:
     started.append(base)
     out["baseline"] = _baseline(base)
     base.stop()
-    a = _start("A", logs, model_dir, by_env, {URL_ENV: secret_redis.user_url})
+    a_url = secret_redis.user_url.replace(f":{secret_redis.server.port}/", f":{proxy.port}/")
+    a = _start("A", logs, model_dir, by_env, {URL_ENV: a_url})
     started.append(a)
     out["A-first"] = _a_first_request(a)
     out["A"] = session(a, reset_first=True)
+    out["A-backfill"] = _a_backfills(a, proxy)
     # A's Redis writes land in the background: B starts once they are there.
-    wait_for_keys(secret_redis.admin_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS)
+    wait_for_keys(secret_redis.admin_url, prefix, PROMPT_BLOCKS + STREAMED_BLOCKS + 4)
     b = _start("B", logs, model_dir, by_file, {URL_ENV: None}, ["--data-parallel-size", "2"])
     started.append(b)
     out["presence"] = _b_learns_and_restores(a, b)
     out["B"] = _b_restores_a_prompts(b, out["presence"]["after-novel"])
+    out["B-OUTAGE"] = _b_restores_the_backfill(b, out["B"]["metrics"])
     out["DP"] = _b_data_parallel(b)
     out["HOST"] = _b_host_tier(b, daemon)
     out["B"]["metrics_text"] = b.metrics_text()
@@ -224,8 +267,10 @@ def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
     started: list[OpenAIServer] = []
     daemon = HostTierDaemon(logs / "run" / "host.sock", f"openai-{uuid.uuid4().hex[:12]}",
                             slots=512, slot_bytes=64 << 10).start()
+    proxy = TcpProxy("127.0.0.1", secret_redis.server.port).start()
     try:
-        out = _run_servers(tiny_llama_dir, logs, secret_redis, prefix, started, daemon)
+        out = _run_servers(tiny_llama_dir, logs, secret_redis, prefix, started, daemon,
+                           proxy)
     except Exception:
         for server in started:
             print(server.log_tail())
@@ -235,6 +280,7 @@ def runs(tiny_llama_dir: Path, secret_redis: SecretRedis, prefix: str,
             server.stop()
         daemon.kill()
         daemon.remove_files()
+        proxy.stop()
     out["logs"] = {s.log_path.stem: s.log_path.read_text(errors="replace") for s in started}
     return out
 
@@ -282,7 +328,8 @@ def test_b_restores_what_a_stored_and_a_novel_prompt_waits_for_no_probe(
     # A's very first request came before any feed learned a key: answered at once.
     assert count(first, "presence_known_absent") == 1 and count(first, "probe_waits") == 0
     p = runs["presence"]
-    assert count(p["A-written"], "probe_waits") == 0
+    assert count(p["A-written"], "probe_waits") \
+        == count(runs["A-backfill"]["backfilled"], "probe_waits")
     assert p["B-SHARED"]["cached"] == 192 and p["B-SHARED"]["text"] == p["A-SHARED"]["text"]
     assert count(p["after-shared"], "hit_tokens_redis") \
         - count(p["learned"], "hit_tokens_redis") == 192
@@ -339,3 +386,31 @@ def test_the_password_is_in_no_log_and_no_metric(runs: dict[str, Any],
         assert secret_redis.found_in(runs[name]["metrics_text"]) == [], name
     assert secret_redis.found_in(runs["logs"]["baseline"]) == []
     assert URL_ENV in runs["logs"]["A"]  # vLLM printed the config: it names the variable
+
+
+def test_what_a_saved_while_redis_refused_it_reaches_redis_and_b_restores_it(
+        runs: dict[str, Any]) -> None:
+    """A computed OUTAGE while its Redis link refused it: its 4 blocks went to the CPU tier
+    and none to Redis; once the link forwarded again A wrote them from there (backfill,
+    each once), and B, which never computed OUTAGE, restored them from Redis."""
+    fill, base = runs["A-backfill"], runs["baseline"]["OUTAGE"]
+    before, down, after = fill["before"], fill["down"], fill["backfilled"]
+
+    def delta(m: dict[str, float], name: str, since: dict[str, float] = before) -> float:
+        return count(m, name) - count(since, name)
+
+    print("KVTIER-OPENAI-BACKFILL", {k: delta(after, k) for k in (
+        "blocks_saved", "redis_write_failures", "redis_unavailable_saves",
+        "blocks_written_redis", "redis_backfills", "blocks_backfilled_redis")})
+    assert fill["first"]["text"] == base["text"] and fill["first"]["cached"] == 0
+    assert delta(down, "blocks_saved") == 4
+    assert delta(down, "blocks_written_redis") == 0
+    assert delta(down, "redis_write_failures") + delta(down, "redis_unavailable_saves") == 4
+    assert delta(after, "redis_backfills") == 4
+    assert delta(after, "blocks_backfilled_redis") == 4
+    assert delta(after, "redis_backfill_failures") == 0
+    assert delta(after, "blocks_written_redis", down) == 0  # counted apart from saves
+    b = runs["B-OUTAGE"]
+    assert b["first"]["cached"] == 128 and b["first"]["text"] == base["text"]
+    assert delta(b["metrics"], "hit_tokens_redis", runs["B"]["metrics"]) == 128
+    assert count(b["metrics"], "failed_restores") == 0
