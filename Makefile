@@ -44,6 +44,7 @@ bench: bootstrap
 	$(VENV)/python benchmarks/bench_audit.py --json $(R)/audit.json && $(FIG) stamp $(R)/audit.json -- bench_audit.py
 	$(VENV)/python benchmarks/bench_janitor.py --value-bytes 65536 --json $(R)/janitor-64k.json && $(FIG) stamp $(R)/janitor-64k.json -- bench_janitor.py --value-bytes 65536
 	$(VENV)/python benchmarks/bench_janitor.py --value-bytes 2097152 --keys 2000 --json $(R)/janitor-2m.json && $(FIG) stamp $(R)/janitor-2m.json -- bench_janitor.py --value-bytes 2097152 --keys 2000
+	$(VENV)/python benchmarks/bench_backfill.py --json $(R)/backfill.json && $(FIG) stamp $(R)/backfill.json -- bench_backfill.py
 	$(VENV)/python benchmarks/bench_native_tier.py --json $(R)/native.json && $(FIG) stamp $(R)/native.json -- bench_native_tier.py
 	$(VENV)/python benchmarks/bench_stall.py --quick --json $(R)/stall.json && $(FIG) stamp $(R)/stall.json -- bench_stall.py --quick
 	$(VENV)/python benchmarks/bench_e2e.py --json $(R)/e2e.json && $(FIG) stamp $(R)/e2e.json -- bench_e2e.py

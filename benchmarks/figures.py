@@ -375,6 +375,22 @@ def gil(d: dict[str, Any]) -> str:
             f"{g['sched_yield loop, 5 ms']:.2f} GB/s ({when(d)})")
 
 
+def backfill(d: dict[str, Any]) -> str:
+    rows = d["rows"]
+    link = next(r for r in rows if r["path"] == "pipelined SET")
+    fills = ", ".join(f"{r['mb_per_s']:.0f} MB/s at {r['step_ms']:g} ms steps "
+                      f"({r['steps']} steps, {x(r['vs_pipelined_set'])})"
+                      for r in rows if r["path"] == "backfill")
+    ups = ", ".join(f"{r['mb_per_s']:.0f} MB/s at {r['step_ms']:g} ms"
+                    + (f" ({r['saved'] - r['blocks']:,} of {r['saved']:,} dropped: the "
+                       f"writer's queue was full)" if r["blocks"] < r["saved"] else "")
+                    for r in rows if r["path"] == "saves, Redis up")
+    return (f"{d['blocks']:,} blocks of {d['block_kib']} KiB saved during an outage reach "
+            f"Redis once it answers at {fills} the pipelined-SET rate of the same bytes "
+            f"({link['mb_per_s']:.0f} MB/s); the same saves written while Redis was up: "
+            f"{ups} ({when(d)})")
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -397,6 +413,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "host-tier": (("host_tier.json",), host_tier),
     "gpu": (("gpu_check.json",), gpu),
     "gil": (("gil.json",), gil),
+    "backfill": (("backfill.json",), backfill),
 }
 
 
