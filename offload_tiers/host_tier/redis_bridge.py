@@ -10,6 +10,10 @@ connection for the engines that attach with ``host_tier_redis``:
   storing one prefix write it to Redis once. Once written, TP rank 0's shard is announced
   on the prefix's presence stream (``feed``), as engines announce their own writes, so
   engines with a Redis connection of their own learn the key without a walk;
+* **backfill**: a write that failed or was dropped (Redis down) is kept (bounded: as many
+  as the host tier has slots, oldest dropped first); once Redis answers again a thread of
+  this module writes them from their slots, one batch at a time, each tried once. A slot
+  reused meanwhile (its digest or save id changed) is skipped, counted;
 * **presence**: the feed also walks the prefix's key names and reads every engine's
   announcements; what it learns is pushed to subscribers (``Presence``; a new one gets the
   last :data:`PRESENCE_WINDOW` digests in its ``Welcome``), so an engine without a Redis
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -51,6 +55,11 @@ PRESENCE_WINDOW = 1 << 20
 #: How often learned digests are pushed to subscribers.
 PRESENCE_PUSH_S = 0.05
 
+#: Backfill writes out at once (one batch of the Redis writer), and how often a thread with
+#: writes to backfill looks whether Redis answers again (the Redis tier probes on its own).
+BACKFILL_BATCH = 32
+BACKFILL_POLL_S = 0.1
+
 #: (host digest, where the save lies, its Redis key, the Redis save id, announce it)
 WriteItem = tuple[bytes, Location, BlockKey, int, bool]
 #: (host digest, Redis key, Redis save id asked for, payload length)
@@ -68,6 +77,11 @@ class BridgeCounters:
     redis_restored: int = 0
     redis_restore_misses: int = 0  # not in Redis, invalid, another save, or no slot
     redis_restores_already_held: int = 0  # answered from the directory, no Redis read
+    redis_backfills: int = 0  # failed writes submitted again once Redis answered
+    redis_backfilled: int = 0
+    redis_backfill_failures: int = 0
+    redis_backfill_skipped: int = 0  # the slot was reused before the backfill read it
+    redis_backfill_dropped: int = 0  # more failed writes than the host tier has slots
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -109,6 +123,14 @@ class RedisBridge:
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvtier-host-redis-write")
         self._requests = ThreadPoolExecutor(request_threads,
                                             thread_name_prefix="kvtier-host-redis-read")
+        # Writes that failed, to write again once Redis answers (by digest: the newest wins).
+        self._failed: OrderedDict[bytes, WriteItem] = OrderedDict()
+        self._failed_max = self.segment.num_slots
+        self._backfill_out = threading.Condition(self._counter_lock)
+        self._backfill_pending = 0
+        self._backfiller = threading.Thread(target=self._run_backfill, daemon=True,
+                                            name="kvtier-host-redis-backfill")
+        self._backfiller.start()
 
     # ------------------------------------------------------------ callers (the loop)
     def write_behind(self, items: list[WriteItem]) -> None:
@@ -144,7 +166,8 @@ class RedisBridge:
             self._pump.join()
         self._requests.shutdown(wait=True, cancel_futures=True)
         self._writes.shutdown(wait=True)
-        self.redis.close(timeout=timeout)
+        self.redis.close(timeout=timeout)  # answers every write still out: the thread ends
+        self._backfiller.join()
         if self.feed is not None:
             self.feed.close(timeout)
 
@@ -180,22 +203,63 @@ class RedisBridge:
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
-    def _write(self, items: list[WriteItem]) -> None:
-        for digest, where, key, save_id, announce in items:
+    def _write(self, items: list[WriteItem], backfill: bool = False) -> None:
+        """Read each save back from its slot and queue it to Redis (a backfill: counted
+        apart, and waited for by the caller through ``_backfill_pending``)."""
+        for item in items:
+            digest, where, key, save_id, _announce = item
             payload = np.empty(where.length, dtype=np.uint8)
             if not self.segment.read_into(where.slot, digest, where.save_id, payload):
-                self._count(redis_writes_skipped=1)
+                self._count(**{"redis_backfill_skipped" if backfill
+                               else "redis_writes_skipped": 1})
                 continue
-            self._count(redis_writes_queued=1)
+            with self._counter_lock:
+                if backfill:
+                    self.counters.redis_backfills += 1
+                    self._backfill_pending += 1
+                else:
+                    self.counters.redis_writes_queued += 1
             self.redis.submit_put(key, payload, save_id=save_id,
-                                  on_done=self._written(key if announce else None))
+                                  on_done=self._written(item, backfill))
 
-    def _written(self, announce: BlockKey | None) -> Callable[[bool], None]:
+    def _written(self, item: WriteItem, backfill: bool) -> Callable[[bool], None]:
+        announce = item[2] if item[4] else None
+
         def done(stored: bool) -> None:
-            self._count(**{"redis_writes" if stored else "redis_write_failures": 1})
+            with self._counter_lock:
+                if backfill:
+                    if stored:
+                        self.counters.redis_backfilled += 1
+                    else:
+                        self.counters.redis_backfill_failures += 1
+                    self._backfill_pending -= 1
+                    self._backfill_out.notify_all()
+                elif stored:
+                    self.counters.redis_writes += 1
+                else:
+                    self.counters.redis_write_failures += 1
+                    self._failed[item[0]] = item
+                    self._failed.move_to_end(item[0])
+                    if len(self._failed) > self._failed_max:
+                        self._failed.popitem(last=False)
+                        self.counters.redis_backfill_dropped += 1
             if stored and announce is not None and self.feed is not None:
                 self.feed.announce([announce.name.encode()])
         return done
+
+    def _run_backfill(self) -> None:
+        """Once Redis answers, write the failed writes again, a batch at a time (the next
+        once every write of the last is answered)."""
+        while not self._stop.wait(BACKFILL_POLL_S):
+            while self.redis.available and not self._stop.is_set():
+                with self._counter_lock:
+                    batch = [self._failed.popitem(last=False)[1]
+                             for _ in range(min(BACKFILL_BATCH, len(self._failed)))]
+                if not batch:
+                    break
+                self._write(batch, backfill=True)
+                with self._backfill_out:  # every write ends answered (closing: dropped)
+                    self._backfill_out.wait_for(lambda: self._backfill_pending == 0)
 
     def _probe(self, keys: list[BlockKey], reply: Callable[[list[int]], None]) -> None:
         self._count(redis_probes=len(keys))

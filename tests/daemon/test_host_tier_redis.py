@@ -222,6 +222,46 @@ def test_redis_gone_restores_miss_writes_fail_and_the_host_tier_serves_on(
         c.close()
 
 
+def test_what_redis_missed_while_gone_is_backfilled_once_it_answers(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """Writes behind that failed while Redis was gone are written from their slots once it
+    answers again, each once, with the engine's save id, and announced as first writes are
+    (rank 0's shard only)."""
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    with HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                        slots=8, slot_bytes=SLOT, redis_url=redis_server.url,
+                        redis_prefix=prefix).running() as proc:
+        c = client(proc)
+        try:
+            redis_server.stop()
+            for i in (50, 51, 52):
+                assert c.wait_until(lambda c: len(c._pool) >= 1, WAIT_S), "no slot leased"
+                commit_one(c, key(i), payload(i), redis_save_id=i, announce=i != 52)
+            proc.wait_for(lambda s: s["host_tier"]["redis_write_failures"] >= 3,
+                          what="the write-behind failing with Redis gone", timeout=WAIT_S)
+            assert proc.tier()["redis_backfills"] == 0  # nothing is tried while it is gone
+            redis_server.start()
+            stats = proc.wait_for(lambda s: s["host_tier"]["redis_backfilled"] >= 3,
+                                  what="the backfill", timeout=WAIT_S)["host_tier"]
+            assert stats["redis_backfills"] == 3 and stats["redis_backfill_failures"] == 0
+            assert stats["redis_backfill_skipped"] == stats["redis_backfill_dropped"] == 0
+            assert stats["redis_writes"] == 0  # backfills are counted apart
+            tier = RedisTier.from_url(redis_server.url, prefix=prefix, strict=True)
+            try:
+                assert tier.save_ids_many([key(50), key(51), key(52)]) == [50, 51, 52]
+                assert [bytes(tier.get(key(i)) or b"") for i in (50, 51, 52)] \
+                    == [payload(i) for i in (50, 51, 52)]
+            finally:
+                tier.close()
+            proc.wait_for(lambda s: s["host_tier"]["redis_announced"] >= 2,
+                          what="the announcements", timeout=WAIT_S)
+            stream = redis_py.Redis.from_url(redis_server.url).xrange(announce_stream(prefix))
+            announced = {int(d) for _, fields in stream for d in unpack_digests(fields[b"d"])}
+            assert announced == {name_digest(key(i).name.encode()) for i in (50, 51)}
+        finally:
+            c.close()
+
+
 def test_subscribers_get_the_daemons_presence_summary(
         daemon: HostTierDaemon, redis_url: str, key_prefix: str) -> None:
     """What the daemon learns Redis holds reaches its subscribers (engines' scheduler
