@@ -6,8 +6,9 @@ exits; engine B, a new process with an empty CPU tier of its own, restores their
 from the daemon's segment; a third engine given the same prefix stores nothing twice; two
 TP=2 engines share a prefix shard by shard; an engine SIGKILLed mid-save leaves nothing
 served; the daemon SIGKILLed under an engine; engines that reach Redis only through the
-daemon (``host_tier_redis``). The outputs equal vLLM's without kvtier (the engine host's
-baseline engine). Waits are on the daemon's /stats, never on time.
+daemon (``host_tier_redis``), also while the daemon's Redis refuses it. The outputs
+equal vLLM's without kvtier (the engine host's baseline engine). Waits are on the daemon's
+/stats, never on time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from connector.demo.tiny_models import prompt_words
 from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.daemon_proc import HostTierDaemon
+from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +37,8 @@ A2 = PROMPT_A + " w5 w6"
 B2 = PROMPT_B + " w7"
 C2 = PROMPT_C + " w8"
 E2 = PROMPT_E + " w9"
+PROMPT_F = prompt_words(35, 150)  # stored while the daemon's Redis refuses it
+F2 = PROMPT_F + " w10"
 TP2 = {"tensor_parallel_size": 2}
 PREFIX_TOKENS = 128  # the four full 32-token blocks each prompt shares with its turn 2
 
@@ -62,7 +66,8 @@ def extra(daemon: HostTierDaemon) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
-    steps = [["generate", n, p] for n, p in (("A2", A2), ("B2", B2), ("C2", C2))]
+    steps = [["generate", n, p] for n, p in (("A2", A2), ("B2", B2), ("C2", C2),
+                                             ("F2", F2))]
     return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": steps}))
 
 
@@ -219,43 +224,63 @@ def test_the_daemon_killed_mid_run_the_engine_serves_on_with_identical_output(
 def redis_daemons(tmp_path_factory: pytest.TempPathFactory, redis_url: str
                   ) -> Iterator[dict[str, Any]]:
     """Engines with ``host_tier_redis`` (no Redis connection of their own) on a daemon that
-    holds Redis: engine A stores PROMPT_B, the daemon writes it behind and is SIGKILLed; a
-    new daemon (an empty segment) and a new engine asking B2 restore it from Redis."""
+    holds Redis (the first daemon through a loopback proxy): engine A stores PROMPT_B and
+    the daemon writes it behind; engine F stores PROMPT_F while the proxy refuses the daemon,
+    whose writes fail, and once it forwards again the daemon writes them from the host tier
+    (backfill). The daemon is SIGKILLed; a new daemon (an empty segment, on Redis directly)
+    and a new engine asking B2 and F2 restore both from Redis."""
     sock = tmp_path_factory.mktemp("host-tier-redis") / "run" / "host.sock"
     prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
     # No Redis fault is injected here: deadlines only a hung Redis reaches (no_faults).
     extra = {"cpu_bytes": 16 << 20, "host_tier_socket": str(sock), "host_tier_redis": True,
              "max_probe_asks": no_faults.CONNECTOR["max_probe_asks"]}
     daemons = []
+    proxy = TcpProxy("127.0.0.1", int(redis_py.Redis.from_url(redis_url).connection_pool
+                                      .connection_kwargs["port"])).start()
 
-    def start() -> HostTierDaemon:
+    def start(url: str) -> HostTierDaemon:
         daemons.append(HostTierDaemon(sock, f"e2e-redis-{uuid.uuid4().hex[:12]}", slots=256,
-                                      slot_bytes=64 << 10, redis_url=redis_url,
+                                      slot_bytes=64 << 10, redis_url=url,
                                       redis_prefix=prefix,
                                       redis_timeout_s=no_faults.DAEMON_REDIS_TIMEOUT_S).start())
         return daemons[-1]
 
     try:
-        first_daemon = start()
+        first_daemon = start(proxy.url)
         stored = run_in_subprocess({"model": "llama", "extra": extra,
                                     "steps": [["generate", "B1", PROMPT_B]]})
         written = stored["stats"]["redis_saves_via_daemon"]
         first_tier = first_daemon.wait_for(
             lambda s: s["host_tier"]["redis_writes"] >= written,
             what=f"the daemon writing engine A's {written} saves behind")["host_tier"]
+        proxy.mode = "refuse"
+        proxy.reset_all()
+        refused = run_in_subprocess({"model": "llama", "extra": extra,
+                                     "steps": [["generate", "F1", PROMPT_F]]})
+        more = refused["stats"]["redis_saves_via_daemon"]
+        down = first_daemon.wait_for(
+            lambda s: s["host_tier"]["redis_write_failures"] >= more,
+            what=f"the daemon failing to write engine F's {more} saves")["host_tier"]
+        proxy.mode = "forward"
+        backfilled = first_daemon.wait_for(
+            lambda s: s["host_tier"]["redis_backfilled"]
+            + s["host_tier"]["redis_backfill_failures"] >= more,
+            what="the daemon's backfill of engine F's saves")["host_tier"]
         first_daemon.kill()
-        second_daemon = start()
+        second_daemon = start(redis_url)
         # its walk of the prefix's key names found A's keys: its summary is complete
         second_daemon.wait_for(lambda s: s["host_tier"]["presence_synced"] == 1,
                                what="the new daemon's walk of the key names")
         restored = run_in_subprocess({"model": "llama", "extra": extra, "steps": [
-            ["generate", "B2", B2], ["generate", "C2", C2]]})
+            ["generate", "B2", B2], ["generate", "C2", C2], ["generate", "F2", F2]]})
         yield {"stored": stored, "first_tier": first_tier, "restored": restored,
-               "second_tier": second_daemon.tier()}
+               "second_tier": second_daemon.tier(), "refused": refused, "down": down,
+               "backfilled": backfilled}
     finally:
         for d in daemons:
             d.kill()
             d.remove_files()
+        proxy.stop()
         keys = redis_py.Redis.from_url(redis_url)
         doomed = list(keys.scan_iter(match=f"{prefix}*", count=1000))
         if doomed:
@@ -286,5 +311,27 @@ def test_engines_on_the_daemons_redis_store_through_it_and_restore_after_it_rest
     assert redis_daemons["restored"]["stats"]["presence_learned"] >= blocks
     tier = redis_daemons["second_tier"]
     # restored into the new daemon's segment: every engine on the host now finds them there
-    assert tier["redis_restored"] == blocks
-    assert tier["entries"] >= blocks
+    # (B2's blocks, and F2's: the backfill test below)
+    assert tier["redis_restored"] == 2 * blocks
+    assert tier["entries"] >= 2 * blocks
+
+
+def test_what_the_daemon_could_not_write_while_redis_refused_it_is_backfilled(
+        baseline: dict[str, dict[str, Any]], redis_daemons: dict[str, Any]) -> None:
+    """Engine F's saves reached the daemon while its Redis refused every connection: each
+    write failed (counted) and none was written; once Redis answered, the daemon wrote each
+    from the host tier, once; after the daemon restarted empty, a new engine restored F2's
+    prefix from Redis with vLLM's output."""
+    blocks = PREFIX_TOKENS // 32
+    refused = redis_daemons["refused"]["stats"]
+    assert refused["redis_saves_via_daemon"] == blocks
+    down, after = redis_daemons["down"], redis_daemons["backfilled"]
+    first = redis_daemons["first_tier"]
+    assert down["redis_write_failures"] - first["redis_write_failures"] == blocks
+    assert down["redis_writes"] == first["redis_writes"]  # nothing reached Redis
+    assert (after["redis_backfills"], after["redis_backfilled"]) == (blocks, blocks)
+    assert after["redis_backfill_failures"] == after["redis_backfill_skipped"] == 0
+    run = by_name(redis_daemons["restored"])["F2"]
+    assert run["delta"].get("hit_tokens_redis", 0) == PREFIX_TOKENS
+    assert run["num_cached_tokens"] == PREFIX_TOKENS
+    assert run["token_ids"] == baseline["F2"]["token_ids"]
