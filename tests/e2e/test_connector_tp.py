@@ -216,6 +216,8 @@ def test_tp2_what_both_ranks_saved_while_redis_refused_them_is_backfilled(
                                             "E2": e2["delta"]}, sort_keys=True))
     assert e1["delta"].get("blocks_saved", 0) == 2 * 4  # per rank
     assert e1["delta"].get("blocks_written_redis", 0) == 0
+    assert e1["delta"].get("redis_write_failures", 0) \
+        + e1["delta"].get("redis_unavailable_saves", 0) > 0  # the outage, counted
     assert refused["redis_available"] == 0
     assert wait["reached"], wait
     assert (wait["planned"], wait["written"], wait["failed"]) == (4, 2 * 4, 0), wait

@@ -67,7 +67,7 @@ def extra(daemon: HostTierDaemon) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def baseline(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
     steps = [["generate", n, p] for n, p in (("A2", A2), ("B2", B2), ("C2", C2),
-                                             ("F2", F2))]
+                                             ("F1", PROMPT_F), ("F2", F2))]
     return by_name(run_in_subprocess({"model": "llama", "extra": None, "steps": steps}))
 
 
@@ -324,6 +324,8 @@ def test_what_the_daemon_could_not_write_while_redis_refused_it_is_backfilled(
     prefix from Redis with vLLM's output."""
     blocks = PREFIX_TOKENS // 32
     refused = redis_daemons["refused"]["stats"]
+    assert by_name(redis_daemons["refused"])["F1"]["token_ids"] \
+        == baseline["F1"]["token_ids"]  # served on while the daemon's Redis refused it
     assert refused["redis_saves_via_daemon"] == blocks
     down, after = redis_daemons["down"], redis_daemons["backfilled"]
     first = redis_daemons["first_tier"]
