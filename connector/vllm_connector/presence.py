@@ -19,6 +19,13 @@ this namespace writes and scans), which depends on rank 0's tensor layout: the r
 worker sends it in its reports until a plan says it arrived. Until then (unless the feed
 learned nothing at all: then every key is absent, whatever its name), and while the feed is
 not synced (walking the key names, or after a Redis failure), every miss asks Redis.
+
+The feed's queues are bounded (an idle engine takes nothing for as long as it idles): at
+most ``presence_capacity`` learned digests wait for a step (the summary keeps no more
+anyway), at most :data:`~offload_tiers.redis.presence_feed.ANNOUNCE_MAX` of this engine's
+stores wait to be announced, the oldest dropped past either; a feed that turned itself off
+drops announcements as they come. Drops are counted (``presence_learned_dropped``,
+``presence_announce_dropped``): each costs a miss at worst, never a wrong block.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class RedisPresence:
         self._rank0: BoundedCache[str, str] = BoundedCache(_RANK0_CACHE_MAX)
         self._stored: list[int] = []  # this engine's stores since the last refresh
         self._recent: set[int] = set()  # digests not in the filter yet
+        self._drops = (0, 0)  # the feed's (announce_dropped, learned_dropped) counted so far
         counters.set_gauge("presence_memory_bytes", self.filter.memory_bytes)
 
     @classmethod
@@ -76,7 +84,9 @@ class RedisPresence:
         factory = ClientFactory(parse_redis_url(config.redis_url),
                                 timeout_s=max(config.redis_timeout_s, _FEED_TIMEOUT_S),
                                 ssl_ca_certs=config.redis_ssl_ca_certs)
+        # learned digests wait for a step: no more than the summary keeps (its capacity)
         feed = PresenceFeed(factory, config.redis_prefix, max_keys=config.presence_capacity,
+                            learned_max=config.presence_capacity,
                             scan_keys_per_s=config.presence_scan_keys_per_s,
                             skip_own=True)  # this engine's stores reach its filter directly
         return cls(config, world_size, counters, feed.start())
@@ -107,6 +117,12 @@ class RedisPresence:
         if len(learned):
             self._learn(learned)
             self.counters.add("presence_learned", len(learned))
+        drops = self.feed.drop_counts()
+        if drops != self._drops:
+            (announce, learn), (announce_was, learn_was) = drops, self._drops
+            self._drops = drops
+            self.counters.add("presence_announce_dropped", announce - announce_was)
+            self.counters.add("presence_learned_dropped", learn - learn_was)
         self.counters.set_gauge("presence_synced", int(synced))
         return synced
 
@@ -197,6 +213,10 @@ class DaemonFeed:
 
     def announce_digests(self, digests: Any) -> None:
         """Nothing to do: the daemon announces the saves it writes behind."""
+
+    def drop_counts(self) -> tuple[int, int]:
+        """Nothing dropped here: the daemon's feed counts its own drops."""
+        return 0, 0
 
     def stats(self) -> dict[str, Any]:
         return {"synced": int(self.synced)}

@@ -55,6 +55,9 @@ COUNTER_NAMES: tuple[str, ...] = (
     "presence_keys_skipped",  # missing keys not probed (not announced, or past a gap)
     "presence_not_ready",  # lookups probed in full: the presence summary was not synced
     "presence_learned",  # key names learned from Redis (walk + other engines' announcements)
+    "presence_learned_dropped",  # ... dropped before a step took them (the oldest past the cap)
+    "presence_announce_dropped",  # stores never announced: the oldest past the queue's cap,
+    # or the feed turned itself off
     "hit_tokens_host",  # tokens served from the host tier (kvtier daemon --cpu-bytes)
     "blocks_loaded_host",
     "blocks_written_host",  # blocks copied into the host tier

@@ -18,6 +18,15 @@ never raised. Nothing read is evaluated. Errors are logged without the password.
 that refuses the stream commands (ACL) or holds more than ``max_keys`` key names under the
 prefix turns the feed off for good (``synced`` stays False, callers ask Redis per key), said
 once in a warning.
+
+Its memory is bounded: both queues hold 8-byte digests (an ``array``, not Python ints). The
+announcements waiting for ``XADD`` (they pile up while Redis does not answer) are at most
+``announce_max``, and the learned digests waiting for :meth:`take` (they pile up while no
+one takes them: an idle engine's scheduler) at most ``learned_max`` (default ``max_keys``:
+a summary keeps no more than its capacity anyway); past either, the oldest are dropped and
+counted (``announce_dropped``, ``learned_dropped``). A feed that turned itself off drops its
+queued announcements at once and every later one as it comes (counted in
+``announce_dropped``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,8 +45,8 @@ from offload_tiers.presence import name_digest, pack_digests, unpack_digests
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.thread_names import name_current_thread
 
-__all__ = ["ANNOUNCE_SUFFIX", "STREAM_MAXLEN", "PresenceFeed", "announce_stream",
-           "is_announce_stream"]
+__all__ = ["ANNOUNCE_MAX", "ANNOUNCE_SUFFIX", "STREAM_MAXLEN", "PresenceFeed",
+           "announce_stream", "is_announce_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +56,10 @@ ANNOUNCE_SUFFIX = "announce"
 STREAM_MAXLEN = 10_000
 #: Digests per stream entry at most.
 BATCH_MAX = 512
+#: Announced digests waiting for ``XADD`` at most (512 KiB; 128 stream entries): the oldest
+#: are dropped past it. A dropped announcement costs another engine a miss, never a wrong
+#: block (and while Redis does not answer, the writes it announces mostly fail too).
+ANNOUNCE_MAX = 1 << 16
 _SCAN_COUNT = 1000
 _READ_COUNT = 1000
 
@@ -68,13 +82,20 @@ class PresenceFeed:
     def __init__(self, factory: ClientFactory, prefix: str, *, max_keys: int = 1 << 20,
                  scan_keys_per_s: float = 200_000.0, block_ms: int = 100,
                  backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0,
-                 learn: bool = True, skip_own: bool = False) -> None:
+                 learn: bool = True, skip_own: bool = False,
+                 announce_max: int = ANNOUNCE_MAX, learned_max: int | None = None) -> None:
         """``learn=False``: announce only (no walk of key names, no reading of the stream),
         e.g. for a process that writes on engines' behalf and looks nothing up.
         ``skip_own``: do not hand back this feed's own announcements read from the stream
-        (for a caller that remembers what it announced)."""
+        (for a caller that remembers what it announced). ``announce_max`` / ``learned_max``
+        (default ``max_keys``): digests queued to announce / to hand over at most, the
+        oldest dropped past them."""
         if scan_keys_per_s <= 0:
             raise ValueError(f"scan_keys_per_s must be positive, got {scan_keys_per_s}")
+        learned_max = max_keys if learned_max is None else learned_max
+        if announce_max < 1 or learned_max < 1:
+            raise ValueError(f"announce_max and learned_max must be ≥ 1, got {announce_max} "
+                             f"and {learned_max}")
         self._factory = factory
         self.prefix = prefix
         self.stream = announce_stream(prefix)
@@ -85,8 +106,10 @@ class PresenceFeed:
         self.block_ms = block_ms
         self._health = Health(factory.target.redacted, backoff_initial_s, backoff_max_s)
         self._lock = threading.Lock()
-        self._outgoing: list[int] = []
-        self._learned: list[int] = []
+        self.announce_max = announce_max
+        self.learned_max = learned_max
+        self._outgoing: array[int] = array("Q")  # digests to announce, oldest first
+        self._learned: array[int] = array("Q")  # digests learned, not taken yet
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Any = None
@@ -98,7 +121,8 @@ class PresenceFeed:
         self.synced = False
         self.disabled = ""  # why the feed stopped for good ("" while it runs)
         self._n = dict.fromkeys(("announced", "learned_stream", "learned_scan", "walks",
-                                 "bad_entries", "own_skipped", "failures"), 0)
+                                 "bad_entries", "own_skipped", "failures",
+                                 "announce_dropped", "learned_dropped"), 0)
 
     # ------------------------------------------------------------------ caller's side
     def start(self) -> PresenceFeed:
@@ -109,26 +133,60 @@ class PresenceFeed:
         return self
 
     def announce(self, names: Iterable[bytes]) -> None:
-        """Queue the key names (without the prefix) this process stored."""
-        digests = [name_digest(n) for n in names]
-        with self._lock:
-            self._outgoing.extend(digests)
+        """Queue the key names (without the prefix) this process stored (dropped, counted,
+        once the feed is off)."""
+        if self.disabled:
+            self._drop_announced(sum(1 for _ in names))
+            return
+        self.announce_digests([name_digest(n) for n in names])
 
     def announce_digests(self, digests: Iterable[int]) -> None:
+        """Queue digests to announce: at most ``announce_max`` wait, the oldest dropped."""
+        batch = array("Q", digests)
         with self._lock:
-            self._outgoing.extend(digests)
+            if self.disabled:
+                self._n["announce_dropped"] += len(batch)
+                return
+            self._append(self._outgoing, batch, self.announce_max, "announce_dropped")
 
     def take(self) -> list[int]:
-        """Digests learned since the last call."""
+        """Digests learned since the last call (the newest ``learned_max`` of them)."""
         with self._lock:
-            out, self._learned = self._learned, []
-        return out
+            out, self._learned = self._learned, array("Q")
+        return out.tolist()
+
+    def drop_counts(self) -> tuple[int, int]:
+        """``(announce_dropped, learned_dropped)``: digests dropped so far (cheap, for a
+        caller that asks every step)."""
+        with self._lock:
+            return self._n["announce_dropped"], self._n["learned_dropped"]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._n)
+            out.update(announce_queue=len(self._outgoing), learned_queue=len(self._learned))
         out.update(synced=int(self.synced), disabled=self.disabled)
         return out
+
+    def _drop_announced(self, count: int) -> None:
+        with self._lock:
+            self._n["announce_dropped"] += count
+
+    def _append(self, queue: array[int], digests: array[int], limit: int,
+                counter: str) -> None:
+        """Append to a queue (under the lock), dropping its oldest past ``limit``."""
+        queue.extend(digests)
+        over = len(queue) - limit
+        if over > 0:
+            del queue[:over]
+            self._n[counter] += over
+
+    def _turn_off(self, why: str) -> None:
+        """Stop for good: the queued announcements are dropped (counted), as are later ones."""
+        with self._lock:
+            self._n["announce_dropped"] += len(self._outgoing)
+            self._outgoing = array("Q")
+            self.disabled = why
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread (its queued announcements are flushed first when Redis answers)."""
@@ -180,8 +238,8 @@ class PresenceFeed:
         with self._lock:
             self._n["failures"] += 1
         if _refused(exc):
-            self.disabled = (f"Redis refuses the presence stream's commands (XADD, XREAD, "
-                             f"XREVRANGE, SCAN): {self._factory.describe(exc)}")
+            self._turn_off(f"Redis refuses the presence stream's commands (XADD, XREAD, "
+                           f"XREVRANGE, SCAN): {self._factory.describe(exc)}")
             log.warning("kvtier presence feed off: %s; every miss asks Redis. Fix: allow "
                         "those commands on %s* for this user", self.disabled, self.prefix)
             return
@@ -206,8 +264,8 @@ class PresenceFeed:
             batch.append(name_digest(name))
             seen += 1
             if seen > self.max_keys:
-                self.disabled = (f"Redis holds more than {self.max_keys} key names under "
-                                 f"{self.prefix}:")
+                self._turn_off(f"Redis holds more than {self.max_keys} key names under "
+                               f"{self.prefix}:")
                 log.warning("kvtier presence feed off: %s; every miss asks Redis. Fix: raise "
                             "presence_capacity", self.disabled)
                 raise _Stop
@@ -229,15 +287,17 @@ class PresenceFeed:
 
     def _flush(self, client: Any) -> None:
         with self._lock:
-            out, self._outgoing = self._outgoing, []
+            out, self._outgoing = self._outgoing, array("Q")
         for i in range(0, len(out), BATCH_MAX):
             chunk = out[i:i + BATCH_MAX]
             try:
-                entry_id = client.xadd(self.stream, {b"d": pack_digests(chunk)},
+                entry_id = client.xadd(self.stream, {b"d": pack_digests(chunk.tolist())},
                                        maxlen=STREAM_MAXLEN, approximate=True)
             except Exception:
-                with self._lock:  # keep what was not sent for the next try
-                    self._outgoing[:0] = out[i:]
+                with self._lock:  # keep what was not sent for the next try (it is older)
+                    queued, self._outgoing = self._outgoing, out[i:]
+                    self._append(self._outgoing, queued, self.announce_max,
+                                 "announce_dropped")
                 raise
             if self._skip_own:
                 self._own_ids[entry_id] = None
@@ -279,8 +339,9 @@ class PresenceFeed:
     def _learn(self, digests: list[int], counter: str) -> None:
         if not digests:
             return
+        batch = array("Q", digests)
         with self._lock:
-            self._learned.extend(digests)
+            self._append(self._learned, batch, self.learned_max, "learned_dropped")
             self._n[counter] += len(digests)
 
 

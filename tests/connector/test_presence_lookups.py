@@ -30,6 +30,7 @@ class HandFedFeed:
         self.synced = True
         self.learned: list[int] = []
         self.announced: list[int] = []
+        self.drops = (0, 0)  # (announce_dropped, learned_dropped), as the feed counts them
         self.closed = False
 
     def take(self) -> list[int]:
@@ -38,6 +39,9 @@ class HandFedFeed:
 
     def announce_digests(self, digests: list[int]) -> None:
         self.announced.extend(digests)
+
+    def drop_counts(self) -> tuple[int, int]:
+        return self.drops
 
     def close(self) -> None:
         self.closed = True

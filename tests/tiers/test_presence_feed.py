@@ -1,7 +1,8 @@
 """The presence feed on a real Redis: what one process stores, another running feed learns
 (stream); what Redis holds when a feed starts, it learns by walking the key names. Foreign
 entries, outages, ACL refusals and oversized prefixes never break it, and it is never
-"synced" while it may have missed names."""
+"synced" while it may have missed names. Its queues are bounded: announcements while Redis
+does not answer or after the feed turned itself off, learned digests nobody takes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from offload_tiers.presence import name_digest, pack_digests
+from offload_tiers.presence import name_digest, pack_digests, unpack_digests
 from offload_tiers.redis.client import ClientFactory
 from offload_tiers.redis.janitor import RedisJanitor
 from offload_tiers.redis.presence_feed import PresenceFeed, announce_stream
@@ -27,10 +28,11 @@ from tests.tiers.helpers import key, payload
 SECRET = "f33d-s3cret"
 
 
-def _feed(url: str, prefix: str, **kw: object) -> PresenceFeed:
+def _feed(url: str, prefix: str, *, start: bool = True, **kw: object) -> PresenceFeed:
     factory = ClientFactory(parse_redis_url(url), timeout_s=5.0)
-    return PresenceFeed(factory, prefix, backoff_initial_s=0.05, backoff_max_s=0.2,
-                        **kw).start()  # type: ignore[arg-type]
+    feed = PresenceFeed(factory, prefix, backoff_initial_s=0.05, backoff_max_s=0.2,
+                        **kw)  # type: ignore[arg-type]
+    return feed.start() if start else feed
 
 
 @pytest.fixture
@@ -181,3 +183,100 @@ def test_the_janitor_leaves_the_announcement_stream_alone(
         janitor.stop()
     assert raw.exists(stream) == 1 and raw.type(stream) == b"stream"
     assert raw.exists(f"{key_prefix}:not-a-block".encode()) == 0  # it still judges the rest
+
+
+def _nostream_url(server: RedisServer, prefix: str) -> str:
+    """A user of ``server`` that may touch ``prefix``'s keys but run no stream command."""
+    server.client().execute_command("ACL", "SETUSER", "nostream", "on", f">{SECRET}",
+                                    f"~{prefix}:*", "+@all", "-@stream")
+    return f"redis://nostream:{quote(SECRET, safe='')}@127.0.0.1:{server.port}/0"
+
+
+BOUND = 64  # the announce / learned queue's bound in the tests below
+
+
+def test_a_feed_turned_off_drops_its_queued_announcements_and_every_later_one(
+        tmp_path: Path, key_prefix: str, feeds: list[PresenceFeed]) -> None:
+    """10 x the bound announced before the feed's thread ran (bounded, the oldest dropped);
+    the ACL turns it off: the queue is emptied, and later announcements are dropped as they
+    come; every drop counted."""
+    server = RedisServer(tmp_path / "acl", password=SECRET).start()
+    try:
+        a = _feed(_nostream_url(server, key_prefix), key_prefix, start=False,
+                  announce_max=BOUND)
+        feeds.append(a)
+        names = [key(i, hash_salt="off").name.encode() for i in range(10 * BOUND)]
+        for i in range(0, len(names), BOUND // 2):  # a step's stores at a time
+            a.announce(names[i:i + BOUND // 2])
+            assert a.stats()["announce_queue"] <= BOUND
+        st = a.stats()
+        assert st["announce_queue"] == BOUND and st["announce_dropped"] == 9 * BOUND
+        a.start()
+        assert wait_until(lambda: bool(a.disabled))  # set with the queue emptied, one lock
+        st = a.stats()
+        assert st["announce_queue"] == 0 and st["announce_dropped"] == 10 * BOUND
+        a.announce(names)  # the feed is off: dropped at once
+        a.announce_digests([name_digest(n) for n in names])
+        st = a.stats()
+        assert st["announce_queue"] == 0 and st["announce_dropped"] == 30 * BOUND
+        assert st["announced"] == 0 and a.drop_counts() == (30 * BOUND, 0)
+    finally:
+        server.stop()
+
+
+def test_announcements_while_redis_does_not_answer_keep_the_newest_bound(
+        redis_server: RedisServer, key_prefix: str, feeds: list[PresenceFeed]) -> None:
+    """Redis unreachable: 10 x the bound announced; the queue holds the newest ``BOUND``
+    (the oldest dropped, counted), and those reach the stream once Redis answers."""
+    proxy = TcpProxy("127.0.0.1", redis_server.port).start()
+    try:
+        a = _feed(f"redis://127.0.0.1:{proxy.port}/0", key_prefix, announce_max=BOUND)
+        feeds.append(a)
+        assert wait_until(lambda: a.synced)
+        proxy.hold()  # refuse new connections
+        proxy.reset_all()
+        assert wait_until(lambda: not a.synced and a.stats()["failures"] >= 1)
+        names = [key(i, hash_salt="down").name.encode() for i in range(10 * BOUND)]
+        for i in range(0, len(names), BOUND // 2):
+            a.announce(names[i:i + BOUND // 2])
+            assert a.stats()["announce_queue"] <= BOUND
+        st = a.stats()
+        assert st["announce_queue"] == BOUND and st["announce_dropped"] == 9 * BOUND
+        proxy.release()
+        assert wait_until(lambda: a.stats()["announced"] == BOUND)
+        assert a.stats()["announce_queue"] == 0 and not a.disabled
+        raw = redis.Redis.from_url(redis_server.url)
+        sent = [d for _, fields in raw.xrange(announce_stream(key_prefix))
+                for d in unpack_digests(fields[b"d"]).tolist()]
+        assert sent == [name_digest(n) for n in names[-BOUND:]]
+    finally:
+        proxy.stop()
+
+
+def test_an_idle_consumer_keeps_the_newest_learned_digests_up_to_the_bound(
+        redis_url: str, key_prefix: str, feeds: list[PresenceFeed]) -> None:
+    """Nobody takes what the feed learns (an idle engine): 10 x the bound arrive on the
+    stream from another client; the queue never holds more than ``BOUND``, keeps the
+    newest, and counts the rest dropped."""
+    a = _feed(redis_url, key_prefix, learned_max=BOUND)
+    feeds.append(a)
+    assert wait_until(lambda: a.synced)
+    raw = redis.Redis.from_url(redis_url)
+    stream = announce_stream(key_prefix)
+    sent = [name_digest(f"idle-{i}".encode()) for i in range(10 * BOUND)]
+    for i in range(0, len(sent), BOUND // 4):
+        raw.xadd(stream, {b"d": pack_digests(sent[i:i + BOUND // 4])})
+    peak = 0
+
+    def read_all() -> bool:
+        nonlocal peak
+        st = a.stats()
+        peak = max(peak, st["learned_queue"])
+        return bool(st["learned_stream"] == len(sent))
+
+    assert wait_until(read_all)
+    st = a.stats()
+    assert peak <= BOUND and st["learned_queue"] == BOUND
+    assert st["learned_dropped"] == 9 * BOUND and st["bad_entries"] == 0
+    assert a.take() == sent[-BOUND:]
+    assert a.stats()["learned_queue"] == 0 and a.drop_counts() == (0, 9 * BOUND)
