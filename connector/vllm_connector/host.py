@@ -14,6 +14,10 @@ In this mode the host's shared CPU tier sits between each engine's own CPU tier 
   its CPU-tier slot into a slot leased from the daemon in the step, and commits it (the
   checksum) on an I/O thread.
 
+Every rank's shard of one save carries the save's one id (``SaveOp.save_id``, the id its
+Redis value carries too); a look-up is a hit only when every rank's shard is of the same
+save, so shards of two saves are never served as one block.
+
 Keys are stored under each rank's own name plus what the hash covers
 (:func:`host_digest`), so a PARTIAL entry never answers a FULL look-up and ranks, layouts,
 dtypes and namespaces never mix. The scheduler computes every rank's name from rank 0's
@@ -75,6 +79,7 @@ class SchedulerHost:
         self.client = client
         self.world_size = world_size
         self.layout: str | None = None
+        self.mixed = 0  # look-ups that found every rank's shard, of different saves
         self._rank_fps: BoundedCache[tuple[str, int], str] = BoundedCache(_RANK_FP_MAX)
 
     def set_layout(self, layout: str) -> None:
@@ -100,11 +105,19 @@ class SchedulerHost:
         return tuple(out)
 
     def locate(self, key: BlockKey) -> tuple[Location, ...] | None:
-        """Where every rank's shard of ``key`` is, or None unless all of them are there."""
+        """Where every rank's shard of ``key`` is, or None unless all of them are there
+        and are shards of one save (one save id): a hit is never assembled from two saves
+        (one rank's shard evicted or dropped and saved again, a rank that skipped a save).
+        Shards of different saves are counted (``mixed``)."""
         if not self.ready:
             return None
         where = [self.client.lookup(d) for d in self.digests(key)]
-        return None if None in where else tuple(where)  # type: ignore[arg-type]
+        if None in where:
+            return None
+        if len({w.save_id for w in where}) != 1:  # type: ignore[union-attr]
+            self.mixed += 1
+            return None
+        return tuple(where)  # type: ignore[arg-type]
 
     def holds(self, key: BlockKey) -> bool:
         return self.locate(key) is not None

@@ -369,6 +369,9 @@ class TieredScheduler:
                 break  # a FULL block of this end is nowhere: no hit reaches it
             reach.prefix[end], reach.ending[end] = prefix, ending
             reach.missing.extend(asked)
+        if host is not None and host.mixed:
+            self.counters.add("host_mixed_saves", host.mixed)
+            host.mixed = 0
         return reach
 
     def _redis_may_hold(self, req_id: str) -> tuple[Callable[[BlockKey], bool], bool]:
@@ -793,7 +796,8 @@ class TieredScheduler:
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
         to_host = self.host is not None and self.host.ready
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
-                                 to_redis, new_save_id() if to_redis else 0, to_host))
+                                 to_redis, new_save_id() if to_redis or to_host else 0,
+                                 to_host))
         self.outbox.append(TierChange(key, Medium.CPU, stored=True))
         self._remember(request, key, g)
 

@@ -64,6 +64,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "host_store_drops",  # saves the host tier did not take (no leased slot at hand)
     "host_misses_at_fetch",  # the mirror said present, the slot held something else
     "host_held_saves_skipped",  # computed or restored blocks the host tier already holds
+    "host_mixed_saves",  # host look-ups whose ranks' shards were of different saves (a miss)
     "load_us",  # microseconds the worker spent copying loads into vLLM's KV cache
     "bytes_fetched_redis",  # validated bytes read from Redis into CPU-tier slots
     "fetch_us_redis",  # microseconds the I/O threads spent reading them (wall, per batch)

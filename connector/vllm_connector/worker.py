@@ -49,7 +49,7 @@ from connector.vllm_connector.plan import (
 from connector.vllm_connector.stats import ConnectorCounters
 from connector.vllm_connector.transfer import BlockTransfer
 from offload_tiers.cpu_tier import allocate_slab
-from offload_tiers.host_tier.client import HostTierClient
+from offload_tiers.host_tier.client import HostTierClient, SlotLease
 from offload_tiers.host_tier.client import new_save_id as new_host_save_id
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.redis.settings import WRITE_SETTLE_S
@@ -595,12 +595,14 @@ class TieredWorker:
         jobs of the saves offered."""
         if not ops or self.host is None:
             return set()
-        segment = self.host.segment
         nbytes = self._nbytes(group)
-        slots = self.host.take_slots(len(ops)) if segment is not None \
-            and nbytes <= segment.slot_bytes else []
+        known = self.host.segment
+        lease = self.host.take_slots(len(ops) if known is not None
+                                     and nbytes <= known.slot_bytes else 0)
+        segment, slots = lease.segment, list(lease.slots)
         self.counters.add("host_store_drops", len(ops) - len(slots))
-        if not slots or segment is None:
+        if not slots or segment is None or nbytes > segment.slot_bytes:
+            self.host.abandon(lease)
             return set()
         ops = ops[:len(slots)]
         for slot in slots:
@@ -618,10 +620,11 @@ class TieredWorker:
         except Exception:
             log.exception("kvtier: copying saves into the host tier failed; not offered")
             for slot in slots:
-                segment.invalidate(slot)  # never committed: the daemon frees it at exit
+                segment.invalidate(slot)
+            self.host.abandon(lease)  # given back now, not when this process exits
             self.counters.add("host_store_drops", len(ops))
             return set()
-        future = self._io.submit(self._commit_host, segment, ops, slots, nbytes)
+        future = self._io.submit(self._commit_host, lease, ops, nbytes)
         self._host_commits.add(future)
         future.add_done_callback(self._host_commits.discard)
         return {op.job for op in ops}
@@ -632,24 +635,27 @@ class TieredWorker:
         _, not_done = futures.wait(list(self._host_commits), timeout=timeout_s)
         return not not_done
 
-    def _commit_host(self, segment: Any, ops: list[SaveOp], slots: list[int],
-                     nbytes: int) -> None:
-        """Checksum and publish host-tier writes begun in the step (I/O thread)."""
-        assert self.host is not None
+    def _commit_host(self, lease: SlotLease, ops: list[SaveOp], nbytes: int) -> None:
+        """Checksum and publish host-tier writes begun in the step (I/O thread), each
+        under its save's id (every TP rank's shard of one save carries the same); a slot
+        whose commit failed is given back. A lease of an earlier daemon run is dropped
+        by the client (its slots may be someone else's in the new run)."""
+        assert self.host is not None and lease.segment is not None
+        segment = lease.segment
         saves = []
         behind: list[Any] = []  # where the daemon writes each behind to Redis
         try:
-            for op, slot in zip(ops, slots, strict=True):
+            for op, slot in zip(ops, lease.slots, strict=False):
                 key = self.storage_key(op.key)
                 d = host_digest(key)
-                save_id = new_host_save_id()
+                save_id = op.save_id or new_host_save_id()
                 segment.commit_write(slot, d, save_id, nbytes)
                 saves.append((d, slot, save_id, nbytes))
                 behind.append((key_tuple(key), op.save_id, self.tp_rank == 0)
                               if op.to_redis and self._daemon_redis else None)
         except Exception:
             log.exception("kvtier: committing host-tier writes failed")
-        self.host.commit(saves, behind[:len(saves)] if any(behind) else None)
+        self.host.commit(lease, saves, behind[:len(saves)] if any(behind) else None)
         self.counters.add("blocks_written_host", len(saves))
 
     def _to_redis(self, items: list[tuple[SaveOp, memoryview]], hosted: set[int]) -> None:

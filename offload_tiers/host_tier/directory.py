@@ -9,10 +9,16 @@ a slot::
 
 A commit is accepted only for a slot leased to that client whose header holds exactly the
 committed save; a second save of a key that already has an entry is dropped (its slot
-invalidated and freed): two engines storing one prefix occupy one set of slots. A client
-that goes away loses its leases (invalidated: a half-written slot is never served) and
-its pins. Every change to the entries is queued in ``events`` for the subscribers'
+invalidated and freed): two engines storing one prefix occupy one set of slots. The one
+exception is a ``replace`` commit (the daemon's restore of the exact save an engine asked
+for): it takes the place of an entry of another save. A client that goes away loses its
+leases (invalidated: a half-written slot is never served) and its pins. An entry that is
+*held* (its bytes not yet read back for the Redis write-behind) is passed over by
+eviction. Every change to the entries is queued in ``events`` for the subscribers'
 mirrors, in order.
+
+Save ids are the engines': every TP rank's shard of one save carries the same id, so a
+reader assembles a hit only from shards of one save (``Location.save_id`` equal).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class DirectoryCounters:
     leases_reclaimed: int = 0  # leased slots of a released client
     abandoned_writes: int = 0  # ... of which a write was begun, never committed (discarded)
     pins_reclaimed: int = 0
+    replaced: int = 0  # entries of another save replaced by the save a restore asked for
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -70,6 +77,7 @@ class HostDirectory:
         self._free: deque[int] = deque(range(segment.num_slots))
         self._draining: set[int] = set()
         self._leases: dict[int, set[int]] = {}  # client row -> its leased slots
+        self._held: dict[bytes, int] = {}  # digest -> holds (eviction passes over it)
         self._free_rows: list[int] = list(range(pins.rows - 1, -1, -1))
         self.events: list[Event] = []
         self.counters = DirectoryCounters()
@@ -99,6 +107,10 @@ class HostDirectory:
         self.counters.clients_released += 1
         self._free_rows.append(row)
 
+    def leased_to(self, row: int) -> list[int]:
+        """The slots leased to ``row`` and not yet committed or given back."""
+        return sorted(self._leases.get(row, ()))
+
     # ------------------------------------------------------------ writes
     def lease(self, row: int, n: int) -> list[int]:
         """Up to ``n`` slots for ``row`` to write: free ones first, then evicted ones."""
@@ -115,9 +127,11 @@ class HostDirectory:
         self.counters.lease_shortfall += n - len(granted)
         return granted
 
-    def commit(self, row: int, slot: int, digest: bytes, save_id: int, length: int) -> bool:
+    def commit(self, row: int, slot: int, digest: bytes, save_id: int, length: int, *,
+               replace: bool = False) -> bool:
         """Publish ``row``'s save in its leased ``slot``; False when it was refused or a
-        duplicate (the slot is then freed, never served)."""
+        duplicate (the slot is then freed, never served). ``replace``: an entry of another
+        save of ``digest`` gives way to this one (unless held)."""
         leased = self._leases.get(row)
         if leased is None or slot not in leased:
             self.counters.commits_rejected += 1
@@ -130,7 +144,15 @@ class HostDirectory:
             self._free.append(slot)
             self.counters.commits_rejected += 1
             return False
-        if digest in self.entries:
+        held = self.entries.get(digest)
+        if held is not None and replace and held.save_id != save_id \
+                and not self._held.get(digest):
+            del self.entries[digest]
+            if self._drop(digest, held):
+                self._free.append(held.slot)
+            self.counters.replaced += 1
+            held = None
+        if held is not None:
             self.segment.invalidate(slot)
             self._free.append(slot)
             self.entries.move_to_end(digest)
@@ -160,6 +182,21 @@ class HostDirectory:
                 self.entries.move_to_end(digest)
                 self.counters.touches += 1
 
+    def hold(self, digest: bytes) -> bool:
+        """Keep ``digest``'s entry from eviction until :meth:`unhold` (its bytes are still
+        to be read, e.g. for the Redis write-behind); False when there is no entry."""
+        if digest not in self.entries:
+            return False
+        self._held[digest] = self._held.get(digest, 0) + 1
+        return True
+
+    def unhold(self, digest: bytes) -> None:
+        count = self._held.get(digest, 0)
+        if count <= 1:
+            self._held.pop(digest, None)
+        else:
+            self._held[digest] = count - 1
+
     def drain_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events
@@ -171,20 +208,28 @@ class HostDirectory:
     def _evict_one(self) -> int | None:
         """Evict the least recently used entry; its slot if no client pins it (else it
         drains and the next entry is tried)."""
-        while self.entries:
-            digest, where = self.entries.popitem(last=False)
-            self.bytes_used -= where.length
-            # invalidate before reading pins: a reader that pins after this sees the
-            # header empty; one that pinned before is seen here
-            self.segment.invalidate(where.slot)
-            self.events.append((digest, None))
+        while True:
+            digest = next((d for d in self.entries if d not in self._held), None)
+            if digest is None:
+                return None
+            where = self.entries.pop(digest)
             self.counters.evictions += 1
-            if self.pins.pinned(where.slot):
-                self._draining.add(where.slot)
-                self.counters.evicted_while_pinned += 1
-                continue
-            return where.slot
-        return None
+            if self._drop(digest, where):
+                return where.slot
+
+    def _drop(self, digest: bytes, where: Location) -> bool:
+        """Take a removed entry's slot out of service: True when it is free to reuse now,
+        False when a reader pins it (it drains first)."""
+        self.bytes_used -= where.length
+        # invalidate before reading pins: a reader that pins after this sees the header
+        # empty; one that pinned before is seen here
+        self.segment.invalidate(where.slot)
+        self.events.append((digest, None))
+        if self.pins.pinned(where.slot):
+            self._draining.add(where.slot)
+            self.counters.evicted_while_pinned += 1
+            return False
+        return True
 
     def _reclaim_drained(self) -> None:
         if not self._draining:
@@ -200,6 +245,7 @@ class HostDirectory:
             "entries": len(self.entries),
             "free_slots": len(self._free),
             "draining_slots": len(self._draining),
+            "held_entries": len(self._held),
             "leased_slots": sum(len(s) for s in self._leases.values()),
             "clients": len(self._leases),
             "num_slots": self.segment.num_slots,

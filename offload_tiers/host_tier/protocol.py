@@ -1,12 +1,24 @@
 """Messages on the host tier's Unix socket: msgpack (msgspec), one length-prefixed frame each.
 
-Client to daemon: ``Hello`` (first, once), ``Lease``, ``Commit``, ``Touch``, and where the
-daemon has Redis (``Welcome.redis``) ``Probe`` and ``Restore``.
-Daemon to client: ``Welcome`` (answers Hello, with the directory's snapshot when the
-client subscribes), ``Leased``, ``Committed``, ``Changes`` (a subscriber's mirror updates,
-in the order they happened), ``Presence`` (to subscribers, where the daemon has Redis: key
-names it learned Redis holds), ``Probed`` and ``Restored`` (each answers the request of its
-``id``), ``Refused`` (then the daemon closes the connection).
+Client to daemon: ``Hello`` (first, once), ``Lease``, ``Commit``, ``Abandon``, ``Touch``,
+``Bye``, and where the daemon has Redis (``Welcome.redis``) ``Probe`` and ``Restore``.
+Daemon to client: ``Welcome`` (answers Hello, with the first part of the directory's
+snapshot when the client subscribes; ``more``: the rest follows as ``Changes``), ``Leased``,
+``Committed``, ``Changes`` (a subscriber's mirror updates, in the order they happened),
+``Presence`` (to subscribers, where the daemon has Redis: key names it learned Redis
+holds), ``Probed`` and ``Restored`` (each answers the request of its ``id``), ``Refused``
+(then the daemon closes the connection).
+
+Rules the protocol keeps:
+
+* A lease belongs to one daemon run (``Welcome.instance``) and one client row. A commit or
+  an abandon names the run its slots were leased from; the daemon refuses one of another
+  run without touching a slot (a slot of this run may be leased to someone else by now).
+* A client names itself (``Hello.client_id``, random per client object): a process that
+  reconnects to the same run gets its row back, with its leases and pins; a client that
+  closes with nothing in flight says ``Bye`` and its row is released at once.
+* Every TP rank's shard of one save carries the save's one id; a restore is answered only
+  with the save it asked for.
 
 A frame is a 4-byte big-endian length and that many bytes; anything else (a frame over
 :data:`MAX_FRAME`, bytes that do not decode to one of these messages) is a protocol error
@@ -19,7 +31,9 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: the daemon's Redis (Welcome.redis, Commit.redis, Probe, Restore)
+#: 2: the daemon's Redis (Welcome.redis, Commit.redis, Probe, Restore); 3: leases bound to
+#: a daemon run (Commit.instance, Abandon), client ids and Bye, chunked snapshots
+PROTOCOL_VERSION = 3
 MAX_FRAME = 256 * 1024 * 1024
 _LEN = struct.Struct(">I")
 
@@ -38,6 +52,7 @@ class Hello(msgspec.Struct, tag="hello"):
     label: str
     subscribe: bool = False
     presence: bool = False  # a subscriber that wants the daemon's presence feed
+    client_id: bytes = b""  # random per client object: a reconnect gets its row back
 
 
 class Lease(msgspec.Struct, tag="lease"):
@@ -45,9 +60,21 @@ class Lease(msgspec.Struct, tag="lease"):
 
 
 class Commit(msgspec.Struct, tag="commit"):
+    instance: str  # the daemon run the slots were leased from
     saves: list[EntryTuple]
     #: empty, or one per save: where the daemon writes it behind to Redis (None: nowhere)
     redis: list[RedisWrite | None] = []
+
+
+class Abandon(msgspec.Struct, tag="abandon"):
+    """Leased slots given back unwritten or with a write that failed (freed, never served)."""
+
+    instance: str
+    slots: list[int]
+
+
+class Bye(msgspec.Struct, tag="bye"):
+    """The client closes with no write in flight and no pin held: release its row now."""
 
 
 class Touch(msgspec.Struct, tag="touch"):
@@ -84,6 +111,8 @@ class Welcome(msgspec.Struct, tag="welcome"):
     # packed) of the key names the daemon learned Redis holds, the newest last
     presence: bytes = b""
     presence_synced: bool = False  # the daemon's walk of the key names is complete
+    more: bool = False  # the snapshot goes on in Changes (bounded chunks) before any update
+    leased: list[int] = []  # a row given back to its client: the slots leased to it
 
 
 class Leased(msgspec.Struct, tag="leased"):
@@ -122,7 +151,7 @@ class Refused(msgspec.Struct, tag="refused"):
     reason: str
 
 
-ToDaemon = Hello | Lease | Commit | Touch | Probe | Restore
+ToDaemon = Hello | Lease | Commit | Abandon | Touch | Bye | Probe | Restore
 ToClient = Welcome | Leased | Committed | Changes | Presence | Probed | Restored | Refused
 
 _encoder = msgspec.msgpack.Encoder()

@@ -7,7 +7,10 @@ connection for the engines that attach with ``host_tier_redis``:
   its slot (verified: header, save id, checksum) and queued to Redis under that key, in the
   Redis tier's own format, with the save id the engine chose (TP ranks' shards of one save
   share it). A save the directory drops as a duplicate is not written again: two engines
-  storing one prefix write it to Redis once. Once written, TP rank 0's shard is announced
+  storing one prefix write it to Redis once. The entry is held (not evicted) from its commit
+  until its bytes are read back, so an eviction never skips a write-behind; a write that
+  is skipped all the same (its bytes no longer verify) counts as a failed write. Once
+  written, TP rank 0's shard is announced
   on the prefix's presence stream (``feed``), as engines announce their own writes, so
   engines with a Redis connection of their own learn the key without a walk;
 * **backfill**: a write that failed or was dropped (Redis down) is kept (bounded: as many
@@ -21,8 +24,12 @@ connection for the engines that attach with ``host_tier_redis``:
   engine announced are answered without a probe);
 * **restores**: ``Restore`` reads values from Redis straight into slots leased to the
   daemon's own row, checked by the Redis tier (header, key, save id, checksum), commits
-  them under the engines' host digests, and answers where they are. Every engine on the
-  host then finds them in the host tier;
+  them under the engines' host digests *with the save id asked for* (TP ranks' shards of
+  one save keep one id in the host tier too), and answers where they are. It answers only
+  with that save: an entry of another save under the digest is replaced by the one read
+  from Redis, never handed out in its place. Every engine on the host then finds them in
+  the host tier. A restore answers on every path (an error is a miss) and gives back every
+  slot it leased and did not commit;
 * **probes**: ``Probe`` answers which save of each key Redis holds (a header read).
 
 Redis I/O runs on this module's threads, never on the daemon's socket loop; replies go
@@ -42,7 +49,6 @@ from typing import Any
 
 import numpy as np
 
-from offload_tiers.host_tier.client import new_save_id
 from offload_tiers.host_tier.directory import HostDirectory, Location
 from offload_tiers.host_tier.protocol import EntryTuple
 from offload_tiers.keys import BlockKey
@@ -205,13 +211,20 @@ class RedisBridge:
 
     def _write(self, items: list[WriteItem], backfill: bool = False) -> None:
         """Read each save back from its slot and queue it to Redis (a backfill: counted
-        apart, and waited for by the caller through ``_backfill_pending``)."""
+        apart, and waited for by the caller through ``_backfill_pending``). A first write's
+        entry was held at its commit: let go once its bytes are read."""
         for item in items:
             digest, where, key, save_id, _announce = item
             payload = np.empty(where.length, dtype=np.uint8)
-            if not self.segment.read_into(where.slot, digest, where.save_id, payload):
-                self._count(**{"redis_backfill_skipped" if backfill
-                               else "redis_writes_skipped": 1})
+            try:
+                read = self.segment.read_into(where.slot, digest, where.save_id, payload)
+            finally:
+                if not backfill:
+                    with self.lock:
+                        self.directory.unhold(digest)
+            if not read:
+                self._count(**({"redis_backfill_skipped": 1} if backfill else
+                               {"redis_writes_skipped": 1, "redis_write_failures": 1}))
                 continue
             with self._counter_lock:
                 if backfill:
@@ -273,50 +286,70 @@ class RedisBridge:
 
     def _restore(self, items: list[RestoreItem],
                  reply: Callable[[list[EntryTuple | None]], None]) -> None:
+        """Answer a restore on every path: each item the asked save, or None."""
         out: list[EntryTuple | None] = [None] * len(items)
+        try:
+            self._restore_into(items, out)
+        except Exception:
+            log.exception("host tier: a restore failed; answered as misses")
+        finally:
+            self._post(lambda: reply(out))
+
+    def _restore_into(self, items: list[RestoreItem], out: list[EntryTuple | None]) -> None:
         todo: list[int] = []
         already = 0
         with self.lock:
-            for i, (digest, _key, _save, length) in enumerate(items):
+            for i, (digest, _key, save_id, length) in enumerate(items):
                 held = self.directory.entries.get(digest)
-                if held is not None and held.length == length:
+                if held is not None and held.length == length and held.save_id == save_id:
                     out[i] = (digest, held.slot, held.save_id, held.length)
                     already += 1
-                elif held is None and 0 < length <= self.segment.slot_bytes:
-                    todo.append(i)
+                elif 0 < length <= self.segment.slot_bytes and save_id:
+                    todo.append(i)  # absent, or another save: read the asked one
             slots = self.directory.lease(self.row, len(todo))
         pairs = list(zip(todo, slots, strict=False))
-        got: list[bool] = []
-        if pairs:
-            rows = [self.segment.begin_write(slot)[:items[i][3]] for i, slot in pairs]
-            try:
-                got = self.redis.get_many_into([items[i][1] for i, _ in pairs], rows,
-                                               save_ids=[items[i][2] or None for i, _ in pairs])
-            except Exception:
-                log.exception("host tier: Redis restore failed")
-                got = [False] * len(pairs)
+        committed: set[int] = set()
+        restored = 0
+        try:
+            written = self._read_into_slots(items, pairs)
+            with self.lock:
+                for i, slot in written:
+                    digest, _key, save_id, length = items[i]
+                    if self.directory.commit(self.row, slot, digest, save_id, length,
+                                             replace=True):
+                        out[i] = (digest, slot, save_id, length)
+                        committed.add(slot)
+                        restored += 1
+                    elif (held := self.directory.entries.get(digest)) is not None \
+                            and held.length == length and held.save_id == save_id:
+                        out[i] = (digest, held.slot, held.save_id, held.length)
+                        already += 1  # another restore of it came first
+        finally:
+            with self.lock:
+                for _, slot in pairs:
+                    if slot not in committed:
+                        self.directory.abandon(self.row, slot)
+            self._count(redis_restores_asked=len(items), redis_restored=restored,
+                        redis_restores_already_held=already,
+                        redis_restore_misses=len(items) - restored - already)
+
+    def _read_into_slots(self, items: list[RestoreItem], pairs: list[tuple[int, int]]
+                         ) -> list[tuple[int, int]]:
+        """Read the asked saves from Redis into their leased slots and commit each write
+        there (checksum) under the asked save id; the (item, slot) pairs written."""
+        if not pairs:
+            return []
+        rows = [self.segment.begin_write(slot)[:items[i][3]] for i, slot in pairs]
+        try:
+            got = self.redis.get_many_into([items[i][1] for i, _ in pairs], rows,
+                                           save_ids=[items[i][2] for i, _ in pairs])
+        except Exception:
+            log.exception("host tier: Redis restore failed")
+            got = [False] * len(pairs)
         written = []
         for (i, slot), ok in zip(pairs, got, strict=True):
             if ok:
-                save_id = new_save_id()
-                self.segment.commit_write(slot, items[i][0], save_id, items[i][3])
-                written.append((i, slot, save_id))
-        with self.lock:
-            restored = 0
-            for i, slot, save_id in written:
-                digest, _key, _save, length = items[i]
-                if self.directory.commit(self.row, slot, digest, save_id, length):
-                    out[i] = (digest, slot, save_id, length)
-                    restored += 1
-                elif (held := self.directory.entries.get(digest)) is not None \
-                        and held.length == length:  # another restore of it came first
-                    out[i] = (digest, held.slot, held.save_id, held.length)
-                    already += 1
-            committed = {slot for _, slot, _ in written}
-            for _, slot in pairs:
-                if slot not in committed:
-                    self.directory.abandon(self.row, slot)
-        self._count(redis_restores_asked=len(items), redis_restored=restored,
-                    redis_restores_already_held=already,
-                    redis_restore_misses=len(items) - restored - already)
-        self._post(lambda: reply(out))
+                digest, _key, save_id, length = items[i]
+                self.segment.commit_write(slot, digest, save_id, length)
+                written.append((i, slot))
+        return written

@@ -112,6 +112,35 @@ def test_blocks_the_host_tier_holds_are_not_saved_again(engines: Make,
     assert third.cpu()["entries"] == 0
 
 
+def test_shards_of_two_saves_are_never_one_hit(engines: Make) -> None:
+    """Issue 43 item 1. Engine X's rank 1 skips its host saves (its copies are given back
+    uncommitted); engine Y then stores the same blocks: rank 0's shards are duplicates
+    (dropped: X's stay), rank 1's are new. Every rank's digest is present, of two saves:
+    a third engine finds no host hit (counted), never one assembled from X and Y."""
+    x = engines(2)
+    rank1 = x.ranks[1].worker
+    assert rank1.host is not None
+    rank1._commit_host = lambda lease, ops, nbytes: rank1.host.abandon(lease)  # type: ignore
+    req = Req("a", 100)
+    x.fill(range(1, 4), seed=3)
+    x.admit(req, [[Blk(i, i * BS) for i in range(1, 4)]], 0)
+    x.step({"a": 3 * BS})
+    for rank in x.ranks:
+        assert rank.worker.flush_host(WAIT_S)
+    host = x.sched.host
+    assert host is not None
+    assert host.client.wait_until(lambda c: len(c.mirror) == 3, WAIT_S)  # rank 0's only
+    y = engines(2)
+    _store(y)  # rank 1's 3 shards committed, rank 0's 3 dropped as duplicates
+    keys = [y.key(req, 0, end) for end in (32, 64, 96)]
+    assert all(None not in [host.client.lookup(d) for d in host.digests(k)] for k in keys)
+    z = engines(2)
+    assert z.lookup(Req("c", 100)) == (0, False)
+    snap = z.sched.counters.snapshot()
+    assert snap["host_mixed_saves"] >= 1 and snap["hit_tokens_host"] == 0
+    assert _pins_held(z) == 0
+
+
 def test_a_shard_reused_after_the_lookup_fails_the_restore_and_frees_the_pins(
         engines: Make) -> None:
     first = engines(2)

@@ -103,7 +103,7 @@ def test_two_engines_share_one_copy_and_the_files_are_private(
 def test_a_writer_killed_mid_save_leaves_nothing_served(
         daemon: HostTierDaemon, sock_path: Path) -> None:
     proc, printed = child(sock_path, """
-        [slot] = c.take_slots(1)
+        [slot] = c.take_slots(1).slots
         row = c.segment.begin_write(slot)
         row[:8] = list(b"halfdone")  # never committed
         print(slot, flush=True)
@@ -181,7 +181,7 @@ def test_daemon_killed_then_back_engines_miss_then_reattach(
         daemon.proc.wait()
         assert c.wait_until(lambda c: not c.available, WAIT_S)
         assert c.lookup(digest(b"before")) is None
-        assert c.take_slots(1) == [] and not c.write(digest(b"during"), b"y")
+        assert c.take_slots(1).slots == () and not c.write(digest(b"during"), b"y")
         assert c.counters.slots_short >= 1
         again = HostTierDaemon(sock_path, daemon.name, slot_bytes=SLOT).start()  # same name
         try:

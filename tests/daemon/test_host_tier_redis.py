@@ -69,11 +69,12 @@ def commit_one(c: HostTierClient, k: BlockKey, data: bytes, redis_save_id: int,
                announce: bool = True) -> bytes:
     """Write ``data`` into a leased slot and commit it, naming its Redis key."""
     d = digest(repr(k).encode())
-    slot = c.take_slots(1)[0]
+    lease = c.take_slots(1)
+    slot = lease.slots[0]
     save_id = new_save_id()
-    assert c.segment is not None
-    c.segment.write(slot, d, save_id, data)
-    c.commit([(d, slot, save_id, len(data))], [(key_tuple(k), redis_save_id, announce)])
+    assert lease.segment is not None
+    lease.segment.write(slot, d, save_id, data)
+    c.commit(lease, [(d, slot, save_id, len(data))], [(key_tuple(k), redis_save_id, announce)])
     return d
 
 
