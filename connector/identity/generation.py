@@ -13,7 +13,12 @@ Rules this module keeps:
   A version other than vLLM's ``"default"``, set since the last move, is the generation
   ``named:<version>`` — engines given the same update under the same name share KV. A version
   change is a move by itself (no reset needed); a reset that finds the version unchanged
-  draws a nonce.
+  since the last move (a version change or a reset, not only the last reset) draws a nonce:
+  weights named v2, followed, stored under ``named:v2`` and updated in place again are
+  nobody else's.
+* The caller follows the version (:meth:`Generation.observe`) before every look-up or store,
+  so a step's first look-up already sees a version named since the last step (vLLM asks for
+  a step's hits before it builds the step's plan).
 """
 
 from __future__ import annotations
@@ -29,23 +34,23 @@ class Generation:
     def __init__(self, version: str | None = None) -> None:
         self.name = "0"
         self.resets = 0
-        self._seen = version  # the weight version last observed
-        self._at_reset = version  # the weight version at start or at the last reset
+        self._at_move = version  # the weight version at start or at the last move
 
     def observe(self, version: str | None) -> bool:
-        """Follow vLLM's weight version (called every step); True when the generation moved."""
-        if version == self._seen:
+        """Follow vLLM's weight version (before every look-up or store); True when the
+        generation moved."""
+        if version == self._at_move:
             return False
-        self._seen = version
+        self._at_move = version
         self.name = _named(version) or _nonce()
         return True
 
     def reset(self, version: str | None) -> str:
         """A connector-cache reset: the named generation when the weight version changed
-        since the last reset (or start), else a nonce."""
+        since the last move (a version change observed, a reset, or start), else a nonce."""
         self.resets += 1
-        changed = version != self._at_reset
-        self._at_reset = self._seen = version
+        changed = version != self._at_move
+        self._at_move = version
         self.name = (_named(version) if changed else None) or _nonce()
         return self.name
 

@@ -306,7 +306,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return fp
 
     def _follow_weight_version(self) -> None:
-        """A weight version named since the last step moves the namespace (no reset needed)."""
+        """A weight version named since the last move moves the namespace (no reset needed).
+        Called by every scheduler-side entry that looks up or stores under the namespace,
+        before it does: vLLM asks for a step's hits (``get_num_new_matched_tokens``) before it
+        builds the step's plan. One attribute read and a comparison."""
         if self._generation.observe(self._weights.read()):
             self._namespaces.clear()
             log.info("kvtier: vLLM weight version changed; namespace generation %s",
@@ -422,6 +425,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
+        self._follow_weight_version()
         return self.scheduler.lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -483,6 +487,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         held by vLLM until the workers report them copied."""
         if self.scheduler is None:
             return False
+        self._follow_weight_version()
         return self.scheduler.register_tail(request, partial_tail_offloads)
 
     def request_finished_all_groups(
@@ -555,10 +560,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         """Connector-cache reset (e.g. after a weight update): empty the CPU tier and move to
         a new namespace generation — vLLM's weight version when the user named new weights
-        since the last reset, else a random nonce no other engine can hold — so no entry
-        stored before, in the CPU tier or in Redis, is ever served again. Redis values of
-        older generations are left to expire (TTL) or to the janitor; other engines sharing
-        Redis are not affected."""
+        since the last move (a version change followed, or a reset), else a random nonce no
+        other engine can hold — so no entry stored before, in the CPU tier or in Redis, is
+        ever served again. Redis values of older generations are left to expire (TTL) or to
+        the janitor; other engines sharing Redis are not affected."""
         if self.scheduler is None:
             return True
         self.scheduler.reset()

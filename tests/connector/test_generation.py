@@ -29,12 +29,24 @@ def test_a_restart_and_a_reset_never_meet() -> None:
 
 def test_engines_given_the_same_named_update_share_it() -> None:
     a, b = Generation("default"), Generation("default")
-    assert a.observe("step-42")  # finish_weight_update(weight_version=...) before the reset
-    a.reset("step-42")
-    b.reset("step-42")  # version named, observed at the reset itself
+    assert a.observe("step-42")  # the version named, followed at a step: a move by itself
+    b.reset("step-42")  # version named, then the reset: the reset finds it first
     assert a.name == b.name == "named:step-42"
-    a.reset("step-42")  # weights updated again, not renamed: nobody else can be there
-    assert a.name.startswith("nonce:")
+    b.reset("step-42")  # weights updated again, not renamed: nobody else can be there
+    assert b.name.startswith("nonce:")
+
+
+def test_a_reset_after_the_named_version_was_followed_draws_a_nonce() -> None:
+    """Issue 43.3 (b): weights named v2 are followed at a step (and KV is stored under
+    ``named:v2``), updated in place again and reset without a new name: a nonce, never
+    ``named:v2`` again (the version is compared with the last move, not the last reset)."""
+    g = Generation("default")
+    assert g.observe("v2") and g.name == "named:v2"  # stores go under named:v2
+    assert not g.observe("v2")  # later steps: no move
+    assert g.reset("v2").startswith("nonce:")
+    names = {g.name} | {g.reset("v2") for _ in range(3)}  # every further reset: a new nonce
+    assert len(names) == 4 and all(n.startswith("nonce:") for n in names)
+    assert g.observe("v3") and g.name == "named:v3"  # a new name is shared again
 
 
 def test_a_version_change_alone_moves_the_generation() -> None:
