@@ -52,4 +52,5 @@ bench: bootstrap
 	$(VENV)/python benchmarks/bench_index.py --json $(R)/index.json && $(FIG) stamp $(R)/index.json -- bench_index.py
 	$(VENV)/python benchmarks/route_demo.py --json $(R)/route.json && $(FIG) stamp $(R)/route.json -- route_demo.py
 	$(VENV)/python benchmarks/bench_host_tier.py --quick --json $(R)/host_tier.json && $(FIG) stamp $(R)/host_tier.json -- bench_host_tier.py --quick
+	$(VENV)/python benchmarks/bench_checkpoint_identity.py --gib 16 --shards 4 --json $(R)/checkpoint_identity.json && $(FIG) stamp $(R)/checkpoint_identity.json -- bench_checkpoint_identity.py --gib 16 --shards 4
 	$(FIG) render

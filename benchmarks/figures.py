@@ -5,8 +5,9 @@ file with when and how it was measured (``stamp``), then ``render`` rewrites eve
 
     <!-- figures:NAME -->...<!-- /figures:NAME -->
 
-in README.md and docs/*.md from those files. ``check`` (run by the test suite) fails when a
-span differs from what the committed JSON renders to: a figure cannot drift from its run.
+in README.md, docs/*.md and RELIABILITY.md from those files. ``check`` (run by the test
+suite) fails when a span differs from what the committed JSON renders to: a figure cannot
+drift from its run.
 
     python -m benchmarks.figures stamp benchmarks/results/events.json -- CMD...
     python -m benchmarks.figures render          # rewrite the spans
@@ -28,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 DOCUMENTS = ("README.md", "docs/daemon.md", "docs/tiers.md", "docs/benchmarks-e2e.md",
-             "docs/native-tier.md")
+             "docs/native-tier.md", "RELIABILITY.md")
 SPAN = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures:(?P=name) -->",
                   re.S)
 
@@ -391,6 +392,22 @@ def backfill(d: dict[str, Any]) -> str:
             f"{ups} ({when(d)})")
 
 
+def checkpoint(d: dict[str, Any]) -> str:
+    """The sampled checkpoint identity beside reading the weight files whole."""
+    def share(ratio: float) -> str:
+        return f"{ratio * 100:.3f} %"
+
+    r = d["ratios"]
+    return (f"a Llama-3-8B-shaped {d['gib']:.1f} GiB checkpoint ({d['shards']} safetensors "
+            f"shards, {d['tensors']} tensors): the identity samples {d['sample_windows']} "
+            f"windows ({d['sample_bytes'] / 2**20:.1f} MiB) in "
+            f"{d['identity_cold_s'] * 1e3:.1f} ms with the page cache cold and "
+            f"{d['identity_warm_s'] * 1e3:.1f} ms warm (medians of {d['runs']}), against "
+            f"{d['full_read_cold_s']:.1f} s / {d['full_read_warm_s']:.1f} s to read the files "
+            f"whole: {share(r['identity_cold_vs_full_read'])} / "
+            f"{share(r['identity_warm_vs_full_read'])} of that time ({when(d)})")
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -414,6 +431,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "gpu": (("gpu_check.json",), gpu),
     "gil": (("gil.json",), gil),
     "backfill": (("backfill.json",), backfill),
+    "checkpoint-identity": (("checkpoint_identity.json",), checkpoint),
 }
 
 
