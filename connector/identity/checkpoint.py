@@ -25,8 +25,9 @@ Rules this module keeps:
   time unchanged, e.g. only a few embedding rows trained (new tokens), a sparse edit, a
   tensor beyond the cap left untouched by the windows, or bytes changed in one tensor's
   part between windows. ``weights_version`` names such weights. The cost is bounded:
-  at most ``1 + TENSOR_WINDOWS_MAX + SPREAD_WINDOWS`` reads of one page per safetensors
-  file (a Llama-3-8B-shaped 16 GiB checkpoint in 4 shards: 580 reads, 2.3 MiB), read with
+  at most ``1 + TENSOR_WINDOWS_MAX + SPREAD_WINDOWS`` reads per safetensors file (its
+  header, then one page each; a Llama-3-8B-shaped 16 GiB checkpoint in 4 shards with its
+  index and config: 580 windows, 2.3 MiB), read with
   ``os.pread`` on one descriptor advised random (no read-ahead), every window's read started
   at once (``POSIX_FADV_WILLNEED``) so a cold page cache costs about one disk round trip, not
   one per window; measured against reading the files whole by
