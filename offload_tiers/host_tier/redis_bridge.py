@@ -161,6 +161,8 @@ class RedisBridge:
             with self._counter_lock:  # what subscribers have been sent, not the feed's own
                 synced, window = self._synced, self._learned_count
             out.update(redis_announced=int(fs["announced"]), presence_synced=int(synced),
+                       redis_announce_dropped=int(fs.get("announce_dropped", 0)),
+                       presence_learned_dropped=int(fs.get("learned_dropped", 0)),
                        presence_learned=int(fs["learned_stream"]) + int(fs["learned_scan"]),
                        presence_window=window)
         return out

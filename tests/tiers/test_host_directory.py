@@ -129,3 +129,40 @@ def test_client_rows_run_out_and_come_back(directory: HostDirectory) -> None:
     assert None not in rows and directory.attach_client() is None
     directory.release_client(rows[1])
     assert directory.attach_client() == rows[1]
+
+
+def test_a_replace_commit_takes_the_place_of_another_save(directory: HostDirectory) -> None:
+    """Issue 43 item 1: the daemon's restore of the save an engine asked for replaces an
+    entry of another save of that digest (a plain commit of it is a dropped duplicate);
+    the old slot is invalidated, and drains first while a reader pins it."""
+    a, reader = directory.attach_client(), directory.attach_client()
+    assert a is not None and reader is not None
+    old, dup, new = directory.lease(a, 3)
+    assert save(directory, a, old, b"k", 1)
+    assert not save(directory, a, dup, b"k", 2)  # a duplicate: dropped
+    directory.pins.pin(reader, [old])
+    directory.drain_events()
+    directory.segment.write(new, digest(b"k"), 2, b"\2" * SLOT)
+    assert directory.commit(a, new, digest(b"k"), 2, SLOT, replace=True)
+    assert directory.entries[digest(b"k")] == Location(new, 2, SLOT)
+    assert directory.counters.replaced == 1
+    assert directory.drain_events() == [(digest(b"k"), None),
+                                        (digest(b"k"), Location(new, 2, SLOT))]
+    assert directory.segment.read(old, digest(b"k"), 1) is None
+    assert directory.stats()["draining_slots"] == 1  # pinned: not reused under the reader
+    assert directory.stats()["bytes_used"] == SLOT
+
+
+def test_a_held_entry_is_passed_over_by_eviction(directory: HostDirectory) -> None:
+    """Issue 43 item 11: an entry held for the Redis write-behind is never evicted before
+    its bytes are read back; the next oldest goes instead, and it can go once let go."""
+    row = directory.attach_client()
+    assert row is not None
+    slots = directory.lease(row, 4)
+    for i, slot in enumerate(slots):
+        assert save(directory, row, slot, b"k%d" % i, i + 1)
+    assert directory.hold(digest(b"k0")) and not directory.hold(digest(b"absent"))
+    assert directory.lease(row, 1) == [slots[1]]  # k0 is the oldest, but held
+    assert digest(b"k0") in directory.entries
+    directory.unhold(digest(b"k0"))
+    assert directory.lease(row, 1) == [slots[0]]
