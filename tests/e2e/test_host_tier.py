@@ -39,6 +39,8 @@ C2 = PROMPT_C + " w8"
 E2 = PROMPT_E + " w9"
 PROMPT_F = prompt_words(35, 150)  # stored while the daemon's Redis refuses it
 F2 = PROMPT_F + " w10"
+PROMPT_G = prompt_words(36, 150)  # one rank's shards of one save, the other's of another
+G2 = PROMPT_G + " w11"
 TP2 = {"tensor_parallel_size": 2}
 PREFIX_TOKENS = 128  # the four full 32-token blocks each prompt shares with its turn 2
 
@@ -164,6 +166,49 @@ def test_tp2_a_new_engine_restores_every_ranks_shard_from_the_host_tier(
     assert second["token_ids"] == first["token_ids"]
     assert tp2_runs[1]["stats"]["blocks_loaded_host"] == 2 * blocks
     assert tp2_runs[1]["stats"]["load_errors"] == 0
+
+
+@pytest.fixture(scope="module")
+def mixed_saves(tp2_runs: Any, extra: dict[str, Any], daemon: HostTierDaemon
+                ) -> dict[str, Any]:
+    """Issue 43 item 1 with TP=2 engines: X's rank 1 skips its host saves (rank 0's four
+    shards become entries); Y computes the same prompt (no host hit: rank 1 has none) and
+    both ranks save it: rank 0's shards are duplicates of X's (dropped), rank 1's are new.
+    Every rank's digest is then present, rank 0's of X's save and rank 1's of Y's. Z, a new
+    TP=2 engine, asks the prompt's second turn."""
+    blocks = PREFIX_TOKENS // 32
+    tier = daemon.tier()
+    x = run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2, "steps": [
+        ["skip_host_commits", 1], ["generate", "G1", PROMPT_G]]})
+    daemon.wait_for(lambda s: s["host_tier"]["commits"] >= tier["commits"] + blocks,
+                    what="X's rank-0 shards")
+    y = run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                           "steps": [["generate", "G1", PROMPT_G]]})
+    after_y = daemon.wait_for(
+        lambda s: s["host_tier"]["commits"] >= tier["commits"] + 2 * blocks
+        and s["host_tier"]["duplicates_dropped"] >= tier["duplicates_dropped"] + blocks,
+        what="Y's shards: rank 1's committed, rank 0's dropped")["host_tier"]
+    z = run_in_subprocess({"model": "llama", "extra": extra, "engine": TP2,
+                           "steps": [["generate", "G2", G2]]})
+    return {"x": x, "y": y, "z": z, "tier": tier, "after_y": after_y}
+
+
+def test_tp2_shards_of_two_saves_are_never_served_as_one_block(
+        mixed_saves: dict[str, Any]) -> None:
+    """No host hit is assembled from shards of two saves: Z finds every rank's digest but
+    of different saves, counts it, takes no token from the host tier, computes the prompt
+    itself."""
+    blocks = PREFIX_TOKENS // 32
+    x, y, z = (by_name(mixed_saves[k]) for k in ("x", "y", "z"))
+    assert x["skip_host_commits"]["result"] == [0, 1]
+    assert x["G1"]["delta"].get("blocks_written_host", 0) == blocks  # rank 0's only
+    assert y["G1"]["delta"].get("hit_tokens_host", 0) == 0
+    assert y["G1"]["delta"].get("blocks_written_host", 0) == 2 * blocks
+    assert z["G2"]["delta"].get("host_mixed_saves", 0) >= 1
+    assert z["G2"]["delta"].get("hit_tokens_host", 0) == 0
+    assert z["G2"]["num_cached_tokens"] == 0
+    assert mixed_saves["z"]["stats"]["blocks_loaded_host"] == 0
+    assert mixed_saves["z"]["stats"]["load_errors"] == 0
 
 
 def test_an_engine_killed_mid_save_leaves_no_entry_and_no_lease(

@@ -10,7 +10,8 @@ on the same Redis, and engines with test-only switches, each in its own process:
                   ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
                   ["wait_redis", 0|1, timeout_s], ["wait_writes", timeout_s],
                   ["wait_backfills", timeout_s],
-                  ["kill_pid", pid], ["stop_before_host_commits"], ["kill_engine"]],
+                  ["kill_pid", pid], ["stop_before_host_commits"], ["skip_host_commits", rank],
+                  ["kill_engine"]],
         "max_tokens": 8, "logprobs": bool, "proxy_to": redis port (optional), "log_info": bool,
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
@@ -391,6 +392,11 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
         if step[0] == "wait_backfills":  # entries saved while Redis was down, sent to it
             tp = int(spec.get("engine", {}).get("tensor_parallel_size", 1))
             outputs.append(wait_backfills(stats, poke, tp, float(step[1])))
+            continue
+        if step[0] == "skip_host_commits":  # one TP rank's host saves never committed
+            outputs.append({"name": "skip_host_commits",
+                            "result": llm.collective_rpc("kvtier_skip_host_commits",
+                                                         args=(int(step[1]),))})
             continue
         if step[0] == "stop_before_host_commits":  # host saves end copied, never committed
             victims = llm.collective_rpc("kvtier_stop_before_host_commits")

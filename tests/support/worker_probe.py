@@ -77,6 +77,24 @@ class KvtierWorkerProbe:
         return os.getpid()
 
 
+    def kvtier_skip_host_commits(self, rank: int) -> int:
+        """Fault injection for "a rank that skipped its save": from now on TP rank
+        ``rank``'s host-tier saves are given back to the daemon uncommitted (its copies
+        never become entries); the other ranks save as usual. Returns this worker's rank."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        half = get_kv_transfer_group().worker
+        assert half is not None and half.host is not None, "no host tier in this worker"
+        if half.tp_rank == rank:
+            host = half.host
+
+            def skipped(lease: Any, *_: Any) -> None:
+                host.abandon(lease)
+
+            half._commit_host = skipped
+        return int(half.tp_rank)
+
+
 def drain(llm: Any, exported: Callable[[], dict[str, Any]], poke: Callable[[], None],
           deadline_s: float = DEADLINE_S) -> dict[str, Any]:
     """Wait until every save the engine planned so far has its outcome in vLLM's metrics.
