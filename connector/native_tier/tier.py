@@ -25,7 +25,9 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
   reset secondary tiers on a connector-cache reset, but its ``TieringOffloadingManager.
   reset_cache`` calls every secondary tier's ``drain_jobs()`` (nothing else in vLLM does):
   there the tier moves to a new generation (the named weight version, else a nonce). A
-  weight version named between steps moves it too (``on_schedule_end``). After a move the
+  weight version named between steps moves it too: it is followed before every look-up
+  and store (one attribute read), so a step's first look-up after an update already uses
+  the new generation, and again at ``on_schedule_end``. After a move the
   tier forgets what it knew and every look-up, load and store uses the new fingerprint.
 * A chunk key carries what its hash covers: ``num_tokens`` is the end position vLLM records
   for the key in the request (``ReqContext.get_offload_key_position``), the kind is FULL
@@ -311,8 +313,15 @@ class KvtierRedisTier(SecondaryTierManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def _follow_weights(self) -> None:
+        """Follow vLLM's weight version (one attribute read): before any look-up or store
+        of a step, so none runs under the generation of the weights before an update."""
+        if self.generation.observe(self._weights.read()):
+            self._moved("vLLM's weight version changed")
+
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._follow_weights()
         if req_context.get_offload_key_position(key) is None:
             self._count("unpositioned_keys")
             self._count("lookup_misses")
@@ -333,8 +342,7 @@ class KvtierRedisTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self.generation.observe(self._weights.read()):  # one attribute read
-            self._moved("vLLM's weight version changed")
+        self._follow_weights()
         self._checks.flush()
 
     @override
