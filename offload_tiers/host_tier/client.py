@@ -56,6 +56,13 @@ from offload_tiers.host_tier.protocol import (
     frame,
     split_frames,
 )
+from offload_tiers.host_tier.trust import (
+    TrustedDaemon,
+    UntrustedError,
+    address_of,
+    check_daemon,
+    resolve_group,
+)
 from offload_tiers.presence import unpack_digests
 from offload_tiers.shared_segment import SharedSegment
 
@@ -91,17 +98,45 @@ class Pins:
 
 
 class _Attached:
-    """One welcomed connection's daemon run: its segment, pin table and row."""
+    """One welcomed connection's daemon run: its segment, pin table and row. Each file is
+    checked on the descriptor that is mapped (:mod:`offload_tiers.host_tier.trust`): the
+    checked daemon's own, open to no one else (to the trusted group only, in group mode)."""
 
-    def __init__(self, welcome: Welcome) -> None:
+    def __init__(self, welcome: Welcome, daemon: TrustedDaemon | None) -> None:
+        if daemon is None:
+            raise ProtocolError("a welcome from a daemon that was not checked")
         self.instance = welcome.instance
-        self.segment = SharedSegment.attach(welcome.segment_path)
-        self.pins = PinTable.attach(welcome.pins_path)
+        self.segment = _attach_segment(welcome.segment_path, daemon)
+        try:
+            self.pins = PinTable.attach(welcome.pins_path, check=daemon.check_fd)
+        except BaseException:
+            self.segment.close()
+            raise
         self.row = welcome.row
         self.redis = welcome.redis
         if (self.segment.num_slots, self.segment.slot_bytes) != (welcome.num_slots,
                                                                  welcome.slot_bytes):
+            self.segment.close()
+            self.pins.close()
             raise ProtocolError(f"segment {welcome.segment_path} does not match the welcome")
+
+
+def _attach_segment(path: str, daemon: TrustedDaemon) -> SharedSegment:
+    """The segment at ``path``, refused (:class:`UntrustedError`) unless the file is the
+    daemon's own: checked on a descriptor before a byte is read, and the mapping checked to
+    be of that very file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        daemon.check_fd(fd, path)
+        segment = SharedSegment.attach(path)
+        try:
+            daemon.check_mapping(address_of(segment.memory()), fd, path)
+        except BaseException:
+            segment.close()
+            raise
+    finally:
+        os.close(fd)
+    return segment
 
 
 class HostTierClient:
@@ -109,9 +144,11 @@ class HostTierClient:
 
     def __init__(self, socket_path: str, *, label: str = "", subscribe: bool = False,
                  lease_batch: int = 64, retry_s: float = 1.0, presence: bool = False,
-                 presence_window: int = 1 << 20) -> None:
+                 presence_window: int = 1 << 20, group: int | str | None = None) -> None:
         """``lease_batch``: slots kept leased ahead of need (0: this client never writes,
-        e.g. a scheduler half, and leases none)."""
+        e.g. a scheduler half, and leases none). ``group`` (a name or gid): also trust a
+        daemon that runs in this group, and its files shared with it (the daemon's
+        ``--host-tier-group``); else only a daemon of this uid or root is trusted."""
         self.socket_path = socket_path
         self.label = label
         self.subscribe = subscribe
@@ -121,6 +158,9 @@ class HostTierClient:
         self.presence_window = presence_window
         self.lease_batch = lease_batch
         self.retry_s = retry_s
+        self.group = resolve_group(group)
+        self._daemon: TrustedDaemon | None = None  # the checked peer of this connection
+        self._refusal_logged = ""
         self.counters = ClientCounters()
         self.mirror: dict[bytes, Location] = {}
         self.last_error = ""
@@ -320,6 +360,11 @@ class HostTierClient:
         while not self._closed.is_set():
             try:
                 self._serve_once()
+            except UntrustedError as exc:  # a miss, never attached; said once per reason
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                if self.last_error != self._refusal_logged:
+                    self._refusal_logged = self.last_error
+                    log.warning("kvtier: not using the host tier: %s", exc)
             except (OSError, ProtocolError, ValueError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
             self._closed.wait(self.retry_s)
@@ -330,6 +375,8 @@ class HostTierClient:
         self._outbox = queue.SimpleQueue()
         try:
             sock.connect(self.socket_path)
+            # believe nothing it says before knowing who it is (SO_PEERCRED)
+            self._daemon = check_daemon(sock, self.socket_path, group=self.group)
             self._sock = sock
             if self._closed.is_set():
                 # close() ran before this socket was published, so it shut none down: leave
@@ -383,7 +430,7 @@ class HostTierClient:
                                     f"{PROTOCOL_VERSION}")
             self.mirror = {d: Location(slot, save_id, length)
                            for d, slot, save_id, length in message.entries}
-            self._attached = _Attached(message)
+            self._attached = _Attached(message, self._daemon)
             self._presence.clear()
             self._presence_count = 0
             self._learn(unpack_digests(message.presence))

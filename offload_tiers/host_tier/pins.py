@@ -18,7 +18,7 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -54,10 +54,15 @@ class PinTable:
         return cls(path, mm, rows, num_slots)
 
     @classmethod
-    def attach(cls, path: str) -> PinTable:
-        """Map an existing table; ``ValueError`` naming the problem for anything else."""
+    def attach(cls, path: str, *,
+               check: Callable[[int, str], object] | None = None) -> PinTable:
+        """Map an existing table; ``ValueError`` naming the problem for anything else.
+        ``check(fd, path)`` vets the opened file before it is read or mapped (raises to
+        refuse it): the file checked is the file mapped."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
+            if check is not None:
+                check(fd, path)
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_BYTES:
                 raise ValueError(f"{path}: not a kvtier pin table (size {st.st_size})")

@@ -11,9 +11,12 @@ a slot re-leased under it could be committed with its bytes mixed in (with a che
 over the mix). A killed engine's half-written slots are invalidated once it is gone:
 never served; its pins never hold a slot forever.
 
-The segment, the pin table and the socket are created with ``mode`` (0600: only the
-daemon's user; 0660 with ``group`` for a group). A file of the same name left by an
-earlier run is replaced: a new run starts with an empty tier.
+The segment, the pin table and the socket are created 0600, then given ``group`` and
+``mode`` (0600: only the daemon's user; 0660 with ``group`` for a group), in a socket
+directory the daemon owns alone (:mod:`offload_tiers.host_tier.trust`). A run locks its
+name and its socket for its lifetime; a file of the same name left by an earlier run is
+replaced (a new run starts with an empty tier), and a stop removes only the files its own
+run created (:mod:`offload_tiers.host_tier.run_files`).
 
 Given a Redis tier (``redis``), the daemon also writes commits behind to Redis and restores
 from it for its clients (:mod:`offload_tiers.host_tier.redis_bridge`): its threads do the
@@ -35,7 +38,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from offload_tiers.codec import validate_key
@@ -65,6 +67,8 @@ from offload_tiers.host_tier.protocol import (
     split_frames,
 )
 from offload_tiers.host_tier.redis_bridge import RedisBridge, RestoreItem, WriteItem
+from offload_tiers.host_tier.run_files import RunFiles, RunLock, share_file
+from offload_tiers.host_tier.trust import address_of, mapped_file, prepare_socket_dir
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.shared_segment import SharedSegment, default_path
 
@@ -131,23 +135,52 @@ class HostTierServer:
         self._presence_feed = presence_feed
         self.bridge: RedisBridge | None = None
         self._posted: deque[Callable[[], None]] = deque()  # run on the loop (bridge replies)
+        # one daemon per name and per socket (run_files): held from start to stop
+        self._locks = [RunLock(default_path(f"{name}.lock"), f"the host tier {name!r}",
+                               "give this one another --host-tier-name"),
+                       RunLock(f"{socket_path}.lock", f"the socket {socket_path}",
+                               "give this one another --host-tier-socket")]
+        self._files = RunFiles()  # what this run created: all it removes at stop
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        for path in (self.segment_path, self.pins_path):
-            _remove_stale(path)
-        segment = SharedSegment.create(self.segment_path, self.num_slots, self.slot_bytes,
-                                       mode=self.mode)
-        pins = PinTable.create(self.pins_path, self.max_clients, self.num_slots,
-                               mode=self.mode)
-        for path in (self.segment_path, self.pins_path):
-            self._chown(path)
-        self.huge_pages = segment.advise_huge_pages()
-        self.directory = HostDirectory(segment, pins)
-        if self._redis is not None:
-            self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post,
-                                      feed=self._presence_feed, push=self._push_presence)
-        self._listener = self._listen()
+        """Lock the name and the socket, create the segment, the pin table and the socket;
+        a start that fails removes what it created and lets the locks go."""
+        segment = pins = None
+        try:
+            prepare_socket_dir(self.socket_path, group=self.group)
+            for run_lock in self._locks:
+                run_lock.acquire()
+            for path in (self.segment_path, self.pins_path):
+                _remove_stale(path)
+            # created private (0600), then given the group and the mode on the file itself:
+            # never open to the daemon's primary group, nor to anyone before the group
+            segment = SharedSegment.create(self.segment_path, self.num_slots,
+                                           self.slot_bytes, mode=0o600)
+            self._files.add(self.segment_path, mapped_file(address_of(segment.memory())))
+            pins = PinTable.create(self.pins_path, self.max_clients, self.num_slots,
+                                   mode=0o600)
+            self._files.add(self.pins_path, mapped_file(address_of(pins.counts)))
+            for path in (self.segment_path, self.pins_path):
+                self._chown(path)
+            self.huge_pages = segment.advise_huge_pages()
+            self.directory = HostDirectory(segment, pins)
+            if self._redis is not None:
+                self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post,
+                                          feed=self._presence_feed, push=self._push_presence)
+            self._listener = self._listen()
+        except BaseException:
+            if self.bridge is not None:
+                self.bridge.close()
+                self.bridge = None
+            self.directory = None
+            for table in (segment, pins):
+                if table is not None:
+                    table.close()
+            self._files.remove()
+            for run_lock in reversed(self._locks):
+                run_lock.release()
+            raise
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._wake_r, self._wake_w = os.pipe()
@@ -183,12 +216,14 @@ class HostTierServer:
         self._listener.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
         if self.directory is not None:
             for table in (self.directory.segment, self.directory.pins):
-                table.unlink()
                 table.close()
+        # only the files this run created, still in place (not a later daemon's), then
+        # the locks
+        self._files.remove()
+        for run_lock in reversed(self._locks):
+            run_lock.release()
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -203,13 +238,21 @@ class HostTierServer:
 
     # ------------------------------------------------------------ setup
     def _chown(self, path: str) -> None:
+        """Give a file this run created (0600 so far) the group, then ``mode``: it is never
+        open to another group (the daemon's primary one included)."""
+        if self._files.created.get(path) is None:
+            raise FileNotFoundError(f"{path} is not a file this daemon run created")
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            share_file(path, self._files.created[path], mode=self.mode, group=self.group)
+            return
+        # a socket cannot be opened: by path, in the directory prepare_socket_dir checked
         if self.group is not None:
-            os.chown(path, -1, self.group)
+            os.chown(path, -1, self.group, follow_symlinks=False)
+        os.chmod(path, self.mode)
 
     def _listen(self) -> socket.socket:
-        parent = Path(self.socket_path).parent
-        if not parent.exists():
-            parent.mkdir(mode=0o700, parents=True)
+        # the directory was made or checked (prepare_socket_dir) and the socket's lock is
+        # held: a socket left here is an earlier run's
         _remove_stale(self.socket_path, socket_only=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -219,7 +262,7 @@ class HostTierServer:
                 listener.bind(self.socket_path)
             finally:
                 os.umask(old)
-            os.chmod(self.socket_path, self.mode)
+            self._files.add(self.socket_path)
             self._chown(self.socket_path)
             listener.listen(64)
             listener.setblocking(False)
@@ -525,6 +568,8 @@ def _remove_stale(path: str, *, socket_only: bool = False) -> None:
         raise FileExistsError(f"{path} exists and is not a socket")
     if not socket_only and not stat.S_ISREG(st.st_mode):
         raise FileExistsError(f"{path} exists and is not a regular file")
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not this user")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not this daemon's uid "
+                              f"{os.geteuid()}: remove it (as its owner), or give this "
+                              f"daemon another --host-tier-name / --host-tier-socket")
     os.unlink(path)

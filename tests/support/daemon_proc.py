@@ -176,6 +176,6 @@ class HostTierDaemon(DaemonProcess):
             self.remove_files()
 
     def remove_files(self) -> None:
-        """The segment and pin table a killed daemon leaves behind."""
-        for suffix in ("", ".pins"):
+        """The segment, pin table and lock file a killed daemon leaves behind."""
+        for suffix in ("", ".pins", ".lock"):
             Path(f"/dev/shm/kvtier-{self.name}{suffix}").unlink(missing_ok=True)
