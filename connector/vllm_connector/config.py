@@ -61,6 +61,9 @@ _FIXES: dict[str, str] = {
     "host_tier_redis": "use true only with host_tier_socket and no redis_url (the engine "
                        "then reaches Redis through `kvtier daemon --cpu-bytes N --redis-url "
                        "URL`), or false (default)",
+    "host_tier_group": "give the group of `kvtier daemon --host-tier-group G` (a name or "
+                       "gid) to trust that group's daemon and files, or null (default: only a "
+                       "daemon of this user or root)",
     "async_saves": "use true (default: on the CPU a step's saves are copied after the step "
                    "returns, before the next one) or false (copied inside the step)",
     "redis_backfill": "use true (default: CPU-tier entries saved while Redis was down are "
@@ -115,6 +118,9 @@ class TieredConfig(BaseModel):
     # Reach Redis through that daemon (it writes saves behind and restores; this engine
     # opens no Redis connection): connector/vllm_connector/daemon_redis.py
     host_tier_redis: bool = False
+    # Also trust a daemon that runs in this group (name or gid), and its files shared with
+    # it: the daemon's --host-tier-group. None: only a daemon of this uid or root.
+    host_tier_group: str | None = None
     # On the CPU, copy a step's saves on the saver thread after the step returns (fenced
     # before the next step); false: inside the step, before its output goes back.
     async_saves: bool = True

@@ -264,7 +264,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
         host = SchedulerHost(host_connect(
             self.config.host_tier_socket, "scheduler", subscribe=True,
-            presence=self.config.host_tier_redis and self.config.presence),
+            presence=self.config.host_tier_redis and self.config.presence,
+            group=self.config.host_tier_group),
             int(parallel.world_size)) \
             if self.config.host_tier_socket else None
         presence = presence_source(self.config, host.client if host is not None else None)
@@ -288,7 +289,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
 
         rank = int(get_tensor_model_parallel_rank())
         host = host_connect(self.config.host_tier_socket, f"worker rank {rank}",
-                            subscribe=False) if self.config.host_tier_socket else None
+                            subscribe=False, group=self.config.host_tier_group) \
+            if self.config.host_tier_socket else None
         redis = worker_redis(self.config, host)
         if self.config.host_tier_redis and host is not None:
             if host.available and not host.redis:

@@ -54,16 +54,17 @@ WELCOME_WAIT_S = 5.0
 
 
 def connect(socket_path: str, label: str, *, subscribe: bool,
-            presence: bool = False) -> HostTierClient:
+            presence: bool = False, group: str | None = None) -> HostTierClient:
     """A started client (it connects, and reconnects, on its own thread). Waits up to
     :data:`WELCOME_WAIT_S` for the first welcome (and a writer for its first lease), so the
     first requests can hit and the first saves find slots; without them it goes on
     (misses, counted skipped saves) and attaches whenever the daemon answers. ``presence``:
-    a subscriber that takes the daemon's presence feed (``host_tier_redis``)."""
+    a subscriber that takes the daemon's presence feed (``host_tier_redis``). ``group``:
+    also trust a daemon of that group (``host_tier_group``)."""
     # a subscriber (the scheduler half) only reads: it leases no slots
     client = HostTierClient(socket_path, label=label, subscribe=subscribe,
                             lease_batch=0 if subscribe else WORKER_LEASE_BATCH,
-                            presence=presence).start()
+                            presence=presence, group=group).start()
     # a writer also waits for its first lease, so its first saves find slots at hand
     if not client.wait_until(lambda c: c.available and (subscribe or c.slots_at_hand > 0),
                              WELCOME_WAIT_S):

@@ -82,8 +82,9 @@ def test_a_second_daemon_on_one_name_or_socket_refuses_naming_the_first(
                 assert proc.returncode == 1, (second_sock, second_name, proc.stderr)
                 assert f"another kvtier daemon (pid {pid})" in proc.stderr, proc.stderr
                 assert flag in proc.stderr, proc.stderr
-            assert not Path(default_path(other_name)).exists()
-            assert not Path(f"{tmp_path / 'elsewhere' / 'host.sock'}.lock").exists()
+                # no segment, pin table or lock file of its own left behind
+                assert [p for p in _files(second_name, second_sock)
+                        if p.exists() and p not in _files(name, sock)] == [], second_name
         finally:
             for suffix in ("", ".pins", ".lock"):
                 Path(default_path(other_name + suffix)).unlink(missing_ok=True)
