@@ -10,7 +10,7 @@ instant, and a member of another uid attaches.
 # ruff: noqa: S103  (permissive modes are what these tests throw at the host tier)
 from __future__ import annotations
 
-import grp  # noqa: F401  (imported before forking: a child of another uid cannot)
+import grp  # imported before forking: a child of another uid cannot
 import logging
 import os
 import pwd  # noqa: F401
@@ -37,8 +37,14 @@ from tests.support.daemon_proc import REPO
 
 SLOT = 4096
 WAIT_S = 30
-GROUP = 100  # "users": a group root and nobody are not in by default
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to be another uid")
+try:  # "users": a group root and nobody are not in by default
+    GROUP = grp.getgrnam("users").gr_gid
+except KeyError:
+    GROUP = -1
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to be another uid"),
+    pytest.mark.skipif(GROUP < 0, reason="needs the group 'users'"),
+]
 
 
 def _name() -> str:
