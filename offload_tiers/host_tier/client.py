@@ -11,6 +11,15 @@ mirror.
 A mirror entry can be stale (evicted or reused since): every read is checked against the
 slot's own header and checksum (:meth:`SharedSegment.read_into`), so a stale entry is a
 failed read, never wrong bytes.
+
+Slots taken for writing come as a :class:`SlotLease`: the daemon run, the row and the
+segment they were leased in. A commit or an abandon is sent only on a connection to that
+same run and row; one that outlived its run (the daemon restarted under a write in
+flight) is dropped, counted (``commits_stale``): in the new run those slot numbers may be
+leased to another client. A reconnect to the same run gets the same row back (the daemon
+knows this client by ``client_id`` and its pid), so the pool and the writes in flight stay
+good; a new run drops the pool. A client that closes with no write in flight and no pin
+says ``Bye`` and its row is released at once.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from offload_tiers.host_tier.directory import Location
 from offload_tiers.host_tier.pins import PinTable
 from offload_tiers.host_tier.protocol import (
     PROTOCOL_VERSION,
+    Abandon,
+    Bye,
     Changes,
     Commit,
     Committed,
@@ -81,6 +92,8 @@ class ClientCounters:
     commits_dropped: int = 0
     reads_ok: int = 0
     reads_failed: int = 0  # a mirror entry the slot no longer held
+    commits_stale: int = 0  # saves of a lease from an earlier daemon run or row: not sent
+    slots_abandoned: int = 0  # leased slots given back unwritten (a failed copy or commit)
     requests: int = 0  # probes and restores asked of the daemon's Redis
     requests_unanswered: int = 0  # not answered in time, or the connection went
 
@@ -94,6 +107,17 @@ class Pins:
 
     table: PinTable
     row: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLease:
+    """Slots taken from the pool to write: valid for the daemon run and row that leased
+    them (:meth:`HostTierClient.commit` / :meth:`HostTierClient.abandon` check)."""
+
+    instance: str
+    row: int
+    segment: SharedSegment | None
     slots: tuple[int, ...]
 
 
@@ -179,6 +203,10 @@ class HostTierClient:
         self._presence_count = 0
         self.presence_synced = False
         self._replies: dict[int, Probed | Restored | None] = {}  # id -> answer (None: waiting)
+        self.client_id = os.urandom(16)  # the daemon gives a reconnect this client's row back
+        self._pool_of: tuple[str, int] | None = None  # (run, row) the pool was leased in
+        self._taken: set[int] = set()  # slots taken and not yet committed or abandoned
+        self._pins_held = 0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> HostTierClient:
@@ -188,7 +216,11 @@ class HostTierClient:
         return self
 
     def close(self) -> None:
-        """Send what is queued (commits of finished saves), then disconnect."""
+        """Send what is queued (commits of finished saves), then disconnect; with no write
+        in flight and no pin held, the daemon is told to release this client's row now."""
+        with self._cond:
+            if self._attached is not None and not self._taken and not self._pins_held:
+                self._send(Bye())
         self._closed.set()
         writer = self._writer
         if writer is not None:
@@ -245,12 +277,13 @@ class HostTierClient:
             return None
         pins = Pins(attached.pins, attached.row, tuple(slots))
         pins.table.pin(pins.row, pins.slots)
+        self._pins_held += 1
         return pins
 
-    @staticmethod
-    def unpin(pins: Pins | None) -> None:
+    def unpin(self, pins: Pins | None) -> None:
         if pins is not None:
             pins.table.unpin(pins.row, pins.slots)
+            self._pins_held -= 1
 
     def read_into(self, digest: bytes, where: Location, out: BytesLike) -> bool:
         """Copy the save ``where`` names into ``out``; False (counted) unless the slot
@@ -268,12 +301,14 @@ class HostTierClient:
             self._send(Touch(digests))
 
     # ------------------------------------------------------------ writes
-    def take_slots(self, n: int) -> list[int]:
-        """Up to ``n`` leased slots to write now (fewer when the pool is short: counted);
-        asks the daemon for more in the background."""
+    def take_slots(self, n: int) -> SlotLease:
+        """Up to ``n`` leased slots to write now (fewer when the pool is short: counted),
+        with the run, row and segment they belong to; asks the daemon for more in the
+        background. Every slot taken ends in :meth:`commit` or :meth:`abandon`."""
         taken: list[int] = []
         with self._cond:
-            if self._attached is not None:
+            attached = self._attached
+            if attached is not None:
                 while self._pool and len(taken) < n:
                     taken.append(self._pool.popleft())
                 short = n - len(taken)
@@ -282,16 +317,41 @@ class HostTierClient:
                     self._lease_pending = True
                     self._send(Lease(self.lease_batch + short))
             self.counters.slots_short += n - len(taken)
-        return taken
+            self._taken.update(taken)
+            if attached is None:
+                return SlotLease("", -1, None, ())
+            return SlotLease(attached.instance, attached.row, attached.segment, tuple(taken))
 
-    def commit(self, saves: list[tuple[bytes, int, int, int]],
+    def commit(self, lease: SlotLease, saves: list[tuple[bytes, int, int, int]],
                redis: list[RedisWrite | None] | None = None) -> None:
-        """Tell the daemon these (digest, slot, save id, length) saves are written and
-        committed in their slots (``SharedSegment.commit_write`` done); ``redis``, one per
-        save, where the daemon writes each behind to Redis (None: not there)."""
-        if saves and self._attached is not None:
-            self.counters.commits_sent += len(saves)
-            self._send(Commit(saves, redis or []))
+        """Tell the daemon these (digest, slot, save id, length) saves, in slots of
+        ``lease``, are written and committed there (``SharedSegment.commit_write`` done);
+        ``redis``, one per save, where the daemon writes each behind to Redis (None: not
+        there). The lease's slots not among ``saves`` are given back (:meth:`abandon`).
+        Dropped, counted, unless this connection is to the lease's run and row."""
+        done = {slot for _, slot, _, _ in saves}
+        with self._cond:
+            self._taken.difference_update(lease.slots)
+            if not self._current(lease):
+                self.counters.commits_stale += len(saves)
+                return
+            if saves:
+                self.counters.commits_sent += len(saves)
+                self._send(Commit(lease.instance, saves, redis or []))
+            rest = [slot for slot in lease.slots if slot not in done]
+            if rest:
+                self.counters.slots_abandoned += len(rest)
+                self._send(Abandon(lease.instance, rest))
+
+    def abandon(self, lease: SlotLease) -> None:
+        """Give every slot of ``lease`` back unwritten (a copy or a commit that failed):
+        the daemon invalidates and frees them now, not when this process exits."""
+        self.commit(lease, [])
+
+    def _current(self, lease: SlotLease) -> bool:
+        attached = self._attached
+        return attached is not None and (attached.instance, attached.row) == (lease.instance,
+                                                                              lease.row)
 
     # ------------------------------------------------------------ the daemon's Redis
     def probe(self, keys: list[KeyTuple], timeout: float) -> list[int] | None:
@@ -343,13 +403,17 @@ class HostTierClient:
     def write(self, digest: bytes, payload: BytesLike) -> bool:
         """One save of ``payload`` under ``digest`` in a leased slot; False when no slot
         was at hand or it does not fit."""
-        attached = self._attached
-        slots = self.take_slots(1)
-        if attached is None or not slots:
+        lease = self.take_slots(1)
+        if lease.segment is None or not lease.slots:
+            self.commit(lease, [])
             return False
         save_id = new_save_id()
-        attached.segment.write(slots[0], digest, save_id, payload)
-        self.commit([(digest, slots[0], save_id, memoryview(payload).nbytes)])
+        try:
+            lease.segment.write(lease.slots[0], digest, save_id, payload)
+        except BaseException:
+            self.abandon(lease)
+            raise
+        self.commit(lease, [(digest, lease.slots[0], save_id, memoryview(payload).nbytes)])
         return True
 
     # ------------------------------------------------------------ connection
@@ -385,7 +449,7 @@ class HostTierClient:
                 # _sock, then reads the flag: one of the two always sees the other.
                 return
             sock.sendall(frame(Hello(PROTOCOL_VERSION, os.getpid(), self.label,
-                                     self.subscribe, self.presence)))
+                                     self.subscribe, self.presence, self.client_id)))
             inbox = bytearray()
             while not self._attached:
                 if not self._receive(sock, inbox):
@@ -394,9 +458,9 @@ class HostTierClient:
                                       name="kvtier-host-tier-send", daemon=True)
             writer.start()
             self._writer = writer
-            if self.lease_batch > 0:
-                self._send(Lease(self.lease_batch))
-                with self._cond:
+            with self._cond:  # a row given back may have come with its pool
+                if 0 < self.lease_batch and len(self._pool) < self.lease_batch:
+                    self._send(Lease(self.lease_batch - len(self._pool)))
                     self._lease_pending = True
             while self._receive(sock, inbox):
                 pass
@@ -431,6 +495,14 @@ class HostTierClient:
             self.mirror = {d: Location(slot, save_id, length)
                            for d, slot, save_id, length in message.entries}
             self._attached = _Attached(message, self._daemon)
+            if self._pool_of != (message.instance, message.row):
+                # a new run (or row): the old pool's slot numbers may be anyone's now
+                self._pool.clear()
+                self._pool_of = (message.instance, message.row)
+            elif message.leased:
+                # this client's row given back: its leases are the daemon's word (a Leased
+                # lost with the old connection included), less the writes still in flight
+                self._pool = deque(s for s in message.leased if s not in self._taken)
             self._presence.clear()
             self._presence_count = 0
             self._learn(unpack_digests(message.presence))
@@ -463,11 +535,10 @@ class HostTierClient:
         with self._cond:
             if self._attached is not None:
                 self.counters.disconnects += 1
-            # leased slots stay the old connection's: the daemon frees them when this
-            # process exits; a new connection leases its own
+            # the pool stays until the next welcome: the same run gives this client its
+            # row (and so its leases) back; a new run drops it (see _apply)
             self._attached = None
             self.mirror = {}
-            self._pool.clear()
             self._lease_pending = False
             self._replies.clear()  # a waiting request wakes to no answer
             self.presence_synced = False

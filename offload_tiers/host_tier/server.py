@@ -45,9 +45,12 @@ from offload_tiers.host_tier.directory import HostDirectory, Location
 from offload_tiers.host_tier.pins import PinTable
 from offload_tiers.host_tier.protocol import (
     PROTOCOL_VERSION,
+    Abandon,
+    Bye,
     Changes,
     Commit,
     Committed,
+    EntryTuple,
     Hello,
     KeyTuple,
     Lease,
@@ -70,7 +73,7 @@ from offload_tiers.host_tier.redis_bridge import RedisBridge, RestoreItem, Write
 from offload_tiers.host_tier.run_files import RunFiles, RunLock, share_file
 from offload_tiers.host_tier.trust import address_of, mapped_file, prepare_socket_dir
 from offload_tiers.keys import BlockKey, BlockKind
-from offload_tiers.shared_segment import SharedSegment, default_path
+from offload_tiers.shared_segment import DIGEST_BYTES, SharedSegment, default_path
 
 log = logging.getLogger("kvtier.host_tier")
 
@@ -78,7 +81,14 @@ log = logging.getLogger("kvtier.host_tier")
 MAX_LEASE = 4096
 #: A client whose unread replies exceed this is disconnected (it reconnects and resyncs).
 MAX_BACKLOG = 64 * 1024 * 1024
+#: A subscriber's snapshot goes out this many entries at a time, the next chunk once the
+#: connection has taken the last (live updates wait behind it): never a backlog of its own.
+SNAPSHOT_CHUNK = 16384
+_SNAPSHOT_LOW_WATER = 1 << 20
+#: Rows (live connections and quarantined ones) one client process may hold at once.
+MAX_ROWS_PER_PROCESS = 32
 _RECV = 1 << 20
+_U64 = 1 << 64
 
 
 @dataclass(eq=False)
@@ -88,11 +98,26 @@ class _Conn:
     pidfd: int | None  # None: the peer could not be watched (then it is never released)
     row: int | None = None
     label: str = ""
+    client_id: bytes = b""
     subscribed: bool = False
     presence: bool = False  # a subscriber that takes the presence feed
     refused: bool = False
     inbox: bytearray = field(default_factory=bytearray)
     outbox: bytearray = field(default_factory=bytearray)
+    # a subscriber's snapshot still to send (entries), and the updates made meanwhile
+    snapshot: list[EntryTuple] = field(default_factory=list)
+    deferred: list[bytes] = field(default_factory=list)
+    deferred_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Quarantined:
+    """A closed connection's row whose process still runs (released when it exits, or
+    given back to the same client when it reconnects)."""
+
+    pid: int
+    row: int
+    client_id: bytes
 
 
 class HostTierServer:
@@ -122,8 +147,11 @@ class HostTierServer:
         self.protocol_errors = 0
         self.refused = 0
         self._conns: dict[int, _Conn] = {}
-        self._waiting_exit: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, row)
+        self._waiting_exit: dict[int, _Quarantined] = {}  # pidfd -> its row
         self.quarantined_rows = 0
+        self.rows_reused = 0  # a reconnecting client given its quarantined row back
+        self.stale_requests = 0  # commits / abandons naming another daemon run
+        self.backlog_disconnects = 0  # clients too far behind on their replies
         self.huge_pages = "not started"  # the kernel's transparent-huge-page setting for shm
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
@@ -232,6 +260,8 @@ class HostTierServer:
                 base.update(self.bridge.stats())
             return {**base, "redis": self.bridge is not None, "connections": len(self._conns),
                     "quarantined_clients": self.quarantined_rows,
+                    "rows_reused": self.rows_reused, "stale_requests": self.stale_requests,
+                    "backlog_disconnects": self.backlog_disconnects,
                     "protocol_errors": self.protocol_errors, "refused": self.refused,
                     "segment_path": self.segment_path, "socket_path": self.socket_path,
                     "huge_pages": self.huge_pages}
@@ -351,28 +381,7 @@ class HostTierServer:
         directory = self.directory
         assert directory is not None
         if isinstance(msg, Hello):
-            if conn.row is not None:
-                raise ProtocolError("second hello")
-            if msg.version != PROTOCOL_VERSION:
-                self._refuse(conn, f"protocol version {msg.version}; this daemon speaks "
-                                   f"{PROTOCOL_VERSION}")
-                return
-            row = directory.attach_client()
-            if row is None:
-                self._refuse(conn, f"all {self.max_clients} client rows are taken")
-                return
-            conn.row, conn.label, conn.subscribed = row, msg.label[:200], msg.subscribe
-            conn.presence = msg.subscribe and msg.presence
-            entries = ([(d, w.slot, w.save_id, w.length) for d, w in directory.entries.items()]
-                       if msg.subscribe else [])
-            presence, synced = (self.bridge.presence_snapshot()
-                                if conn.presence and self.bridge is not None
-                                else (None, False))
-            self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
-                                     self.pins_path, row, self.num_slots, self.slot_bytes,
-                                     entries, redis=self.bridge is not None,
-                                     presence=presence.tobytes() if presence is not None
-                                     else b"", presence_synced=synced))
+            self._hello(conn, msg)
             return
         if conn.row is None:
             raise ProtocolError(f"{type(msg).__name__} before hello")
@@ -380,24 +389,19 @@ class HostTierServer:
             n = max(0, min(msg.n, MAX_LEASE))
             self._send(conn, Leased(directory.lease(conn.row, n)))
         elif isinstance(msg, Commit):
-            if msg.redis and len(msg.redis) != len(msg.saves):
-                raise ProtocolError(f"commit of {len(msg.saves)} saves names "
-                                    f"{len(msg.redis)} Redis keys")
-            kept: list[int] = []
-            dropped: list[int] = []
-            behind: list[WriteItem] = []
-            for i, (digest, slot, save_id, length) in enumerate(msg.saves):
-                ok = directory.commit(conn.row, slot, digest, save_id, length)
-                (kept if ok else dropped).append(slot)
-                target = msg.redis[i] if msg.redis else None
-                if ok and target is not None and self.bridge is not None:
-                    behind.append((digest, Location(slot, save_id, length),
-                                   _block_key(target[0]), target[1], target[2]))
-            self._send(conn, Committed(kept, dropped))
-            if self.bridge is not None:
-                self.bridge.write_behind(behind)
+            self._commit(conn, msg)
+        elif isinstance(msg, Abandon):
+            if self._current(msg.instance):
+                for slot in msg.slots:
+                    directory.abandon(conn.row, slot)
         elif isinstance(msg, Touch):
             directory.touch(msg.digests)
+        elif isinstance(msg, Bye):
+            # nothing in flight, no pin held (the client's word, for its own row only):
+            # the row goes now instead of waiting for the process to exit
+            directory.release_client(conn.row)
+            conn.row = None
+            conn.refused = True  # closed once this batch is answered
         elif isinstance(msg, Probe):
             keys = [_block_key(k) for k in msg.keys]
             if self.bridge is None:
@@ -405,13 +409,101 @@ class HostTierServer:
             else:
                 self.bridge.probe(keys, self._replier(conn, lambda ids, i=msg.id: Probed(i, ids)))
         elif isinstance(msg, Restore):
-            items: list[RestoreItem] = [(d, _block_key(k), save_id, length)
-                                        for d, k, save_id, length in msg.items]
+            items = [_restore_item(item, self.slot_bytes) for item in msg.items]
             if self.bridge is None:
                 self._send(conn, Restored(msg.id, [None] * len(items)))
             else:
                 self.bridge.restore(items, self._replier(
                     conn, lambda where, i=msg.id: Restored(i, where)))
+
+    def _hello(self, conn: _Conn, msg: Hello) -> None:
+        directory = self.directory
+        assert directory is not None
+        if conn.row is not None:
+            raise ProtocolError("second hello")
+        if msg.version != PROTOCOL_VERSION:
+            self._refuse(conn, f"protocol version {msg.version}; this daemon speaks "
+                               f"{PROTOCOL_VERSION} (upgrade kvtier on both sides)")
+            return
+        conn.client_id = bytes(msg.client_id[:32])
+        row = self._reclaim_row(conn)
+        reused = row is not None
+        if row is None:
+            held = self._rows_of(conn.pid)
+            if held >= MAX_ROWS_PER_PROCESS:
+                self._refuse(conn, f"process {conn.pid} already holds {held} client rows "
+                                   f"(at most {MAX_ROWS_PER_PROCESS})")
+                return
+            row = directory.attach_client()
+        if row is None:
+            self._refuse(conn, f"all {self.max_clients} client rows are taken")
+            return
+        conn.row, conn.label, conn.subscribed = row, msg.label[:200], msg.subscribe
+        conn.presence = msg.subscribe and msg.presence
+        conn.snapshot = ([(d, w.slot, w.save_id, w.length) for d, w in directory.entries.items()]
+                         if msg.subscribe else [])
+        first, conn.snapshot = conn.snapshot[:SNAPSHOT_CHUNK], conn.snapshot[SNAPSHOT_CHUNK:]
+        presence, synced = (self.bridge.presence_snapshot()
+                            if conn.presence and self.bridge is not None else (None, False))
+        self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
+                                 self.pins_path, row, self.num_slots, self.slot_bytes,
+                                 first, redis=self.bridge is not None,
+                                 presence=presence.tobytes() if presence is not None else b"",
+                                 presence_synced=synced, more=bool(conn.snapshot),
+                                 leased=directory.leased_to(row) if reused else []))
+
+    def _reclaim_row(self, conn: _Conn) -> int | None:
+        """The quarantined row of this client (same process, same client id), taken out of
+        quarantine with its leases and pins; None when it has none."""
+        if not conn.client_id:
+            return None
+        for pidfd, q in self._waiting_exit.items():
+            if q.pid == conn.pid and q.client_id == conn.client_id:
+                del self._waiting_exit[pidfd]
+                assert self._selector is not None
+                self._selector.unregister(pidfd)
+                os.close(pidfd)
+                self.quarantined_rows -= 1
+                self.rows_reused += 1
+                return q.row
+        return None
+
+    def _rows_of(self, pid: int) -> int:
+        live = sum(1 for c in self._conns.values() if c.pid == pid and c.row is not None)
+        return live + sum(1 for q in self._waiting_exit.values() if q.pid == pid)
+
+    def _current(self, instance: str) -> bool:
+        """Whether a request names this daemon run (else it is counted and ignored: its
+        slots were leased from an earlier run, and may be anyone's in this one)."""
+        if instance == self.instance:
+            return True
+        self.stale_requests += 1
+        return False
+
+    def _commit(self, conn: _Conn, msg: Commit) -> None:
+        directory = self.directory
+        assert directory is not None and conn.row is not None
+        if msg.redis and len(msg.redis) != len(msg.saves):
+            raise ProtocolError(f"commit of {len(msg.saves)} saves names "
+                                f"{len(msg.redis)} Redis keys")
+        if not self._current(msg.instance):
+            self._send(conn, Committed([], [slot for _, slot, _, _ in msg.saves]))
+            return
+        targets = [(_block_key(t[0]), t[1], t[2]) if t is not None else None
+                   for t in msg.redis] if msg.redis else [None] * len(msg.saves)
+        kept: list[int] = []
+        dropped: list[int] = []
+        behind: list[WriteItem] = []
+        for (digest, slot, save_id, length), target in zip(msg.saves, targets, strict=True):
+            ok = directory.commit(conn.row, slot, digest, save_id, length)
+            (kept if ok else dropped).append(slot)
+            if ok and target is not None and self.bridge is not None:
+                # held until the bridge has read it back: eviction cannot skip the write
+                directory.hold(digest)
+                behind.append((digest, Location(slot, save_id, length), *target))
+        self._send(conn, Committed(kept, dropped))
+        if self.bridge is not None:
+            self.bridge.write_behind(behind)
 
     def _push_presence(self, digests: Any, synced: bool) -> None:
         """Send what the presence feed learned to every subscriber (on the loop)."""
@@ -453,24 +545,37 @@ class HostTierServer:
         removed = [d for d, w in events if w is None]
         # a client applies ``removed`` before ``added``: right unless a digest was added
         # and then removed in this batch, which is then sent event by event
-        message = Changes(added, removed) if not _reordered(events) else None
+        messages = [Changes(added, removed)] if not _reordered(events) else [
+            Changes([(digest, where.slot, where.save_id, where.length)] if where else [],
+                    [] if where else [digest]) for digest, where in events]
+        frames = [frame(m) for m in messages]
         for conn in list(self._conns.values()):
             if not conn.subscribed:
                 continue
-            if message is not None:
-                self._send(conn, message)
-            else:
-                for digest, where in events:
-                    self._send(conn, Changes(
-                        [(digest, where.slot, where.save_id, where.length)] if where else [],
-                        [] if where else [digest]))
+            for data in frames:
+                if conn.snapshot:  # after the snapshot, in order
+                    conn.deferred.append(data)
+                    conn.deferred_bytes += len(data)
+                else:
+                    conn.outbox += data
             self._flush(conn)
 
     def _send(self, conn: _Conn, message: ToClient) -> None:
         conn.outbox += frame(message)
 
+    def _feed_snapshot(self, conn: _Conn) -> None:
+        """Top up a subscriber's outbox with its snapshot, a chunk at a time, then the
+        updates that waited behind it."""
+        while conn.snapshot and len(conn.outbox) < _SNAPSHOT_LOW_WATER:
+            chunk, conn.snapshot = conn.snapshot[:SNAPSHOT_CHUNK], conn.snapshot[SNAPSHOT_CHUNK:]
+            self._send(conn, Changes(chunk, []))
+        if not conn.snapshot and conn.deferred:
+            conn.outbox += b"".join(conn.deferred)
+            conn.deferred, conn.deferred_bytes = [], 0
+
     def _flush(self, conn: _Conn) -> None:
         assert self._selector is not None
+        self._feed_snapshot(conn)
         if conn.outbox:
             try:
                 sent = conn.sock.send(conn.outbox)
@@ -480,12 +585,15 @@ class HostTierServer:
             except OSError:
                 self._close(conn)
                 return
-        if len(conn.outbox) > MAX_BACKLOG:
+        behind = len(conn.outbox) + conn.deferred_bytes
+        if behind > MAX_BACKLOG:
             log.warning("host tier: client pid %d (%s) is %d bytes behind; disconnecting",
-                        conn.pid, conn.label, len(conn.outbox))
+                        conn.pid, conn.label, behind)
+            self.backlog_disconnects += 1
             self._close(conn)
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox or conn.snapshot
+                                       else 0)
         self._selector.modify(conn.sock, want, conn)
 
     def _close(self, conn: _Conn) -> None:
@@ -509,18 +617,18 @@ class HostTierServer:
             os.close(conn.pidfd)
             self._release(conn.row)
         else:
-            self._waiting_exit[conn.pidfd] = (conn.pid, conn.row)
+            self._waiting_exit[conn.pidfd] = _Quarantined(conn.pid, conn.row, conn.client_id)
             self.quarantined_rows += 1
             self._selector.register(conn.pidfd, selectors.EVENT_READ, None)
 
     def _process_exited(self, pidfd: int) -> None:
         assert self._selector is not None
-        _pid, row = self._waiting_exit.pop(pidfd)
+        quarantined = self._waiting_exit.pop(pidfd)
         self._selector.unregister(pidfd)
         os.close(pidfd)
         with self.lock:
             self.quarantined_rows -= 1
-            self._release(row)
+            self._release(quarantined.row)
 
     def _release(self, row: int) -> None:
         with self.lock:
@@ -545,6 +653,21 @@ def _exited(pidfd: int) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _restore_item(item: Any, slot_bytes: int) -> RestoreItem:
+    """A client's restore item, checked at the wire (a bad one is its protocol error,
+    before any slot is leased for it)."""
+    try:
+        digest, key, save_id, length = item
+    except (TypeError, ValueError):
+        raise ProtocolError(f"not a restore item: {item!r:.80}") from None
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+        raise ProtocolError(f"restore digest of {len(digest)} bytes, not {DIGEST_BYTES}")
+    if not 0 <= save_id < _U64 or not 0 <= length <= slot_bytes:
+        raise ProtocolError(f"restore of save {save_id} with {length} bytes (slots hold "
+                            f"{slot_bytes})")
+    return bytes(digest), _block_key(key), save_id, length
 
 
 def _reordered(events: list[tuple[bytes, Any]]) -> bool:
