@@ -257,7 +257,8 @@ def test_a_snapshot_larger_than_the_backlog_reaches_the_subscriber_in_chunks(
         want = [digest(b"e%d" % i) for i in range(entries)]
         for start in range(0, entries, batch):
             chunk = want[start:start + batch]
-            assert writer.wait_until(lambda c, n=len(chunk): len(c._pool) >= n, WAIT_S)
+            n = len(chunk)
+            assert writer.wait_until(lambda c, n=n: len(c._pool) >= n, WAIT_S)
             for key in chunk:
                 assert writer.write(key, b"v" * 64)
         # every commit made: the reader's welcome carries all of them
