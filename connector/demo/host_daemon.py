@@ -102,7 +102,7 @@ class DemoHostTier:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-                for suffix in ("", ".pins"):  # a killed daemon leaves its files behind
+                for suffix in ("", ".pins", ".lock"):  # a killed daemon leaves its files
                     Path(f"/dev/shm/kvtier-{self.name}{suffix}").unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
