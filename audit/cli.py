@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _render(args: argparse.Namespace, shown: list[Finding], result: RunResult) -> str:
     if args.statistics:
-        return reporters.statistics(shown)
+        return reporters.statistics(shown, result.files)
     if args.diff:
         by_path: dict[str, list[Finding]] = {}
         for f in shown:

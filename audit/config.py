@@ -27,6 +27,9 @@ KNOWN_KEYS = frozenset({
 })
 
 
+SEVERITIES = tuple(str(s) for s in Severity)  # info, warning, error
+
+
 class ConfigError(ValueError):
     """A bad ``[tool.kvtier.audit]`` table or flag value (exit code 2)."""
 
@@ -94,9 +97,10 @@ def apply(settings: Settings, table: dict[str, object], origin: str) -> Settings
             if key in {"include", "exclude"}:
                 changes[key] = tuple(_strings(key, value))
             elif key == "fail-on":
-                changes["fail_on"] = None if value == "never" else Severity.parse(str(value))
+                level = _one_of(key, value, (*SEVERITIES, "never"))
+                changes["fail_on"] = None if level == "never" else Severity.parse(level)
             elif key == "min-severity":
-                changes["min_severity"] = Severity.parse(str(value))
+                changes["min_severity"] = Severity.parse(_one_of(key, value, SEVERITIES))
             elif key == "min-confidence":
                 levels = {"low": 1, "medium": 2, "high": 3}
                 if value not in levels:
@@ -128,6 +132,14 @@ def apply(settings: Settings, table: dict[str, object], origin: str) -> Settings
     except ValueError as exc:
         raise ConfigError(f"{origin}: {exc}") from None
     return replace(settings, vocab=vocab, **changes)
+
+
+def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``allowed``, else an error naming the option and every
+    allowed value."""
+    if not isinstance(value, str) or value.strip().lower() not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r} (allowed: {', '.join(allowed)})")
+    return value.strip().lower()
 
 
 def _codes(key: str, value: object) -> list[str]:

@@ -65,6 +65,12 @@ class Rule:
     summary: str
     fix: str
 
+    @property
+    def help(self) -> str:
+        """The fix with the reader's generic names filled in (``block``, ``i``, ``block_size``),
+        for rule-level text such as SARIF's ``help``; a finding fills in its own names."""
+        return self.fix.format(recv="block", index="i", block_size="block_size", code=self.code)
+
 
 FIX_FULL = (
     "decide fullness from the hash's coverage: "

@@ -45,7 +45,8 @@ def sarif(findings: Sequence[Finding]) -> str:
     rules = [{
         "id": code, "name": RULES[code].name,
         "shortDescription": {"text": RULES[code].summary},
-        "help": {"text": RULES[code].fix},
+        "fullDescription": {"text": RULES[code].summary},
+        "help": {"text": RULES[code].help},
         "defaultConfiguration": {"level": _SARIF_LEVEL[RULES[code].severity]},
     } for code in codes]
     results = []
@@ -102,8 +103,11 @@ def github(findings: Sequence[Finding]) -> str:
     return "\n".join(out)
 
 
-def statistics(findings: Sequence[Finding]) -> str:
-    """Counts per code, most frequent first, like ``ruff --statistics``."""
+def statistics(findings: Sequence[Finding], files: int | None = None) -> str:
+    """Counts per code, most frequent first, like ``ruff --statistics``; a clean run says
+    ``0 findings`` (in how many files, when known) rather than printing nothing."""
     counts = Counter(f.code for f in findings)
+    if not counts:
+        return "    0  findings" + (f" in {files} file(s)" if files is not None else "")
     return "\n".join(f"{n:>5}  {code}  [{RULES[code].severity}] {RULES[code].name}"
                      for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

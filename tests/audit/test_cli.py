@@ -133,6 +133,29 @@ def test_json_sarif_github_statistics(tmp_path: Path, capsys) -> None:
                            "1", "KVT005", "[warning]", "presence-test-unclear"]
 
 
+def test_sarif_rules_carry_no_unfilled_template(tmp_path: Path, capsys) -> None:
+    """Rule-level texts are read by people (code scanning's rule help): no ``{recv}``-style
+    placeholder left for a finding to fill."""
+    write(tmp_path, "bad.py", BAD)
+    log = json.loads(audit(capsys, "--isolated", "--format", "sarif", str(tmp_path))[1])
+    rules = log["runs"][0]["tool"]["driver"]["rules"]
+    assert {r["id"] for r in rules} >= {"KVT001", "KVT005", "KVT006"}
+    for rule in rules:
+        for field in ("shortDescription", "fullDescription", "help"):
+            text = rule[field]["text"]
+            assert text and not re.search(r"\{[^{}]*\}", text), (rule["id"], field, text)
+    by_id = {r["id"]: r["help"]["text"] for r in rules}
+    assert "`block.block_hash_num_tokens == (i + 1) * block_size`" in by_id["KVT001"]
+    assert "`# kvtier: ignore[KVT005]`" in by_id["KVT005"]
+
+
+def test_statistics_on_a_clean_tree_says_zero(tmp_path: Path, capsys) -> None:
+    write(tmp_path, "clean.py", CLEAN)
+    write(tmp_path, "other.py", "x = 1\n")
+    rc, out, _ = audit(capsys, "--isolated", "--statistics", str(tmp_path))
+    assert rc == 0 and out.split() == ["0", "findings", "in", "2", "file(s)"]
+
+
 def test_output_file(tmp_path: Path, capsys) -> None:
     bad = write(tmp_path, "bad.py", BAD)
     report = tmp_path / "out" / "report.json"
@@ -184,7 +207,10 @@ def test_pyproject_configuration(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize(("table", "message"), [
     ('colour = "red"', "unknown [tool.kvtier.audit] key"),
-    ('fail-on = "fatal"', "unknown severity"),
+    ('fail-on = "fatal"',
+     "fail-on: unknown value 'fatal' (allowed: info, warning, error, never)"),
+    ('min-severity = "never"',
+     "min-severity: unknown value 'never' (allowed: info, warning, error)"),
     ("block-containers = \"x\"", "must be a list of strings"),
     ("max-file-size = -1", "non-negative integer"),
 ])
