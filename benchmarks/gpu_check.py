@@ -199,7 +199,8 @@ def check_case(name: str, caches: Caches, dims: dict[str, list[int]], blocks: in
             "gather_byte_exact": gather_ok, "scatter_byte_exact": scatter_ok,
             "other_blocks_untouched": untouched, "segment_scatter_byte_exact": segment_ok,
             "segment_gather_byte_exact": gathered_ok,
-            "segment_page_locked": pins is not None and pins.ok,
+            # ``locked`` was read while registered: ``pins.ok`` is False once closed
+            "segment_page_locked": locked,
             "segment_page_locked_why": "" if pins is None else pins.why}
 
 

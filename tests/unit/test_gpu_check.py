@@ -27,10 +27,41 @@ def test_every_layout_round_trips_byte_exact_and_reports_ratios(tmp_path: Path) 
         assert case["gather_byte_exact"] and case["scatter_byte_exact"], case
         assert case["other_blocks_untouched"] and case["segment_scatter_byte_exact"], case
         assert case["segment_gather_byte_exact"], case
-        assert case["segment_page_locked"] is False  # nothing to page-lock on the CPU
+        # nothing to page-lock on the CPU (what a registration gives: the test below)
+        assert case["segment_page_locked"] is False
     assert report["ratios"]["gather_vs_copy"] > 0 and report["ratios"]["scatter_vs_copy"] > 0
     assert report["ratios"]["segment_scatter_vs_copy"] > 0
     assert report["ratios"]["segment_gather_vs_copy"] > 0
+
+
+class _FakePins:
+    """A registration that succeeds and, like ``HostRegistration``, is ``ok`` no more once
+    closed: the report must say what held while the checks ran."""
+
+    def __init__(self, array: Any) -> None:
+        self.ok, self.why, self.closed = True, "", False
+
+    def close(self) -> None:
+        self.ok, self.closed = False, True
+
+
+def test_page_locked_is_what_held_during_the_checks(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """Each layout's case records ``segment_page_locked`` as registered while it gathered
+    and scattered, not as read after the registration was closed (always False)."""
+    made: list[_FakePins] = []
+
+    def pins(array: Any) -> _FakePins:
+        made.append(_FakePins(array))
+        return made[-1]
+
+    monkeypatch.setattr(gpu_check, "HostRegistration", pins)
+    monkeypatch.setattr(gpu_check, "caches_device", lambda caches: "cuda")
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 7 and len(made) >= 7 and all(p.closed for p in made)
+    assert all(c["segment_page_locked"] is True for c in cases), cases
 
 
 class _CorruptingTransfer(BlockTransfer):
