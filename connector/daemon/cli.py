@@ -11,11 +11,41 @@ from typing import Any
 
 import zmq
 
-from connector.daemon.config import ConfigError, DaemonConfig, load_config
+from connector.daemon.config import (
+    ConfigError,
+    DaemonConfig,
+    default_host_tier_socket,
+    load_config,
+)
 
 __all__ = ["build_parser", "main", "run"]
 
 log = logging.getLogger("kvtier.daemon")
+
+#: Old flag names still read (hidden from --help), and the names that replaced them: a flag
+#: is its YAML key with dashes.
+DEPRECATED_FLAGS = {"--replay-timeout": "--replay-timeout-s", "--storage-ttl": "--storage-ttl-s",
+                    "--replay-idle-probe": "--replay-idle-probe-s",
+                    "--janitor-interval": "--janitor-interval-s"}
+
+
+class _DeprecatedFlag(argparse.Action):
+    """An old flag name: stores like the new one, says once that it is deprecated."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"kvtier daemon: {option_string} is deprecated; use "
+              f"{DEPRECATED_FLAGS[str(option_string)]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _add_flag(group: Any, name: str, **kwargs: Any) -> None:
+    """``name`` and, when it replaced one, the old name as a hidden deprecated alias."""
+    group.add_argument(name, **kwargs)
+    for old, new in DEPRECATED_FLAGS.items():
+        if new == name:
+            group.add_argument(old, type=kwargs["type"], dest=kwargs["dest"],
+                               action=_DeprecatedFlag, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-report-mode", choices=("incremental", "full"),
                    help="the engines' requests use vLLM's kv_cache_report_mode=full "
                         "(reused GPU blocks re-announced): count GPU residency as a set")
-    p.add_argument("--storage-ttl", type=float, dest="storage_ttl_s", metavar="SECONDS",
-                   help="STORAGE entries expire this long after their last announcement "
-                        "(Redis TTL expiry is never announced); default: never")
+    _add_flag(p, "--storage-ttl-s", type=float, dest="storage_ttl_s", metavar="SECONDS",
+              help="STORAGE entries expire this long after their last announcement "
+                   "(Redis TTL expiry is never announced); default: never")
     p.add_argument("--http", help="HOST:PORT for the HTTP API (default 127.0.0.1:9400)")
     p.add_argument("--connect-host", help="host replacing '*' when connecting")
     p.add_argument("--block-size", action="append", metavar="GROUP=SIZE",
@@ -55,15 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score-weight", action="append", metavar="MEDIUM=WEIGHT",
                    dest="score_weights",
                    help="POST /score's weight of a tier (e.g. STORAGE=0.5). Repeatable.")
-    p.add_argument("--replay-timeout", type=float, dest="replay_timeout_s")
-    p.add_argument("--replay-idle-probe", type=float, dest="replay_idle_probe_s",
-                   help="seconds of silence before asking the replay buffer for batches "
-                        "lost with nothing after them (0 disables; default 2)")
+    _add_flag(p, "--replay-timeout-s", type=float, dest="replay_timeout_s", metavar="SECONDS",
+              help="give up a replay after this long; its gap is counted unrepaired "
+                   "(default 5)")
+    _add_flag(p, "--replay-idle-probe-s", type=float, dest="replay_idle_probe_s",
+              metavar="SECONDS",
+              help="seconds of silence before asking the replay buffer for batches "
+                   "lost with nothing after them (0 disables; default 2)")
     rp = p.add_mutually_exclusive_group()
     rp.add_argument("--replay-on-start", dest="replay_on_start", action="store_true",
                     default=None, help="ask each publisher for its buffered batches at start")
-    rp.add_argument("--no-replay-on-start", dest="replay_on_start", action="store_false")
-    p.add_argument("--log-level")
+    rp.add_argument("--no-replay-on-start", dest="replay_on_start", action="store_false",
+                    help="start from the live stream only")
+    p.add_argument("--log-level", metavar="LEVEL",
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     j = p.add_argument_group("Redis: the janitor, and with --cpu-bytes the host tier's "
                              "write-behind and restores (off unless --redis-url or redis_url)")
     j.add_argument("--redis-url", help="the Redis tier's URL (redis://, rediss://, unix://, "
@@ -84,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="janitor_allowed_fingerprints",
                    help="a namespace in use (32 hex digits); with any given, values of other "
                         "namespaces are deleted as retired. Repeatable.")
-    j.add_argument("--janitor-interval", type=float, dest="janitor_interval_s",
-                   help="seconds between passes (default 300)")
+    _add_flag(j, "--janitor-interval-s", type=float, dest="janitor_interval_s",
+              metavar="SECONDS", help="seconds between passes (default 300)")
     j.add_argument("--janitor-max-keys-per-s", type=float, dest="janitor_max_keys_per_s",
                    help="SCAN pace: keys Redis examines per second (default 2000)")
     j.add_argument("--janitor-max-keys-per-pass", type=int, dest="janitor_max_keys_per_pass",
@@ -98,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--slot-bytes", type=_size, dest="slot_bytes",
                    help="bytes per slot: at least one engine rank's block (default 2M)")
     h.add_argument("--host-tier-socket", dest="host_tier_socket",
-                   help="Unix socket engines connect to (default "
-                        "$XDG_RUNTIME_DIR/kvtier/host.sock)")
+                   help="Unix socket engines connect to (default here: "
+                        f"{default_socket_here().replace('%', '%%')}; in general "
+                        "$XDG_RUNTIME_DIR/kvtier/NAME.sock, or /tmp/kvtier-UID/NAME.sock "
+                        "without XDG_RUNTIME_DIR, NAME being --host-tier-name)")
     h.add_argument("--host-tier-name", dest="host_tier_name",
                    help="names the segment /dev/shm/kvtier-NAME (default host-<uid>)")
     h.add_argument("--host-tier-group", dest="host_tier_group",
@@ -108,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host-tier-max-clients", type=int,
                    help="engine processes attached at once (default 256)")
     return p
+
+
+def default_socket_here() -> str:
+    """The host tier's socket when no flag or key names it: the default name's."""
+    name = DaemonConfig.model_fields["host_tier_name"].get_default(call_default_factory=True)
+    return default_host_tier_socket(name)
+
+
+def flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Each setting a flag gave -> that flag (as spelled now): its errors name the flag."""
+    out: dict[str, str] = {}
+    for action in parser._actions:
+        shown = action.help != argparse.SUPPRESS and action.option_strings
+        if shown and getattr(args, action.dest, None) is not None:
+            out.setdefault(action.dest, action.option_strings[-1])
+    if "endpoint" in out:
+        out["publishers"] = out["replay_endpoint"] = out["endpoint"]
+    return out
 
 
 def _size(text: str) -> int:
@@ -271,7 +326,7 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, _overrides(args))
+        cfg = load_config(args.config, _overrides(args), flags_given(parser, args))
     except ConfigError as exc:
         print(f"kvtier daemon: {exc}", file=sys.stderr)
         return 2

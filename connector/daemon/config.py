@@ -222,13 +222,17 @@ class DaemonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _janitor(self) -> DaemonConfig:
-        from offload_tiers.redis.credentials import resolve_redis_url
+        from offload_tiers.redis.credentials import resolve_redis_url, setting_at_fault
 
-        url, warnings = resolve_redis_url(
-            self.redis_url, url_env=self.redis_url_env, username=self.redis_username,
-            password_file=self.redis_password_file,
-            exposure="a --redis-url flag is visible to every user of this host (ps), and a "
-                     "YAML file is only as private as its mode")
+        try:
+            url, warnings = resolve_redis_url(
+                self.redis_url, url_env=self.redis_url_env, username=self.redis_username,
+                password_file=self.redis_password_file,
+                exposure="a --redis-url flag is visible to every user of this host (ps), and "
+                         "a YAML file is only as private as its mode")
+        except ValueError as exc:  # "key: ..." (_format_errors reads the key from it)
+            key = setting_at_fault(exc, self.redis_url_env, self.redis_password_file)
+            raise ValueError(f"{key}: {exc}") from None
         self.redis_url = url
         self._redis_warnings = tuple(warnings)
         if self.redis_url is None and self.janitor_allowed_fingerprints is not None:
@@ -310,17 +314,47 @@ def default_host_tier_socket(name: str) -> str:
     return str(base / f"{name}.sock")
 
 
-def _format_errors(exc: ValidationError) -> str:
+def _known_keys(loc: tuple[Any, ...]) -> str:
+    """The keys allowed where ``loc`` (an unknown key's place) points."""
+    model: type[BaseModel] = DaemonConfig
+    if loc[:1] == ("publishers",):
+        model = PublisherConfig
+    elif loc[:1] == ("token_hashing",):
+        model = TokenHashingConfig
+    return ", ".join(sorted(model.model_fields))
+
+
+def _setting(loc: tuple[Any, ...], msg: str, flags: dict[str, str]) -> tuple[str, str]:
+    """The setting an error is about, as the user gave it (``--flag (key)`` when a flag set
+    it), and the message without the key a model validator put in front of it."""
+    if not loc:  # a model validator's error: "key: ..." when it is about one setting
+        head, sep, rest = msg.partition(": ")
+        if sep and head in DaemonConfig.model_fields:
+            loc, msg = (head,), rest
+    where = ".".join(str(p) for p in loc) or "(top level)"
+    flag = flags.get(str(loc[0])) if loc else None
+    if loc[:1] == ("publishers",) and "publishers" in flags and len(loc) > 2:
+        flag = flags.get(str(loc[-1]), flags["publishers"])  # --endpoint, --dp-size, ...
+    return (f"{flag} ({where})" if flag else where), msg
+
+
+def _format_errors(exc: ValidationError, flags: dict[str, str] | None = None) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc}: {msg}")
+        where, msg = _setting(tuple(err["loc"]), msg, flags or {})
+        if err["type"] == "extra_forbidden":
+            msg = (f"unknown setting. Fix: remove it or correct its spelling; known keys: "
+                   f"{_known_keys(tuple(err['loc']))}")
+        lines.append(f"  {where}: {msg}")
     return "invalid daemon configuration:\n" + "\n".join(lines)
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any]) -> DaemonConfig:
-    """Read ``path`` (YAML, optional), apply flag ``overrides``, validate. :class:`ConfigError`."""
+def load_config(path: str | Path | None, overrides: dict[str, Any],
+                flags: dict[str, str] | None = None) -> DaemonConfig:
+    """Read ``path`` (YAML, optional), apply flag ``overrides``, validate. :class:`ConfigError`.
+
+    ``flags`` maps a setting to the flag that set it: its errors name the flag."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -341,4 +375,4 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> DaemonCon
     try:
         return DaemonConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc)) from None
+        raise ConfigError(_format_errors(exc, flags)) from None

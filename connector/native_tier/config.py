@@ -26,7 +26,8 @@ _FIXES: dict[str, str] = {
     "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
                           "Redis server's certificate (used with rediss:// URLs)",
     "redis_url_env": "name an environment variable that holds the Redis URL (the engine's "
-                     "processes inherit it), e.g. KVTIER_REDIS_URL; leave redis_url unset",
+                     "processes inherit it), e.g. KVTIER_REDIS_URL, set to "
+                     "redis://[user:password@]host:port/db; leave redis_url unset",
     "redis_username": "use the Redis ACL user name (with redis_password_file)",
     "redis_password_file": "give the path of a file only this user can read (chmod 600) "
                            "holding the Redis password",
@@ -137,7 +138,7 @@ def load_native_settings(entry: dict[str, Any], tier_type: str = "KvtierRedisTie
             if err["type"] == "missing":
                 problems.append(f"{where}.{key}: required. Fix: {_FIXES.get(key, '')}")
                 continue
-            msg = err["msg"]
+            msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix says nothing
             if key == "redis_url":  # pydantic may echo the input: never show a password
                 msg = msg.replace(str(entry.get("redis_url", "")),
                                   redact_url(str(entry.get("redis_url", ""))))

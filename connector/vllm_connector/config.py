@@ -26,7 +26,8 @@ _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
     "redis_url": "use redis://host:port/db, rediss://... for TLS, or null for CPU tier only",
     "redis_url_env": "name an environment variable that holds the Redis URL (the engine's "
-                     "processes inherit it), e.g. KVTIER_REDIS_URL; leave redis_url unset",
+                     "processes inherit it), e.g. KVTIER_REDIS_URL, set to "
+                     "redis://[user:password@]host:port/db; leave redis_url unset",
     "redis_username": "use the Redis ACL user name (with redis_password_file)",
     "redis_password_file": "give the path of a file only this user can read (chmod 600) "
                            "holding the Redis password",
@@ -204,7 +205,8 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
                 problems.append(f"{key}: unknown setting. Fix: remove it; known keys: {known}")
                 continue
             fix = _FIXES.get(key, "see docs/connector.md")
-            problems.append(f"{key}: {err['msg']}. Fix: {fix}")
+            msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix says nothing
+            problems.append(f"{key}: {msg}. Fix: {fix}")
         raise ConnectorConfigError(
             "TieredOffloadingConnector: bad kv_connector_extra_config: " + "; ".join(problems)
         ) from None

@@ -100,13 +100,18 @@ def resolve_redis_url(url: str | None, *, url_env: str | None = None,
         url = with_credentials(url, username, None)
     elif not url_env and has_inline_password(url):
         warnings.append(inline_password_warning(url, exposure))
-    parse_redis_url(url)  # the scheme is one kvtier knows (the message names no secret)
+    try:
+        parse_redis_url(url)  # the whole URL is one kvtier reaches (the message names no secret)
+    except ValueError as exc:
+        if url_env:
+            raise ValueError(f"the URL in ${url_env}: {exc}") from None
+        raise
     return url, warnings
 
 
 def setting_at_fault(exc: ValueError, url_env: str | None, password_file: str | None) -> str:
     """Which setting a :func:`resolve_redis_url` error is about (for "key: message. Fix")."""
-    if password_file and "password" in str(exc):
+    if password_file and "password file" in str(exc):
         return "redis_password_file"
     return "redis_url_env" if url_env else "redis_url"
 
