@@ -23,6 +23,8 @@ _FIXES: dict[str, str] = {
     "redis_prefix": "use a short non-empty string without spaces, e.g. 'kvtier'",
     "redis_ttl_s": "give seconds as a positive integer, or null for no expiry",
     "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
+    "redis_shutdown_flush_s": "give seconds as a number from 0 to 60 (how long an exiting "
+                              "engine keeps writing its queued stores to Redis)",
     "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
                           "Redis server's certificate (used with rediss:// URLs)",
     "redis_url_env": "name an environment variable that holds the Redis URL (the engine's "
@@ -61,6 +63,7 @@ class NativeTierSettings(BaseModel):
     redis_prefix: str = "kvtier"
     redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
     redis_timeout_s: float = Field(default=0.25, gt=0)
+    redis_shutdown_flush_s: float = Field(default=2.0, ge=0, le=60)  # at vLLM's shutdown
     redis_ssl_ca_certs: str | None = None
     # The password from this environment variable instead of the URL (vLLM logs its
     # non-default engine arguments, kv_transfer_config included, at start).

@@ -593,7 +593,7 @@ class KvtierRedisTier(SecondaryTierManager):
         self.wait_for_jobs()
         self._checks.shutdown()
         self._io.shutdown(wait=True)
-        self.redis.close(timeout=2.0)
+        self.redis.close(timeout=self.settings.redis_shutdown_flush_s)
         self._rows = None  # release the primary region's buffer (it is unmapped next)
 
 

@@ -40,6 +40,8 @@ _FIXES: dict[str, str] = {
                   "or 'through' (a step's blocks reach Redis before the next step starts)",
     "redis_write_linger_ms": "give milliseconds as a number from 0 to 1000 (how long the "
                              "background writer gathers saves into one Redis round trip)",
+    "redis_shutdown_flush_s": "give seconds as a number from 0 to 60 (how long an exiting "
+                              "engine keeps writing its queued saves to Redis)",
     "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
     "store_partial": "use true or false",
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
@@ -97,6 +99,9 @@ class TieredConfig(BaseModel):
     write_mode: Literal["through", "back"] = "back"
     # write_mode back: how long the writer waits for more saves before one round trip.
     redis_write_linger_ms: float = Field(default=WRITE_LINGER_S * 1e3, ge=0, le=1000)
+    # At exit (vLLM's shutdown, or the interpreter's): how long queued saves may take to
+    # reach Redis; what is still queued then is counted and logged, never waited for longer.
+    redis_shutdown_flush_s: float = Field(default=2.0, ge=0, le=60)
     store_partial: bool = True
     tenant: str = ""
     model_id: str | None = None

@@ -16,9 +16,11 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent import futures
@@ -128,6 +130,9 @@ class TieredWorker:
         self._cores = SpareCores()  # on a CPU engine: the cores vLLM left free
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io",
                                       initializer=self._cores.pin_current)
+        # vLLM's shutdown closes the worker (connector.shutdown); where it never runs (an
+        # engine torn down by the interpreter's exit), this does, while I/O still works
+        atexit.register(_close_at_exit, weakref.ref(self))
         # The saver copies a step's saves off the step (CPU; see save()). Started from the
         # main thread, it shares that thread's cores: it runs while the worker waits for
         # the next step.
@@ -775,12 +780,22 @@ class TieredWorker:
             self._saver.shutdown(wait=True)
         self._io.shutdown(wait=True, cancel_futures=True)
         if self.redis is not None:
-            self.redis.close(timeout=2.0)
+            self.redis.close(timeout=self.config.redis_shutdown_flush_s)
         self._segment_pins.close()
         if self.host is not None:
             self.host.close()
         self.transfer = None
         self.slab = self._slab_owner = None
+
+
+def _close_at_exit(ref: weakref.ref[TieredWorker]) -> None:
+    """The interpreter's exit hook: close a worker vLLM did not close (bounded flush)."""
+    worker = ref()
+    if worker is not None and not getattr(worker, "closed", True):
+        try:
+            worker.close()
+        except Exception:
+            log.exception("kvtier: closing the worker at exit failed")
 
 
 def _by_group(ops: list[Any]) -> dict[int, list[Any]]:

@@ -40,7 +40,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +49,7 @@ from offload_tiers import codec
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
+from offload_tiers.redis.node_pool import NodePool
 from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
 from offload_tiers.redis.settings import WRITE_LINGER_S
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
@@ -157,7 +157,10 @@ class RedisTier:
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._factory = client
         self._client: Any = None
-        self._nodes_pool: ThreadPoolExecutor | None = None  # Cluster: nodes served at once
+        # Cluster: nodes served at once, on threads that outlive interpreter shutdown's
+        # refusal of new futures (the last flush runs then: node_pool.py)
+        self._nodes_pool: NodePool | None = NodePool(_NODE_THREADS) if self.target.cluster \
+            else None
         self._lock = threading.Lock()
         self._init_ep = _Endpoint(self.target.redacted, *self._backoff)
         self._eps: dict[str, _Endpoint] = {}
@@ -455,11 +458,10 @@ class RedisTier:
                               sizes=None if sizes is None else [sizes[i] for i in idx],
                               read=None if read is None else _reindexed(read, idx))
 
-    def _node_pool(self) -> ThreadPoolExecutor:
+    def _node_pool(self) -> NodePool:
         with self._lock:
             if self._nodes_pool is None:
-                self._nodes_pool = ThreadPoolExecutor(max_workers=_NODE_THREADS,
-                                                      thread_name_prefix="kvtier-redis-node")
+                self._nodes_pool = NodePool(_NODE_THREADS)
             return self._nodes_pool
 
     def _px(self) -> int | None:
@@ -764,17 +766,24 @@ class RedisTier:
             )
         out.update(queue_depth=self._writer.depth, queue_bytes=self._writer.queued_bytes,
                    queued=self._writer.submitted, dropped=self._writer.dropped,
-                   written=self._writer.written, write_failed=self._writer.failed)
+                   written=self._writer.written, write_failed=self._writer.failed,
+                   unwritten_at_close=self._writer.unwritten_at_close)
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued (up to ``timeout``), stop the writer, close connections."""
+        """Write what is queued (up to ``timeout``), stop the writer, close connections.
+        What could not be written in time is counted (``unwritten_at_close``) and logged
+        once; nothing here needs an executor, so it also works at interpreter exit."""
         if self._closed:
             return
-        self._writer.close(timeout)
+        unwritten = self._writer.close(timeout)
         self._closed = True
+        if unwritten:
+            log.warning("Redis tier %s: %d queued writes not made before closing (the flush's "
+                        "bound of %.1f s passed); those blocks are not in Redis",
+                        self.target.redacted, unwritten, timeout)
         if self._nodes_pool is not None:
-            self._nodes_pool.shutdown(wait=True)
+            self._nodes_pool.close()
         client, self._client = self._client, None
         close_quietly(client)
 

@@ -70,6 +70,7 @@ class WriteBehind:
         self._settle_s = settle_s
         self._last_submit = 0.0  # time.monotonic() of the latest hand-over
         self.settles = 0  # times the writer waited for a hand-over to settle
+        self.unwritten_at_close = 0  # queued items close() dropped when its bound passed
         self._flushing = 0  # flush() calls waiting: the writer does not linger meanwhile
         self._tick = tick
         self._tick_interval = tick_interval_s
@@ -145,8 +146,11 @@ class WriteBehind:
             finally:
                 self._flushing -= 1
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued (up to ``timeout``), drop the rest, stop the thread."""
+    def close(self, timeout: float = 5.0) -> int:
+        """Write what is queued (up to ``timeout``), drop the rest, stop the thread; the
+        number of items not written for want of time (dropped, counted in ``dropped`` and
+        ``unwritten_at_close``; a batch still out when the bound passed is not among them:
+        its writes end as the server answers)."""
         self.flush(timeout)
         with self._cond:
             self._closed = True
@@ -154,10 +158,12 @@ class WriteBehind:
             self._q.clear()
             self._bytes = 0
             self.dropped += len(rest)
+            self.unwritten_at_close += len(rest)
             self._cond.notify_all()
         for item in rest:
             _notify(item, False)
         self._thread.join(timeout)
+        return len(rest)
 
     def _take(self) -> list[Item]:
         batch: list[Item] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from redis.cluster import RedisCluster
 
 from offload_tiers import codec
 from offload_tiers.redis.tier import RedisTier
+from tests.support.daemon_proc import REPO
 from tests.support.redis_cluster import RedisClusterProcs
 from tests.support.tcp_proxy import TcpProxy
 from tests.tiers.faults import wait_until
@@ -271,3 +274,67 @@ def test_cluster_deletes_corrupt_values_on_their_nodes_conditionally(
         assert s["corrupt_deleted"] == 11 and s["corrupt_changed"] == 1
         assert s["corrupt_delete_failures"] == 0
         raw.close()
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+from offload_tiers.redis.tier import RedisTier
+from tests.tiers.helpers import key, payload
+url, prefix, n, linger, bound = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \\
+    float(sys.argv[5])
+tier = RedisTier.from_url(url, prefix=prefix, strict=True, write_linger_s=linger)
+# as an engine torn down by the interpreter's exit flushes: from an exit hook, after
+# concurrent.futures stopped taking work
+atexit.register(tier.close, bound)
+for i in range(n):
+    assert tier.submit_put(key(i), payload(key(i), 3000))
+print("queued", flush=True)
+if len(sys.argv) > 6:
+    sys.stdin.readline()  # the test pauses a master first
+"""
+
+
+def _exit_with_writes_queued(cluster: RedisClusterProcs, prefix: str, n: int, *,
+                             bound: float = 10.0, wait: bool = False
+                             ) -> subprocess.Popen[str]:
+    args = [sys.executable, "-c", _EXIT_SCRIPT, cluster.url, prefix, str(n), "0.2", str(bound)]
+    proc = subprocess.Popen(args + (["wait"] if wait else []), cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "queued"
+    return proc
+
+
+def test_writes_queued_at_interpreter_exit_reach_every_master(
+        cluster: RedisClusterProcs, key_prefix: str) -> None:
+    """Issue 44: a process whose last writes are still queued (200 ms linger) when it
+    exits flushes them from an exit hook; the Cluster fan-out needs no executor then (a
+    ThreadPoolExecutor refuses work after interpreter shutdown began: every write lost)."""
+    proc = _exit_with_writes_queued(cluster, key_prefix, 60)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "cannot schedule new futures" not in err
+    per_node = cluster.total_keys(f"{key_prefix}:*")
+    assert sum(per_node.values()) == 60 and all(n > 0 for n in per_node.values())
+
+
+def test_a_master_paused_at_exit_bounds_the_flush_and_the_rest_is_counted(
+        cluster: RedisClusterProcs, key_prefix: str) -> None:
+    """Issue 44: with one master SIGSTOPped while the last writes are queued, the exit
+    flush gives up at its bound, says how many writes it could not make, and the process
+    exits; the other masters got their share."""
+    proc = _exit_with_writes_queued(cluster, key_prefix, 60, bound=1.0, wait=True)
+    paused = cluster.servers[2]
+    paused.pause()
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        paused.resume()
+    assert proc.returncode == 0, err
+    assert "queued writes not made before closing" in err, err
+    written = sum(n for port, n in cluster.total_keys(f"{key_prefix}:*").items()
+                  if port != paused.port)
+    assert 0 < written < 60
