@@ -60,7 +60,7 @@ def make_app(daemon: Daemon) -> web.Application:
     async def score(request: web.Request) -> web.Response:
         try:
             req = ScoreRequest(await _body(request), daemon.token_hasher,
-                               daemon.cfg.score_weights)
+                               daemon.cfg.score_weights, daemon.media_seen())
             return web.json_response(daemon.score(req))
         except ValueError as exc:
             return _error(400, str(exc))

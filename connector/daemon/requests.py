@@ -3,10 +3,18 @@
 Every rejection is a :class:`ValueError` whose message names the offending field, quoted
 (``'token_ids' must be ...``): the HTTP layer answers it with a 400 as it is. Token ids are
 hashed here, as the request is parsed, so the index lock is never held for hashing.
+
+A hash is what the engine sent on the wire, compared exactly: an int (vLLM's default) or
+bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). In a body an int is a JSON int or a
+``0x``-prefixed hex string (any number of digits: Python's ``hex(h)``, for clients whose
+JSON numbers stop at 2**53); bytes are plain hex, two digits a byte (``bytes.hex()``, as
+``/entries`` answers). Plain hex with an odd number of digits is refused: it could be an
+int written without its ``0x`` or bytes missing a digit, and either guess would miss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from connector.events.score import weights_from
@@ -73,7 +81,8 @@ class ScoreRequest(_Chain):
     __slots__ = ("groups", "weights")
 
     def __init__(self, body: Any, hasher: TokenHasher | None = None,
-                 default_weights: dict[str, float] | None = None) -> None:
+                 default_weights: dict[str, float] | None = None,
+                 media: Iterable[str] = ()) -> None:
         _object(body, {"block_hashes", "token_ids", "group_idx", "hash_block_size",
                        "weights"})
         self.groups = _groups(body.get("group_idx"))
@@ -81,6 +90,7 @@ class ScoreRequest(_Chain):
         if given is not None and not isinstance(given, dict):
             raise ValueError("'weights' must be an object of medium -> number, e.g. "
                              '{"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5}')
+        weights_from(given, known_media=media)  # a medium's typo is a 400, not a weight of 0
         self.weights = weights_from({**(default_weights or {}), **(given or {})})
         self._chain(body, hasher)
 
@@ -91,6 +101,24 @@ def _object(body: Any, known: set[str]) -> None:
     unknown = set(body) - known
     if unknown:
         raise ValueError(f"unknown fields: {sorted(unknown)}")
+
+
+def _hex(i: int, text: str) -> int | bytes:
+    """``0x1f`` -> the int 31; ``1f2e`` -> the bytes 1f 2e (see the module's rules)."""
+    digits = text[2:] if text[:2] in ("0x", "0X") else None
+    if digits is not None:
+        if not digits or not all(c in "0123456789abcdefABCDEF" for c in digits):
+            raise ValueError(f"block_hashes[{i}] is not a hex string: '0x' takes hex digits "
+                             "(an int hash)")
+        return int(digits, 16)
+    if len(text) % 2:
+        raise ValueError(f"block_hashes[{i}] has an odd number of hex digits: write a bytes "
+                         "hash two digits a byte (bytes.hex()), an int hash as a JSON int or "
+                         "'0x...'")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"block_hashes[{i}] is not a hex string") from None
 
 
 def _hashes(hashes: Any) -> list[int | bytes]:
@@ -105,10 +133,7 @@ def _hashes(hashes: Any) -> list[int | bytes]:
         if isinstance(h, int):
             out.append(h)
         elif isinstance(h, str):
-            try:
-                out.append(bytes.fromhex(h))
-            except ValueError:
-                raise ValueError(f"block_hashes[{i}] is not a hex string") from None
+            out.append(_hex(i, h))
         else:
             raise ValueError(f"block_hashes[{i}] must be an int or hex string")
     return out

@@ -17,7 +17,7 @@ from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
 from connector.daemon.requests import LookupRequest, ScoreRequest
 from connector.daemon.subscriber import Subscriber
-from connector.events.index import KIND_NAMES, ResidencyPolicy
+from connector.events.index import KIND_NAMES, ResidencyPolicy, publisher_id
 from connector.events.score import check_unit, prefixes, rank
 from connector.events.token_hashing import TokenHasher
 from connector.events.wire import Medium
@@ -63,7 +63,26 @@ class Daemon:
         if self.host_tier is not None:
             self.host_tier.stop()
 
+    def known_publishers(self) -> set[str]:
+        """Publisher ids a look-up may name: every configured one at each of its DP ranks,
+        and every one heard from."""
+        with self.lock:
+            heard = set(self.ingestor.publishers) | self.ingestor.index.publishers()
+        return heard | {publisher_id(p.source_name, r) for p in self.cfg.publishers
+                        for r in range(p.dp_size)}
+
+    def media_seen(self) -> set[str]:
+        """Media the index holds entries on (a /score body may weigh them besides the three)."""
+        with self.lock:
+            return {medium for medium, _kind in self.ingestor.index.entry_counts()}
+
     def lookup(self, req: LookupRequest) -> dict[str, Any]:
+        if req.publisher is not None:
+            known = self.known_publishers()
+            if req.publisher not in known:  # a typo would answer zeros: say so instead
+                shown = ", ".join(sorted(known)[:20]) or "none yet"
+                raise ValueError(f"'publisher' {req.publisher!r} is not a publisher of this "
+                                 f"daemon; known: {shown}")
         with self.lock:
             self.ingestor.index.expire(time.time())  # never claim past a TTL
             result = self.ingestor.index.lookup(
@@ -288,7 +307,7 @@ class _DaemonCollector(Collector):
             hashes.add_metric(["unknown_removed"], idx.unknown_removals)
             hashes.add_metric(["dropped_capacity"], idx.dropped_capacity)
             hashes.add_metric(["expired"], idx.expired)
-            total = GaugeMetricFamily("kvtier_daemon_index_entries_total",
+            total = GaugeMetricFamily("kvtier_daemon_index_entries",
                                       "Resident (residency key, hash) entries")
             total.add_metric([], idx.n_entries)
             fams = {k: CounterMetricFamily(n, h, labels=["source", "rank"])
@@ -314,6 +333,77 @@ _HOST_TIER_COUNTERS = ("leased", "lease_shortfall", "commits", "duplicates_dropp
                        "clients_attached", "clients_released", "leases_reclaimed",
                        "pins_reclaimed", "protocol_errors", "refused")
 
+#: HELP of every numeric host tier stat (``kvtier_host_tier_<name>``): the server's, its
+#: directory's (offload_tiers/host_tier/directory.py) and its Redis bridge's (redis_bridge.py).
+HOST_TIER_HELP: dict[str, str] = {
+    # directory: counters
+    "leased": "Slots leased to engines for a save",
+    "lease_shortfall": "Slots asked for and not granted (every slot pinned or leased)",
+    "commits": "Saves committed into the directory",
+    "duplicates_dropped": "Commits of a key already held, dropped (their slot freed)",
+    "commits_rejected": "Commits refused: slot not leased to the client, or its header not "
+                        "that save's",
+    "evictions": "Entries evicted to free a slot (least recently used first)",
+    "touches": "Entries marked used by a restore (evicted last)",
+    "evicted_while_pinned": "Evicted entries that were pinned, drained before their slot "
+                            "was reused",
+    "clients_attached": "Engine processes attached",
+    "clients_released": "Engine processes released (closed, or found gone)",
+    "leases_reclaimed": "Leased slots taken back from released clients",
+    "abandoned_writes": "Leased slots a released client had begun writing and never "
+                        "committed (discarded)",
+    "pins_reclaimed": "Pins dropped for released clients",
+    "replaced": "Entries of another save replaced by the save a restore asked for",
+    # directory: state
+    "entries": "Entries held (committed saves)",
+    "free_slots": "Slots free",
+    "draining_slots": "Slots evicted while pinned, waiting for their pins to go",
+    "held_entries": "Entries kept from eviction until their bytes are read (e.g. by the "
+                    "Redis write-behind)",
+    "leased_slots": "Slots leased to clients and not yet committed",
+    "clients": "Clients holding leases",
+    "num_slots": "Slots in the shared segment",
+    "slot_bytes": "Bytes per slot",
+    "bytes_used": "Bytes of the entries held",
+    # Redis bridge (with --redis-url)
+    "redis_writes_queued": "Saves queued for writing behind to Redis",
+    "redis_writes": "Saves written to Redis",
+    "redis_write_failures": "Writes to Redis that failed (kept for backfill)",
+    "redis_writes_skipped": "Writes skipped: the slot was reused before it was read back",
+    "redis_probes": "Redis probes asked by engines",
+    "redis_restores_asked": "Keys engines asked to restore from Redis",
+    "redis_restored": "Keys restored from Redis into host tier slots",
+    "redis_restore_misses": "Restores that found nothing usable (absent, invalid, another "
+                            "save, or no free slot)",
+    "redis_restores_already_held": "Restores answered from the directory, no Redis read",
+    "redis_backfills": "Failed writes submitted again once Redis answered",
+    "redis_backfilled": "Saves written to Redis by a backfill",
+    "redis_backfill_failures": "Backfill writes that failed",
+    "redis_backfill_skipped": "Backfill writes skipped: the slot was reused first",
+    "redis_backfill_dropped": "Failed writes not kept for backfill (more than the tier has "
+                              "slots)",
+    "redis_available": "1 while Redis answers, else 0",
+    "redis_write_queue": "Writes waiting for the Redis writer",
+    "redis_write_queue_bytes": "Bytes waiting for the Redis writer",
+    "redis_announced": "Keys announced on the presence stream",
+    "presence_synced": "1 once the presence feed has walked the prefix's key names, else 0",
+    "redis_announce_dropped": "Presence announcements dropped (queue full or feed off)",
+    "presence_learned_dropped": "Presence digests learned and dropped before engines took them",
+    "presence_learned": "Presence digests learned (stream and key walk)",
+    "presence_window": "Presence digests kept for engines that attach later",
+    # server
+    "redis": "1 when the host tier writes behind to Redis, else 0",
+    "connections": "Open client connections",
+    "quarantined_clients": "Clients whose connection was lost while their process lives "
+                           "(slots held until it exits)",
+    "rows_reused": "Pin-table rows given back to a reconnecting client",
+    "stale_requests": "Commits or abandons naming another daemon run, refused",
+    "backlog_disconnects": "Clients disconnected for not draining their snapshot and changes",
+    "protocol_errors": "Connections closed on a malformed or out-of-order message",
+    "refused": "Clients refused at hello (another protocol version, too many rows for "
+               "one process, every row taken)",
+}
+
 
 def _host_tier_metrics(host_tier: Any) -> Iterator[Any]:
     if host_tier is None:
@@ -321,9 +411,10 @@ def _host_tier_metrics(host_tier: Any) -> Iterator[Any]:
     for name, value in host_tier.stats().items():
         if not isinstance(value, int):
             continue
+        help_text = HOST_TIER_HELP.get(name, f"host tier stat {name} (undocumented)")
         if name in _HOST_TIER_COUNTERS:
-            fam: Any = CounterMetricFamily(f"kvtier_host_tier_{name}", f"host tier {name}")
+            fam: Any = CounterMetricFamily(f"kvtier_host_tier_{name}", help_text)
         else:
-            fam = GaugeMetricFamily(f"kvtier_host_tier_{name}", f"host tier {name}")
+            fam = GaugeMetricFamily(f"kvtier_host_tier_{name}", help_text)
         fam.add_metric([], value)
         yield fam

@@ -110,16 +110,23 @@ class _Group(NamedTuple):
     state: bool
 
 
-def weights_from(given: Mapping[str, Any] | None) -> dict[str, float]:
+def weights_from(given: Mapping[str, Any] | None,
+                 known_media: Iterable[str] | None = None) -> dict[str, float]:
     """:data:`DEFAULT_WEIGHTS` overridden by ``given`` (medium names normalised: ``cpu`` is
     CPU). :class:`ValueError` naming ``weights.<medium>`` for a weight that is not a finite
-    number >= 0."""
+    number >= 0, and with ``known_media`` (media announced besides the three) for a medium
+    that is neither one of the three (or an alias) nor one of those."""
     out = dict(DEFAULT_WEIGHTS)
+    known = None if known_media is None else {*_MEDIA, *known_media}
     for name, w in (given or {}).items():
         if (isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w)
                 or w < 0):
             raise ValueError(f"'weights.{name}' must be a finite number >= 0")
-        out[str(normalize_medium(name))] = float(w)
+        medium = str(normalize_medium(name))
+        if known is not None and medium not in known:
+            raise ValueError(f"'weights.{name}' is not a medium: known media "
+                             f"{', '.join(sorted(known))} (or aliases such as cpu, disk)")
+        out[medium] = float(w)
     return out
 
 
