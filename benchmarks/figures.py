@@ -7,7 +7,9 @@ file with when and how it was measured (``stamp``), then ``render`` rewrites eve
 
 in README.md, docs/*.md and RELIABILITY.md from those files. ``check`` (run by the test
 suite) fails when a span differs from what the committed JSON renders to: a figure cannot
-drift from its run.
+drift from its run; and when a JSON's stamp lacks a field of ``STAMP_FIELDS`` (the date,
+the command, the load and the commit it measured). A span rendered from several JSON files
+names each run's stamp where they differ (``when_runs``): runs are never mixed silently.
 
     python -m benchmarks.figures stamp benchmarks/results/events.json -- CMD...
     python -m benchmarks.figures render          # rewrite the spans
@@ -29,7 +31,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 DOCUMENTS = ("README.md", "docs/daemon.md", "docs/tiers.md", "docs/benchmarks-e2e.md",
-             "docs/native-tier.md", "RELIABILITY.md")
+             "docs/native-tier.md", "docs/audit.md", "RELIABILITY.md")
+#: what every JSON under benchmarks/results records in ``_measured`` (``stamp`` writes them)
+STAMP_FIELDS = ("date", "command", "load_avg", "commit")
 SPAN = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures:(?P=name) -->",
                   re.S)
 
@@ -47,6 +51,27 @@ def pct(value: float | None) -> str:
 def when(data: dict[str, Any]) -> str:
     meta = data.get("_measured", {})
     return f"{meta.get('date', 'undated')}, load {meta.get('load_avg', '?')}"
+
+
+def when_runs(*runs: tuple[str, dict[str, Any]]) -> str:
+    """``when`` for a figure made of several runs: once when they share a date, load and
+    commit; else each group of runs with its own stamp (the figure mixes runs, and says so)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for label, data in runs:
+        commit = str(data.get("_measured", {}).get("commit", "?"))
+        groups.setdefault((when(data), commit), []).append(label)
+    if len(groups) == 1:
+        return when(runs[0][1])
+    return "separate runs: " + "; ".join(
+        f"{', '.join(labels)} {stamp_}, commit {_short_commit(commit)}"
+        for (stamp_, commit), labels in groups.items())
+
+
+def _short_commit(commit: str) -> str:
+    """A stamp's commit as a reader needs it: the hash, or where an old result came in."""
+    if commit.startswith("unrecorded"):
+        return "unrecorded (results committed in " + commit.rsplit(" ", 1)[-1].rstrip(")") + ")"
+    return commit
 
 
 def events(d: dict[str, Any]) -> str:
@@ -129,12 +154,76 @@ def audit(d: dict[str, Any]) -> str:
             f"{k['errors']} errors, {k['warnings']} warnings, {k['info']} info ({when(d)})")
 
 
+def audit_tree(d: dict[str, Any]) -> str:
+    """RELIABILITY's row for the whole vLLM tree: counts and times of one bench_audit run."""
+    k, r = d["kvtier"], d["ruff"]
+    return (f"{d['files']:,} files, {d['parsed']} parsed, {k['errors']} errors, "
+            f"{k['warnings']} warnings, {k['info']} info; {d['seconds']:.2f} s best / "
+            f"{d['seconds_median']:.2f} s median on {d['cpus']} shared CPUs against ruff E,F's "
+            f"{r['seconds']:.2f} / {r['seconds_median']:.2f} s "
+            f"({x(d['ratios']['time_vs_ruff'])} ruff's best time, "
+            f"{x(d['ratios']['median_time_vs_ruff'])} its median; `{d['_measured']['command']}`, "
+            f"{d['repeat']} runs, {when(d)})")
+
+
+def audit_parsed(d: dict[str, Any]) -> str:
+    return f"{d['parsed']} of {d['files']:,} files are parsed"
+
+
+def audit_findings(d: dict[str, Any]) -> str:
+    k = d["kvtier"]
+    return (f"{d['files']:,} files, {d['parsed']} mention `block_hash`, **{k['errors']} errors, "
+            f"{k['warnings']} warnings, {k['info']} info** (`benchmarks/results/audit.json`, "
+            f"{when(d)})")
+
+
+def audit_table(d: dict[str, Any]) -> str:
+    """docs/audit.md's benchmark table and what grep's lines were."""
+    k, r, g = d["kvtier"], d["ruff"], d["grep"]
+    ruff_best = r["seconds"]
+    rows = [("kvtier audit", d["seconds"], d["seconds_median"],
+             f"{k['errors']} E / {k['warnings']} W / {k['info']} I"),
+            ("ruff check E,F", ruff_best, r["seconds_median"], f"{r['findings']:,}"),
+            ("grep presence", g["seconds"], None, f"{g['hits']} lines")]
+    lines = [f"\n`{d['_measured']['command']}` ({d['repeat']} runs, {d['cpus']} CPUs, "
+             f"{when(d)}):\n", "| tool | best s | median s | files/s (best) | × ruff (best) | "
+             "findings |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {best:.2f} | {'–' if med is None else f'{med:.2f}'} | "
+              f"{d['files'] / best:,.0f} | {best / ruff_best:.2f} | {found} |"
+              for name, best, med, found in rows]
+    return "\n".join(lines) + (
+        f"\n\nOf grep's {g['hits']} lines, {g['not_reported_by_kvtier']} are not reported as "
+        f"warning or error ({g['reported_as_info']} shown as info: membership; the rest not "
+        f"blocks or partial-aware, listed above); kvtier reports {g['kvtier_only']} error grep "
+        f"cannot see (the alias `bhash = node.block_hash`).\n")
+
+
 def janitor(small: dict[str, Any], big: dict[str, Any]) -> str:
     return (f"{small['keys_per_s']['janitor'] / 1e3:.0f}k keys/s vs "
             f"{small['keys_per_s']['naive'] / 1e3:.0f}k for a naive SCAN + GET pass "
             f"({small['value_bytes'] >> 10} KiB values, {small['ratio_keys_per_s']:.1f}×); "
             f"{big['ratio_keys_per_s']:.0f}× on {big['value_bytes'] >> 20} MiB values "
-            f"(it reads headers only) ({when(small)})")
+            f"(it reads headers only) ({_janitor_when(small, big)})")
+
+
+def _janitor_when(small: dict[str, Any], big: dict[str, Any]) -> str:
+    return when_runs((f"{small['value_bytes'] >> 10} KiB", small),
+                     (f"{big['value_bytes'] >> 20} MiB", big))
+
+
+def janitor_row(small: dict[str, Any], big: dict[str, Any]) -> str:
+    """RELIABILITY J15: both value sizes and the paced pass, with the commands that ran."""
+    def rate(d: dict[str, Any]) -> str:
+        k = d["keys_per_s"]
+        b = d["value_bytes"]
+        size = f"{b >> 10} KiB" if b < 1 << 20 else f"{b >> 20} MiB"
+        return (f"{size} values ({d['keys']:,} keys): {k['janitor']:,.0f} keys/s vs "
+                f"{k['naive']:,.0f} ({d['ratio_keys_per_s']:.1f}×)")
+    paced = small["paced"]
+    return (f"{rate(small)}; {rate(big)}; paced at {paced['max_keys_per_s']:,.0f}/s: "
+            f"{paced['seconds']:.2f} s for a {paced['floor_s']:.2f} s floor "
+            f"(`{small['_measured']['command']}` and `{big['_measured']['command']}`; "
+            f"{_janitor_when(small, big)})")
 
 
 def e2e(d: dict[str, Any]) -> str:
@@ -222,7 +311,8 @@ def nohit_ttft(*runs: dict[str, Any]) -> str:
 
     per_model = "; ".join(f"{d['model']} ({sample(d)}): "
                           + ", ".join(cell(d, c) for c in d["rows"]) + engines(d) for d in runs)
-    return f"median TTFT of the no-hit requests; {per_model} ({when(runs[0])})"
+    return (f"median TTFT of the no-hit requests; {per_model} "
+            f"({when_runs(*((d['model'], d) for d in runs))})")
 
 
 def thread_cpu(d: dict[str, Any]) -> str:
@@ -252,7 +342,7 @@ def hooks(*runs: dict[str, Any]) -> str:
         by_model.setdefault(d["model"], []).append(f"{d['config']} {per_step(d):.0f} µs")
     return ("connector hooks' thread CPU per engine step (engine core + worker): " + "; ".join(
         f"{model}: " + ", ".join(cells) for model, cells in by_model.items())
-        + f" ({when(runs[0])})")
+        + f" ({when_runs(*((d['model'] + ' ' + d['config'], d) for d in runs))})")
 
 
 def native(d: dict[str, Any]) -> str:
@@ -416,7 +506,12 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "tiers-table": (("tiers.json",), tiers_table),
     "tiers": (("tiers.json",), tiers),
     "audit": (("audit.json",), audit),
+    "audit-tree": (("audit.json",), audit_tree),
+    "audit-parsed": (("audit.json",), audit_parsed),
+    "audit-findings": (("audit.json",), audit_findings),
+    "audit-table": (("audit.json",), audit_table),
     "janitor": (("janitor-64k.json", "janitor-2m.json"), janitor),
+    "janitor-row": (("janitor-64k.json", "janitor-2m.json"), janitor_row),
     "e2e": (("e2e.json",), e2e),
     "stall": (("stall.json",), stall),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
@@ -466,11 +561,35 @@ def stale_spans(results: Path = RESULTS, root: Path = REPO) -> list[str]:
     return stale
 
 
+def unstamped(results: Path = RESULTS) -> list[str]:
+    """``file: field`` for every JSON under ``results`` whose stamp lacks a field."""
+    missing = []
+    for path in sorted(results.glob("*.json")):
+        meta = json.loads(path.read_text()).get("_measured")
+        meta = meta if isinstance(meta, dict) else {}
+        missing += [f"{path.name}: {field}" for field in STAMP_FIELDS
+                    if meta.get(field) in (None, "")]
+    return missing
+
+
+def commit_measured(root: Path = REPO) -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown (not a git checkout)"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def stamp(path: Path, command: list[str]) -> None:
-    """Record in ``path`` when, on what and by which command it was measured."""
+    """Record in ``path`` when, on what, at which commit and by which command it was
+    measured."""
     data = json.loads(path.read_text())
     data["_measured"] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(command),
-                         "load_avg": f"{os.getloadavg()[0]:.1f}", "cpus": os.cpu_count()}
+                         "load_avg": f"{os.getloadavg()[0]:.1f}", "cpus": os.cpu_count(),
+                         "commit": commit_measured()}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -496,7 +615,11 @@ def main(argv: list[str] | None = None) -> int:
     for span in stale:
         print(f"stale figures: {span} (run `make bench`, or "
               "`python -m benchmarks.figures render` after editing a JSON)", file=sys.stderr)
-    return 1 if stale else 0
+    missing = unstamped()
+    for field in missing:
+        print(f"unstamped result: {field} (run `python -m benchmarks.figures stamp`)",
+              file=sys.stderr)
+    return 1 if stale or missing else 0
 
 
 if __name__ == "__main__":
