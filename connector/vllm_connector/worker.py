@@ -55,6 +55,7 @@ from offload_tiers.host_tier.client import HostTierClient, SlotLease
 from offload_tiers.host_tier.client import new_save_id as new_host_save_id
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.redis.settings import WRITE_SETTLE_S
+from offload_tiers.shared_segment import seqlock_sound
 from offload_tiers.thread_names import name_current_thread
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,8 @@ class TieredWorker:
     def _scatter_host(self, ops: list[LoadOp]) -> None:
         """Write blocks straight from the host tier's segment, where their fetch checked
         them; a shard whose slot was written again since (its seqlock moved) fails its
-        load (vLLM recomputes it)."""
+        load (vLLM recomputes it). Where the fetch copied the shard out and checked the copy
+        (a weakly ordered CPU: :func:`seqlock_sound`), the block is written from that copy."""
         assert self.transfer is not None
         corrupt = self.config.debug_corrupt_loads
         for group, group_ops in _by_group(ops).items():
@@ -277,11 +279,17 @@ class TieredWorker:
                 slots = [shard[1] for _, shard in pairs]
                 t0 = time.perf_counter_ns()
                 try:
-                    pinned = self._segment_pins.pinned(segment)
-                    moved = self.transfer.scatter(group, [op.block_id for op, _ in pairs], slots,
-                                                  corrupt=corrupt, source=segment.payloads,
-                                                  source_pinned=pinned)
-                    same = segment.unchanged(slots, [shard[2] for _, shard in pairs])
+                    if isinstance(segment, np.ndarray):  # this rank's checked private copy
+                        moved = self.transfer.scatter(group, [op.block_id for op, _ in pairs],
+                                                      slots, corrupt=corrupt, source=segment)
+                        same = [True] * len(pairs)
+                    else:
+                        pinned = self._segment_pins.pinned(segment)
+                        moved = self.transfer.scatter(group, [op.block_id for op, _ in pairs],
+                                                      slots, corrupt=corrupt,
+                                                      source=segment.payloads,
+                                                      source_pinned=pinned)
+                        same = segment.unchanged(slots, [shard[2] for _, shard in pairs])
                 except Exception:
                     log.exception("kvtier: load from the host tier into group %d failed; vLLM "
                                   "recomputes", group)
@@ -366,10 +374,13 @@ class TieredWorker:
             self.counters.add(f"fetch_us_{tier}", elapsed_ns // 1000)
 
     def _read_host(self, ops: list[FetchOp]) -> dict[int, bool]:
-        """Check this rank's shards of ``ops``' keys where they lie in the host tier (I/O
-        thread): only the exact saves the scheduler found, against each slot's header and
-        the checksum of its bytes. The loads then copy them from there (the scheduler's
-        pins keep the slots from reuse until every rank reported). Job -> ok."""
+        """Check this rank's shards of ``ops``' keys in the host tier (I/O thread): only the
+        exact saves the scheduler found, against each slot's header and the checksum of its
+        bytes. Where the seqlock is sound (x86-64: :func:`seqlock_sound`) the check runs
+        where the bytes lie and the loads copy them from there (the scheduler's pins keep
+        the slots from reuse until every rank reported; the seqlock catches a write since).
+        Elsewhere (aarch64) each shard is copied out into a private buffer and the checksum
+        runs over the copy, in the same pass; the loads write from that copy. Job -> ok."""
         if not ops:
             return {}
         oks = dict.fromkeys((op.job for op in ops), False)
@@ -383,15 +394,32 @@ class TieredWorker:
                 fit.append(op)
         try:
             where = [op.host[self.tp_rank] for op in fit]  # type: ignore[index]
-            seqs = segment.verify_many(
-                [w[0] for w in where], [host_digest(self.storage_key(op.key)) for op in fit],
-                [w[1] for w in where], [w[2] for w in where])
+            slots = [w[0] for w in where]
+            digests = [host_digest(self.storage_key(op.key)) for op in fit]
+            save_ids = [w[1] for w in where]
+            checked: list[tuple[Any, int, int] | None]
+            if seqlock_sound():
+                seqs = segment.verify_many(slots, digests, save_ids, [w[2] for w in where])
+                checked = [None if seq is None else (segment, w[0], seq)
+                           for w, seq in zip(where, seqs, strict=True)]
+            else:  # copy-then-checksum, into one private buffer per shard size
+                rows: list[int] = []
+                counts: dict[int, int] = {}
+                for w in where:
+                    rows.append(counts.get(w[2], 0))
+                    counts[w[2]] = rows[-1] + 1
+                copies = {n: np.empty((k, n), dtype=np.uint8) for n, k in counts.items()}
+                got = segment.read_many_into(
+                    slots, digests, save_ids, next(iter(copies.values())) if len(copies) == 1
+                    else [copies[w[2]][row] for w, row in zip(where, rows, strict=True)])
+                checked = [(copies[w[2]], row, 0) if ok else None
+                           for w, row, ok in zip(where, rows, got, strict=True)]
         except Exception:
             log.exception("kvtier: checking the host tier failed")
             return oks
-        for op, w, seq in zip(fit, where, seqs, strict=True):
-            if seq is not None:
-                self._host_shards.setdefault(op.req_id, {})[op.key] = (segment, w[0], seq)
+        for op, shard in zip(fit, checked, strict=True):
+            if shard is not None:
+                self._host_shards.setdefault(op.req_id, {})[op.key] = shard
                 oks[op.job] = True
         return oks
 

@@ -15,15 +15,21 @@ import uuid
 from collections.abc import Callable, Iterator
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as MpEvent
+from typing import Any
 
 import numpy as np
 import pytest
 
+from offload_tiers import shared_segment
 from offload_tiers.shared_segment import (
+    CHUNK_BYTES,
     LAYOUT_VERSION,
+    SEQLOCK_ENV,
+    ReadCounters,
     SharedSegment,
     default_path,
     digest,
+    seqlock_sound,
 )
 
 SLOT = 4096
@@ -412,3 +418,133 @@ def test_verify_many_checks_in_place_and_unchanged_catches_a_later_write(
         assert seg.unchanged([1], [seqs[0]]) == [True]
         writer.write(1, KEY_A, 7, pattern(7))  # the slot written again after the check
         assert seg.unchanged([1], [seqs[0]]) == [False] and seg.counters.torn == 1
+
+
+# ------------------------------------------------------------ copy-then-checksum (43.12)
+BIG = 3 * CHUNK_BYTES + 100  # four chunks, the last one short
+
+
+@pytest.mark.parametrize("length", [0, 1, 4096, CHUNK_BYTES - 1, CHUNK_BYTES,
+                                    CHUNK_BYTES + 1, BIG])
+def test_the_fused_copy_and_checksum_equals_the_committed_checksum(length: int) -> None:
+    """One pass: copied in chunks, each hashed from the copy; the value is the checksum a
+    commit stores (payload, then key, save id and length), and the copy is the source."""
+    src = np.frombuffer(pattern(7, length), np.uint8)
+    dst = np.zeros(length, np.uint8)
+    got = shared_segment._copy_checksum(memoryview(dst), memoryview(src),
+                                        shared_segment._tail(KEY_A, 42, length))
+    assert got == shared_segment._checksum(src, KEY_A, 42, length)
+    assert dst.tobytes() == src.tobytes()
+
+
+def _move_source_at(chunk: int, new: bytes, where: slice | None = None
+                    ) -> Callable[[memoryview, memoryview], None]:
+    """A chunk copy that, at chunk ``chunk`` of a read, first rewrites the source slot's
+    bytes ``where`` (default: all of them) to ``new``'s, with its seq unmoved: a write
+    that a weakly ordered reader sees land during its copy under a seq that looks stable."""
+    calls = [0]
+
+    def copy(dst: memoryview, src: memoryview) -> None:
+        if calls[0] == chunk:
+            base = np.frombuffer(src.obj, np.uint8)  # the whole slot row
+            span = where or slice(0, len(new))
+            base[span] = np.frombuffer(new, np.uint8)[span]
+        calls[0] += 1
+        dst[:] = src
+
+    return copy
+
+
+def test_bytes_changed_during_the_copy_are_caught_by_the_checksum_of_the_copy(
+        new_path: Callable[[], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy hands out old bytes for its first chunk and new ones after: a torn value
+    the seqlock did not see (seq never moved). The checksum, over the copied bytes, refuses
+    it, for read_into and read_many_into; a change to bytes already copied leaves the copy
+    exactly the save, and it is served."""
+    old, new = pattern(1, BIG), pattern(2, BIG)
+    with SharedSegment.create(new_path(), 2, BIG) as seg:
+        for read in ("read_into", "read_many_into"):
+            seg.write(0, KEY_A, 1, old)
+            seq = seg.header(0).seq
+            monkeypatch.setattr(shared_segment, "_copy_chunk", _move_source_at(1, new))
+            out = np.zeros(BIG, np.uint8)
+            before = seg.counters.as_dict()
+            if read == "read_into":
+                got = seg.read_into(0, KEY_A, 1, out)
+            else:
+                got = seg.read_many_into([0], [KEY_A], [1], [out]) == [True]
+            after = seg.counters.as_dict()
+            assert seg.header(0).seq == seq  # the seqlock saw nothing
+            assert out[:CHUNK_BYTES].tobytes() == old[:CHUNK_BYTES]  # the torn copy
+            assert out[CHUNK_BYTES:].tobytes() == new[CHUNK_BYTES:]
+            assert not got, f"{read} served a torn copy"
+            assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {
+                "checksum": 1}
+        # the first chunk's source rewritten while the third is copied: already copied and
+        # hashed, so the copy is exactly save 1 and is served
+        seg.write(0, KEY_A, 1, old)
+        monkeypatch.setattr(shared_segment, "_copy_chunk",
+                            _move_source_at(2, new, slice(0, CHUNK_BYTES)))
+        out = np.zeros(BIG, np.uint8)
+        assert seg.read_into(0, KEY_A, 1, out) and out.tobytes() == old
+        assert seg.payloads[0, :CHUNK_BYTES].tobytes() == new[:CHUNK_BYTES]
+
+
+def test_seqlock_sound_on_tso_machines_only_and_the_override(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SEQLOCK_ENV, raising=False)
+    for machine, sound in (("x86_64", True), ("AMD64", True), ("i686", True),
+                           ("aarch64", False), ("arm64", False), ("ppc64le", False),
+                           ("riscv64", False), ("", False)):
+        monkeypatch.setattr(shared_segment.platform, "machine", lambda m=machine: m)
+        assert seqlock_sound() is sound, machine
+    monkeypatch.setattr(shared_segment.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(SEQLOCK_ENV, "0")
+    assert seqlock_sound() is False
+    monkeypatch.setattr(shared_segment.platform, "machine", lambda: "aarch64")
+    monkeypatch.setenv(SEQLOCK_ENV, "1")
+    assert seqlock_sound() is True
+    monkeypatch.setenv(SEQLOCK_ENV, "yes")  # not 0 or 1: the machine decides
+    assert seqlock_sound() is False
+
+
+def test_read_many_into_one_array_of_rows_checks_each_row(seg: SharedSegment) -> None:
+    """``outs`` as one 2-D array (how the worker's copy-then-checksum load reads): each row
+    holds its save, a row whose slot holds another save is a counted miss."""
+    for slot, save in ((0, 1), (1, 2), (2, 3)):
+        seg.write(slot, KEY_A, save, pattern(save))
+    outs = np.zeros((3, SLOT), np.uint8)
+    assert seg.read_many_into([0, 1, 2], [KEY_A] * 3, [1, 2, 9], outs) == [True, True, False]
+    assert outs[0].tobytes() == pattern(1) and outs[1].tobytes() == pattern(2)
+    assert seg.counters.hits == 2 and seg.counters.save_mismatch == 1
+    with pytest.raises(ValueError, match="contiguous"):
+        seg.read_many_into([0, 1], [KEY_A] * 2, [1, 2], np.zeros((2, 2 * SLOT), np.uint8)[:, ::2])
+
+
+def test_neighbouring_slots_copied_at_once_are_each_checked_on_the_copy(
+        seg: SharedSegment, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of one array, slots side by side: copied in runs (one copy per run, the slot
+    headers skipped), each row hashed from the copy. A write landing in the middle slot
+    (seq unmoved) before the run's copy fails that row only."""
+    assert shared_segment._neighbour_runs([0, 1, 2, 4, 5, 6, 7], [3, 4, 5, 6, 0, 1, 2, 3], 3
+                                          ) == [(0, 3), (4, 3), (7, 1)]
+    assert shared_segment._neighbour_runs([0, 1], [5, 7], 8) == [(0, 1), (1, 1)]
+    for slot in range(6):
+        seg.write(slot, KEY_A, slot + 1, pattern(slot + 1))
+    copies: list[int] = []
+
+    def copy(dst: Any, src: Any) -> None:
+        if not copies:
+            seg.payloads[2, :100] = 0  # slot 2, the middle of the first run
+        copies.append(len(np.asarray(dst)))
+        dst[:] = src
+
+    monkeypatch.setattr(shared_segment, "_copy_chunk", copy)
+    outs = np.zeros((6, SLOT), np.uint8)
+    got = seg.read_many_into([1, 2, 3, 0, 4, 5], [KEY_A] * 6, [2, 3, 4, 1, 5, 6], outs)
+    assert copies == [3, SLOT, 2]  # slots 1-3 at once, slot 0 alone, slots 4-5 at once
+    assert got == [True, False, True, True, True, True]
+    for row, slot in enumerate([1, 2, 3, 0, 4, 5]):
+        if slot != 2:
+            assert outs[row].tobytes() == pattern(slot + 1)
+    assert seg.counters.as_dict() == {**ReadCounters().as_dict(), "hits": 5, "checksum": 1}
