@@ -1,0 +1,113 @@
+"""Nothing lost at exit (issue 44): an engine that exits right after its last request
+leaves every saved block in Redis Cluster, and a new engine restores them.
+
+Real vLLM CPU engines (tiny Llama) on a real 3-master Redis Cluster the module starts on
+loopback ports. The storing engines are scripts as users write them
+(:mod:`tests.support.exit_store`: ``LLM(...)`` at module level, the script just ends): one
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM tears the engine down during the
+interpreter's exit, where the Redis tier's last flush used to hit "cannot schedule new
+futures after interpreter shutdown" and write nothing), one with vLLM's default executors.
+Then a new engine (default executors) asks every prompt's second turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.demo.tiny_models import prompt_words
+from offload_tiers.redis.presence_feed import ANNOUNCE_SUFFIX
+from tests.support.connector_runner import run_in_subprocess
+from tests.support.daemon_proc import REPO
+from tests.support.redis_cluster import RedisClusterProcs
+
+pytestmark = pytest.mark.e2e
+
+IN_PROCESS = [60, 61, 62, 63]  # prompt seeds stored by the in-process engine
+DEFAULT_EXECUTORS = [64, 65, 66, 67]
+PREFIX_TOKENS = 128  # each 150-word prompt's four full 32-token blocks
+
+
+def turn2(seed: int) -> str:
+    return prompt_words(seed, 150) + " w5"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    procs = RedisClusterProcs(Path(tmp_path_factory.mktemp("exit-cluster"))).start()
+    yield procs
+    procs.stop()
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"kvtier-test-{uuid.uuid4().hex[:12]}"  # the cluster is the module's own
+
+
+def store_and_exit(cluster: RedisClusterProcs, prefix: str, seeds: list[int],
+                   env: dict[str, str]) -> dict[str, Any]:
+    """Run the user's script to its end; what it printed, and the data keys per master."""
+    proc = subprocess.run([sys.executable, "-m", "tests.support.exit_store", cluster.url,
+                           prefix, json.dumps(seeds)], cwd=REPO, text=True,
+                          capture_output=True, env={**os.environ, **env}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stored = [line for line in proc.stdout.splitlines() if line.startswith("STORED ")]
+    assert stored, proc.stdout[-2000:]
+    return {"prompt_tokens": json.loads(stored[0].split(" ", 1)[1]), "log": proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def stored(cluster: RedisClusterProcs, prefix: str) -> dict[str, Any]:
+    runs = {
+        "in_process": store_and_exit(cluster, prefix, IN_PROCESS,
+                                     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        "default_executors": store_and_exit(cluster, prefix, DEFAULT_EXECUTORS, {}),
+    }
+    everything = sum(cluster.total_keys(f"{prefix}:*").values())
+    streams = sum(cluster.total_keys(f"{prefix}:{ANNOUNCE_SUFFIX}*").values())
+    runs["keys"] = everything - streams  # block values, not the presence stream
+    return runs
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict[str, Any]:
+    steps = [["generate", f"T{s}", turn2(s)] for s in IN_PROCESS + DEFAULT_EXECUTORS]
+    return {o["name"]: o for o in run_in_subprocess(
+        {"model": "llama", "extra": None, "steps": steps})["outputs"]}
+
+
+@pytest.fixture(scope="module")
+def restored(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: str
+             ) -> dict[str, Any]:
+    steps = [["generate", f"T{s}", turn2(s)] for s in IN_PROCESS + DEFAULT_EXECUTORS]
+    extra = {"cpu_bytes": 16 << 20, "redis_url": cluster.url, "redis_prefix": prefix}
+    return {o["name"]: o for o in run_in_subprocess(
+        {"model": "llama", "extra": extra, "steps": steps})["outputs"]}
+
+
+def test_an_engine_that_exits_leaves_every_block_on_the_cluster(
+        stored: dict[str, Any]) -> None:
+    """Both scripts' saves reached the masters before their processes ended: four full
+    blocks per prompt, eight prompts; no executor refused the flush."""
+    for run in ("in_process", "default_executors"):
+        assert all(n >= PREFIX_TOKENS + 1 for n in stored[run]["prompt_tokens"])
+        assert "cannot schedule new futures" not in stored[run]["log"]
+        assert "not made before closing" not in stored[run]["log"]
+    assert stored["keys"] == 8 * PREFIX_TOKENS // 32
+
+
+def test_a_new_engine_restores_them_with_vllm_alone_s_output(
+        restored: dict[str, Any], baseline: dict[str, Any]) -> None:
+    for seed in IN_PROCESS + DEFAULT_EXECUTORS:
+        got, want = restored[f"T{seed}"], baseline[f"T{seed}"]
+        assert got["delta"].get("hit_tokens_redis", 0) == PREFIX_TOKENS, (seed, got["delta"])
+        assert got["num_cached_tokens"] == PREFIX_TOKENS
+        assert got["token_ids"] == want["token_ids"]
