@@ -328,8 +328,8 @@ def test_kvtier_passes_its_own_audit(capsys) -> None:
 
 def test_pre_commit_hook_definition() -> None:
     text = (REPO / ".pre-commit-hooks.yaml").read_text()
-    assert "id: kvtier-audit" in text and "entry: kvtier audit" in text
-    assert "types: [python]" in text
+    assert "id: kvtier-audit" in text and "entry: scripts/kvtier_audit_hook.py" in text
+    assert "types: [python]" in text  # the rest: tests/audit/test_hook.py
 
 
 def test_hostile_inputs_are_reported_not_crashes(tmp_path: Path, capsys) -> None:
