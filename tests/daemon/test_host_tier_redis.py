@@ -331,3 +331,35 @@ def test_untaken_digests_are_bounded_by_the_window(tmp_path: Path) -> None:
     assert 10 <= len(kept) < 14 and kept[-1] == 39
     assert list(kept) == list(range(40 - len(kept), 40))
     assert len(c.take_presence()) == 0
+
+
+def test_a_daemon_stopped_by_sigterm_leaves_every_write_behind_on_a_cluster(
+        tmp_path: Path) -> None:
+    """Issue 44: engines commit 8 saves naming Redis keys to a daemon whose Redis is a
+    3-master Cluster; the daemon is stopped by SIGTERM as soon as the commits are
+    answered: it exits 0 and every save is in the Cluster, in the Redis tier's format."""
+    from tests.support.redis_cluster import RedisClusterProcs
+
+    cluster = RedisClusterProcs(tmp_path / "cluster").start()
+    prefix = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    proc = HostTierDaemon(tmp_path / "run" / "host.sock", f"test-{uuid.uuid4().hex[:12]}",
+                          slots=16, slot_bytes=SLOT, redis_url=cluster.url,
+                          redis_prefix=prefix).start()
+    try:
+        c = client(proc)
+        try:
+            for i in range(8):
+                assert c.wait_until(lambda c: len(c._pool) >= 1, WAIT_S)
+                commit_one(c, key(i), payload(i), redis_save_id=1000 + i)
+            assert c.wait_until(lambda c: c.counters.commits_kept == 8, WAIT_S)
+        finally:
+            c.close()
+        assert proc.terminate() == 0
+        with RedisTier.from_url(cluster.url, prefix=prefix, strict=True) as tier:
+            assert tier.save_ids_many([key(i) for i in range(8)]) == [1000 + i for i in range(8)]
+            assert [bytes(v or b"") for v in tier.get_many([key(i) for i in range(8)])] == \
+                [payload(i) for i in range(8)]
+    finally:
+        proc.kill()
+        proc.remove_files()
+        cluster.stop()
