@@ -806,6 +806,10 @@ class TieredWorker:
         self.fence()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
+        # host-tier writes begun are committed (sent) within the flush's bound; any still
+        # queued after it are cancelled, and the daemon releases their slots at this
+        # process's exit: never served half-written
+        self.flush_host(self.config.redis_shutdown_flush_s)
         self._io.shutdown(wait=True, cancel_futures=True)
         if self.redis is not None:
             self.redis.close(timeout=self.config.redis_shutdown_flush_s)
