@@ -27,12 +27,14 @@ from connector.demo.tiny_models import prompt_words
 from offload_tiers.redis.presence_feed import ANNOUNCE_SUFFIX
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.daemon_proc import REPO
+from tests.support.engine_host import run_native_engine
 from tests.support.redis_cluster import RedisClusterProcs
 
 pytestmark = pytest.mark.e2e
 
 IN_PROCESS = [60, 61, 62, 63]  # prompt seeds stored by the in-process engine
 DEFAULT_EXECUTORS = [64, 65, 66, 67]
+NATIVE = [68, 69]  # stored in process by vLLM's OffloadingConnector + kvtier's Redis tier
 PREFIX_TOKENS = 128  # each 150-word prompt's four full 32-token blocks
 
 
@@ -53,10 +55,10 @@ def prefix() -> str:
 
 
 def store_and_exit(cluster: RedisClusterProcs, prefix: str, seeds: list[int],
-                   env: dict[str, str]) -> dict[str, Any]:
-    """Run the user's script to its end; what it printed, and the data keys per master."""
+                   env: dict[str, str], *mode: str) -> dict[str, Any]:
+    """Run the user's script to its end; what it printed, and its log."""
     proc = subprocess.run([sys.executable, "-m", "tests.support.exit_store", cluster.url,
-                           prefix, json.dumps(seeds)], cwd=REPO, text=True,
+                           prefix, json.dumps(seeds), *mode], cwd=REPO, text=True,
                           capture_output=True, env={**os.environ, **env}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     stored = [line for line in proc.stdout.splitlines() if line.startswith("STORED ")]
@@ -74,12 +76,15 @@ def stored(cluster: RedisClusterProcs, prefix: str) -> dict[str, Any]:
     everything = sum(cluster.total_keys(f"{prefix}:*").values())
     streams = sum(cluster.total_keys(f"{prefix}:{ANNOUNCE_SUFFIX}*").values())
     runs["keys"] = everything - streams  # block values, not the presence stream
+    runs["native"] = store_and_exit(cluster, f"{prefix}-native", NATIVE,
+                                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "native")
+    runs["native_keys"] = sum(cluster.total_keys(f"{prefix}-native:*").values())
     return runs
 
 
 @pytest.fixture(scope="module")
 def baseline() -> dict[str, Any]:
-    steps = [["generate", f"T{s}", turn2(s)] for s in IN_PROCESS + DEFAULT_EXECUTORS]
+    steps = [["generate", f"T{s}", turn2(s)] for s in IN_PROCESS + DEFAULT_EXECUTORS + NATIVE]
     return {o["name"]: o for o in run_in_subprocess(
         {"model": "llama", "extra": None, "steps": steps})["outputs"]}
 
@@ -93,6 +98,14 @@ def restored(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: str
         {"model": "llama", "extra": extra, "steps": steps})["outputs"]}
 
 
+@pytest.fixture(scope="module")
+def restored_native(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: str
+                    ) -> dict[str, Any]:
+    spec = {"mode": "kvtier", "redis_url": cluster.url, "redis_prefix": f"{prefix}-native",
+            "prompts": [[f"T{s}", turn2(s)] for s in NATIVE]}
+    return {o["name"]: o for o in run_native_engine(spec)["outputs"]}
+
+
 def test_an_engine_that_exits_leaves_every_block_on_the_cluster(
         stored: dict[str, Any]) -> None:
     """Both scripts' saves reached the masters before their processes ended: four full
@@ -102,6 +115,20 @@ def test_an_engine_that_exits_leaves_every_block_on_the_cluster(
         assert "cannot schedule new futures" not in stored[run]["log"]
         assert "not made before closing" not in stored[run]["log"]
     assert stored["keys"] == 8 * PREFIX_TOKENS // 32
+
+
+def test_the_native_tier_s_exit_leaves_its_chunks_and_a_new_engine_restores_them(
+        stored: dict[str, Any], restored_native: dict[str, Any],
+        baseline: dict[str, Any]) -> None:
+    """vLLM's OffloadingConnector with kvtier's Redis tier, in process, at module level:
+    its chunks reach the Cluster before the process ends; a new native engine (default
+    executors, an empty CPU tier) restores both prefixes from it with vLLM alone's output."""
+    assert "cannot schedule new futures" not in stored["native"]["log"]
+    assert stored["native_keys"] >= len(NATIVE) * PREFIX_TOKENS // 32
+    for seed in NATIVE:
+        got, want = restored_native[f"T{seed}"], baseline[f"T{seed}"]
+        assert got["num_cached_tokens"] == PREFIX_TOKENS, (seed, got)
+        assert got["token_ids"] == want["token_ids"]
 
 
 def test_a_new_engine_restores_them_with_vllm_alone_s_output(

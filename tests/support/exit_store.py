@@ -2,9 +2,10 @@
 then the script ends. vLLM tears the engine down while the interpreter exits, and kvtier's
 last Redis writes are flushed then (issue 44: on Redis Cluster they were all lost).
 
-``python -m tests.support.exit_store URL PREFIX SEEDS_JSON [EXTRA_JSON]``: prints one
-``STORED`` line (JSON: the prompts' token counts) once the prompts are done; it exits right
-after, with no explicit shutdown.
+``python -m tests.support.exit_store URL PREFIX SEEDS_JSON [native]``: prints one ``STORED``
+line (JSON: the prompts' token counts) once the prompts are done; it exits right after,
+with no explicit shutdown. ``native``: vLLM's OffloadingConnector with kvtier's Redis tier
+(README's native-tier config, on the CPU spec) instead of kvtier's connector.
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     url, prefix, seeds = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    extra = {"cpu_bytes": 16 << 20, "redis_url": url, "redis_prefix": prefix,
-             **(json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})}
-    llm = LLM(**engine_kwargs("llama", str(tiny_llama()),
-                              kv_transfer_config=kvtier_transfer_config(extra)))
+    if sys.argv[4:] == ["native"]:
+        config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {
+                      "spec_name": "CpuTieringOffloadingSpec",
+                      "spec_module_path": "connector.native_tier.cpu_tiering",
+                      "cpu_bytes_to_use": 64 << 20,
+                      "secondary_tiers": [{"type": "KvtierRedisTier",
+                                           "module_path": "connector.native_tier.tier",
+                                           "redis_url": url, "redis_prefix": prefix}]}}
+    else:
+        config = kvtier_transfer_config({"cpu_bytes": 16 << 20, "redis_url": url,
+                                         "redis_prefix": prefix})
+    llm = LLM(**engine_kwargs("llama", str(tiny_llama()), kv_transfer_config=config))
     outs = llm.generate([prompt_words(s, 150) for s in seeds],
-                        SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+                        SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     print("STORED " + json.dumps([len(o.prompt_token_ids or ()) for o in outs]), flush=True)
