@@ -13,6 +13,7 @@ import pytest
 
 from connector.cli import main as kvtier_main
 from connector.cli import version
+from connector.daemon import cli as daemon_cli
 from connector.daemon.cli import DEPRECATED_FLAGS, _overrides, build_parser, flags_given
 from connector.daemon.cli import main as daemon_main
 from connector.daemon.config import ConfigError, DaemonConfig, default_host_tier_socket, load_config
@@ -71,6 +72,7 @@ def test_an_unknown_yaml_key_names_the_fix_and_the_known_keys(tmp_path: Path) ->
 def test_a_bad_redis_url_env_names_the_variable_and_never_the_password(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("KVTIER_TEST_DAEMON_URL", "redis://u:hunter2@h:x/0")
+    monkeypatch.setattr(daemon_cli, "run", lambda cfg: pytest.fail("the daemon started"))
     assert daemon_main(["--endpoint", "tcp://*:5557",
                         "--redis-url-env", "KVTIER_TEST_DAEMON_URL"]) == 2
     err = capsys.readouterr().err
