@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,29 +39,10 @@ from offload_tiers.host_tier.protocol import (
 )
 from offload_tiers.host_tier.server import HostTierServer
 from offload_tiers.shared_segment import digest
+from tests.daemon.test_host_tier_daemon import SLOT, WAIT_S, client, daemon, sock_path
 from tests.support.daemon_proc import HostTierDaemon
 
-SLOT = 4096
-WAIT_S = 60  # bounds a hung wait only; nothing is ordered by it
-
-
-@pytest.fixture
-def sock_path(tmp_path: Path) -> Path:
-    return tmp_path / "run" / "host.sock"
-
-
-@pytest.fixture
-def daemon(sock_path: Path) -> Iterator[HostTierDaemon]:
-    with HostTierDaemon(sock_path, f"runs-{uuid.uuid4().hex[:12]}",
-                        slot_bytes=SLOT).running() as proc:
-        yield proc
-
-
-def client(sock: Path, **kw: Any) -> HostTierClient:
-    c = HostTierClient(str(sock), label="test", lease_batch=2, retry_s=0.05, **kw).start()
-    assert c.wait_until(lambda c: c.available and len(c._pool) >= 1, WAIT_S), c.last_error
-    return c
-
+__all__ = ["daemon", "sock_path"]  # the fixtures this module shares with its neighbour
 
 class Raw:
     """A hand-driven connection: send messages, read replies in order."""

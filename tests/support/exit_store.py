@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.native_tier_engine import transfer_config
 from connector.demo.presets import apply_cpu_engine_env, engine_kwargs, kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words, tiny_llama
 
@@ -21,15 +22,8 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     url, prefix, seeds = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    if sys.argv[4:] == ["native"]:
-        config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {
-                      "spec_name": "CpuTieringOffloadingSpec",
-                      "spec_module_path": "connector.native_tier.cpu_tiering",
-                      "cpu_bytes_to_use": 64 << 20,
-                      "secondary_tiers": [{"type": "KvtierRedisTier",
-                                           "module_path": "connector.native_tier.tier",
-                                           "redis_url": url, "redis_prefix": prefix}]}}
+    if sys.argv[4:] == ["native"]:  # README's native-tier config, on the CPU spec
+        config = transfer_config({"mode": "kvtier", "redis_url": url, "redis_prefix": prefix})
     else:
         config = kvtier_transfer_config({"cpu_bytes": 16 << 20, "redis_url": url,
                                          "redis_prefix": prefix})
