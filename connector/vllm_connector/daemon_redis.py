@@ -71,7 +71,9 @@ class DaemonRedis:
         segment = self.host.segment
         if where is None or segment is None:
             return [False] * len(keys)
-        found = [i for i, w in enumerate(where) if w is not None and w.length == dests[i].nbytes]
+        # only the save asked for (the daemon answers no other; checked here all the same)
+        found = [i for i, w in enumerate(where) if w is not None and w.length == dests[i].nbytes
+                 and (not save_ids[i] or w.save_id == save_ids[i])]
         got = segment.read_many_into(
             [where[i].slot for i in found], [digests[i] for i in found],  # type: ignore[union-attr]
             [where[i].save_id for i in found], [dests[i] for i in found])  # type: ignore[union-attr]
