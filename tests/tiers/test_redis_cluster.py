@@ -286,11 +286,12 @@ tier = RedisTier.from_url(url, prefix=prefix, strict=True, write_linger_s=linger
 # as an engine torn down by the interpreter's exit flushes: from an exit hook, after
 # concurrent.futures stopped taking work
 atexit.register(tier.close, bound)
+if len(sys.argv) > 6:
+    print("connected", flush=True)
+    sys.stdin.readline()  # the test pauses a master first: no write is out before that
 for i in range(n):
     assert tier.submit_put(key(i), payload(key(i), 3000))
 print("queued", flush=True)
-if len(sys.argv) > 6:
-    sys.stdin.readline()  # the test pauses a master first
 """
 
 
@@ -301,7 +302,8 @@ def _exit_with_writes_queued(cluster: RedisClusterProcs, prefix: str, n: int, *,
     proc = subprocess.Popen(args + (["wait"] if wait else []), cwd=REPO, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "queued"
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == ("connected" if wait else "queued")
     return proc
 
 
@@ -320,9 +322,11 @@ def test_writes_queued_at_interpreter_exit_reach_every_master(
 
 def test_a_master_paused_at_exit_bounds_the_flush_and_the_rest_is_counted(
         cluster: RedisClusterProcs, key_prefix: str) -> None:
-    """Issue 44: with one master SIGSTOPped while the last writes are queued, the exit
-    flush gives up at its bound, says how many writes it could not make, and the process
-    exits; the other masters got their share."""
+    """Issue 44: one master SIGSTOPped, then 60 writes queued (two batches) and the
+    process exits: the first batch waits on the paused master past the exit flush's 1 s
+    bound (its socket timeout is 2 s), so the flush gives up, says how many writes it could
+    not make (the second batch), and the process exits; the other masters got their share
+    of the first batch."""
     proc = _exit_with_writes_queued(cluster, key_prefix, 60, bound=1.0, wait=True)
     paused = cluster.servers[2]
     paused.pause()
