@@ -7,7 +7,9 @@ loopback ports. The storing engines are scripts as users write them
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM tears the engine down during the
 interpreter's exit, where the Redis tier's last flush used to hit "cannot schedule new
 futures after interpreter shutdown" and write nothing), one with vLLM's default executors.
-Then a new engine (default executors) asks every prompt's second turn.
+Then a new engine (default executors) asks every prompt's second turn. The same for the
+OpenAI server stopped by SIGTERM, and for vLLM's OffloadingConnector with kvtier's Redis
+tier (the native tier).
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ from typing import Any
 
 import pytest
 
+from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
 from offload_tiers.redis.presence_feed import ANNOUNCE_SUFFIX
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.daemon_proc import REPO
 from tests.support.engine_host import run_native_engine
+from tests.support.exit_store import SLOW_MACHINE_TIMEOUT_S
+from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_cluster import RedisClusterProcs
 
 pytestmark = pytest.mark.e2e
 
 IN_PROCESS = [60, 61, 62, 63]  # prompt seeds stored by the in-process engine
 DEFAULT_EXECUTORS = [64, 65, 66, 67]
+OPENAI = [70, 71]  # sent to the OpenAI server, which is then stopped by SIGTERM
 NATIVE = [68, 69]  # stored in process by vLLM's OffloadingConnector + kvtier's Redis tier
+STORED = IN_PROCESS + DEFAULT_EXECUTORS + OPENAI  # by kvtier's connector
 PREFIX_TOKENS = 128  # each 150-word prompt's four full 32-token blocks
 
 
@@ -66,12 +73,32 @@ def store_and_exit(cluster: RedisClusterProcs, prefix: str, seeds: list[int],
     return {"prompt_tokens": json.loads(stored[0].split(" ", 1)[1]), "log": proc.stderr}
 
 
+def serve_then_sigterm(cluster: RedisClusterProcs, prefix: str, logs: Path) -> dict[str, Any]:
+    """The OpenAI server (kvtier on the Cluster) answers OPENAI's prompts, then is stopped
+    by SIGTERM as an operator stops it; its log."""
+    from connector.demo.tiny_models import tiny_llama
+
+    server = OpenAIServer(tiny_llama(), logs / "server.log", kv_transfer_config=(
+        kvtier_transfer_config({"cpu_bytes": 16 << 20, "redis_url": cluster.url,
+                                "redis_prefix": prefix,
+                                "redis_timeout_s": SLOW_MACHINE_TIMEOUT_S})))
+    server.start()
+    try:
+        for seed in OPENAI:
+            complete(server, prompt_words(seed, 150))
+    finally:
+        server.stop()  # SIGTERM, then waits for the server's processes to end
+    return {"log": (logs / "server.log").read_text(errors="replace")}
+
+
 @pytest.fixture(scope="module")
-def stored(cluster: RedisClusterProcs, prefix: str) -> dict[str, Any]:
+def stored(cluster: RedisClusterProcs, prefix: str,
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs = {
         "in_process": store_and_exit(cluster, prefix, IN_PROCESS,
                                      {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
         "default_executors": store_and_exit(cluster, prefix, DEFAULT_EXECUTORS, {}),
+        "openai": serve_then_sigterm(cluster, prefix, tmp_path_factory.mktemp("openai")),
     }
     everything = sum(cluster.total_keys(f"{prefix}:*").values())
     streams = sum(cluster.total_keys(f"{prefix}:{ANNOUNCE_SUFFIX}*").values())
@@ -84,7 +111,7 @@ def stored(cluster: RedisClusterProcs, prefix: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def baseline() -> dict[str, Any]:
-    steps = [["generate", f"T{s}", turn2(s)] for s in IN_PROCESS + DEFAULT_EXECUTORS + NATIVE]
+    steps = [["generate", f"T{s}", turn2(s)] for s in STORED + NATIVE]
     return {o["name"]: o for o in run_in_subprocess(
         {"model": "llama", "extra": None, "steps": steps})["outputs"]}
 
@@ -92,8 +119,9 @@ def baseline() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def restored(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: str
              ) -> dict[str, Any]:
-    steps = [["generate", f"T{s}", turn2(s)] for s in IN_PROCESS + DEFAULT_EXECUTORS]
-    extra = {"cpu_bytes": 16 << 20, "redis_url": cluster.url, "redis_prefix": prefix}
+    steps = [["generate", f"T{s}", turn2(s)] for s in STORED]
+    extra = {"cpu_bytes": 16 << 20, "redis_url": cluster.url, "redis_prefix": prefix,
+             "redis_timeout_s": SLOW_MACHINE_TIMEOUT_S}
     return {o["name"]: o for o in run_in_subprocess(
         {"model": "llama", "extra": extra, "steps": steps})["outputs"]}
 
@@ -102,6 +130,7 @@ def restored(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: str
 def restored_native(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: str
                     ) -> dict[str, Any]:
     spec = {"mode": "kvtier", "redis_url": cluster.url, "redis_prefix": f"{prefix}-native",
+            "tier": {"redis_timeout_s": SLOW_MACHINE_TIMEOUT_S},
             "prompts": [[f"T{s}", turn2(s)] for s in NATIVE]}
     return {o["name"]: o for o in run_native_engine(spec)["outputs"]}
 
@@ -110,11 +139,12 @@ def test_an_engine_that_exits_leaves_every_block_on_the_cluster(
         stored: dict[str, Any]) -> None:
     """Both scripts' saves reached the masters before their processes ended: four full
     blocks per prompt, eight prompts; no executor refused the flush."""
-    for run in ("in_process", "default_executors"):
-        assert all(n >= PREFIX_TOKENS + 1 for n in stored[run]["prompt_tokens"])
+    for run in ("in_process", "default_executors", "openai"):
         assert "cannot schedule new futures" not in stored[run]["log"]
         assert "not made before closing" not in stored[run]["log"]
-    assert stored["keys"] == 8 * PREFIX_TOKENS // 32
+    for run in ("in_process", "default_executors"):
+        assert all(n >= PREFIX_TOKENS + 1 for n in stored[run]["prompt_tokens"])
+    assert stored["keys"] == len(STORED) * PREFIX_TOKENS // 32
 
 
 def test_the_native_tier_s_exit_leaves_its_chunks_and_a_new_engine_restores_them(
@@ -133,7 +163,7 @@ def test_the_native_tier_s_exit_leaves_its_chunks_and_a_new_engine_restores_them
 
 def test_a_new_engine_restores_them_with_vllm_alone_s_output(
         restored: dict[str, Any], baseline: dict[str, Any]) -> None:
-    for seed in IN_PROCESS + DEFAULT_EXECUTORS:
+    for seed in STORED:
         got, want = restored[f"T{seed}"], baseline[f"T{seed}"]
         assert got["delta"].get("hit_tokens_redis", 0) == PREFIX_TOKENS, (seed, got["delta"])
         assert got["num_cached_tokens"] == PREFIX_TOKENS
