@@ -255,3 +255,20 @@ def test_a_snapshot_larger_than_the_backlog_reaches_the_subscriber_in_chunks(
             if c is not None:
                 c.close()
         server.stop()
+
+
+def test_a_client_of_an_older_protocol_is_refused_with_the_reason(
+        daemon: HostTierDaemon, sock_path: Path) -> None:
+    """Protocol 3 changed commits (the daemon run they name), hellos and welcomes: a
+    protocol-2 client gets a refusal that names both versions, then the connection ends."""
+    raw = Raw(sock_path)
+    try:
+        raw.send(Hello(PROTOCOL_VERSION - 1, os.getpid(), "old kvtier"))
+        refused = raw.reply()
+        assert isinstance(refused, Refused)
+        assert f"protocol version {PROTOCOL_VERSION - 1}" in refused.reason
+        assert f"speaks {PROTOCOL_VERSION}" in refused.reason
+        assert raw.reply() is None
+    finally:
+        raw.close()
+    assert PROTOCOL_VERSION == 3
