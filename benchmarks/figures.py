@@ -30,8 +30,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-DOCUMENTS = ("README.md", "docs/daemon.md", "docs/tiers.md", "docs/benchmarks-e2e.md",
-             "docs/native-tier.md", "docs/audit.md", "RELIABILITY.md")
+DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/connector.md", "docs/daemon.md",
+             "docs/tiers.md", "docs/benchmarks-e2e.md", "docs/native-tier.md", "docs/audit.md",
+             "docs/limits.md", "RELIABILITY.md")
 #: what every JSON under benchmarks/results records in ``_measured`` (``stamp`` writes them)
 STAMP_FIELDS = ("date", "command", "load_avg", "commit")
 SPAN = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures:(?P=name) -->",
@@ -373,6 +374,35 @@ def ttft(d: dict[str, Any]) -> str:
             f"redis-benchmark GET{_restore_rates(d)}{_restore_cpu(d)} ({when(d)})")
 
 
+def _ttft_ms(d: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    table = d["table"]
+    size = "4096" if "4096" in table["recompute"] else str(max(d["sizes"]))
+    return size, {name: 1000 * row[size]["ttft_s"] for name, row in table.items()}
+
+
+def ttft_headline(d: dict[str, Any]) -> str:
+    """The front page's short form of ``ttft``: the time to first token per tier."""
+    r = d["ratios"]
+    size, ms = _ttft_ms(d)
+    return (f"TTFT at {int(size) // 1024}k prompt tokens: recompute {ms['recompute']:,.0f} ms; "
+            f"CPU-tier hit {ms['kvtier CPU']:,.0f} ms "
+            f"({x(r['ttft_cpu_hit_vs_recompute_4k'])}); Redis hit "
+            f"{ms['kvtier Redis']:,.0f} ms ({x(r['ttft_redis_hit_vs_recompute_4k'])}); new "
+            f"engine from Redis {ms['kvtier Redis, new engine']:,.0f} ms "
+            f"({x(r['ttft_redis_new_engine_vs_recompute_4k'])}) ({when(d)})")
+
+
+def e2e_headline(d: dict[str, Any]) -> str:
+    """The front page's short form of ``e2e``: restart hits and the no-hit cost, pooled."""
+    r = d["ratios"]
+    models = [m for m in ("llama", "hybrid") if f"overhead_no_hit_{m}" in r]
+    restart = " / ".join(x(r.get(f"restart_recomputed_vs_native_{m}")) for m in models)
+    return (f"after an engine restart, kvtier (from Redis) recomputes {restart} of the prefill "
+            f"tokens vLLM's native OffloadingConnector does ({' / '.join(models)}); no-hit "
+            f"overhead, both models pooled: kvtier {pct(r.get('overhead_no_hit'))}, native "
+            f"{pct(r.get('native_overhead_no_hit'))} ({when(d)})")
+
+
 def _restore_cpu(d: dict[str, Any]) -> str:
     """Who ran during the same engine's Redis hit, when the run recorded it."""
     m = d["table"]["kvtier Redis"][str(max(d["sizes"]))]
@@ -526,6 +556,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "hooks": (tuple(f"hooks_{m}_{c}.json" for m in ("llama", "hybrid")
                     for c in ("kvtier-cpu", "kvtier", "native")), hooks),
     "ttft": (("ttft.json",), ttft),
+    "ttft-headline": (("ttft.json",), ttft_headline),
+    "e2e-headline": (("e2e.json",), e2e_headline),
     "index": (("index.json",), index),
     "route": (("route.json",), route),
     "host-tier": (("host_tier.json",), host_tier),

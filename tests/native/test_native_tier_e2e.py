@@ -15,7 +15,7 @@ copy worker. Engines, one at a time, each in its own process:
   damaged    a new engine after every value was damaged in Redis (flipped bytes, values
              of other keys): misses, recomputes, same outputs
   down       a new engine whose Redis does not answer: misses and counted drops
-  wheel      README section 4's config served from kvtier's installed wheel (own venv)
+  wheel      the README's native-tier config served from kvtier's installed wheel (own venv)
   cpu alone  vLLM's plain CPU offloading (``CpuPeerOffloadingSpec``, kvtier's CPU worker):
              the prefix after a reset comes from the CPU tier, outputs equal vLLM alone
 """
@@ -211,7 +211,7 @@ def test_redis_down_gives_misses_and_counted_drops(damaged: dict[str, Any], base
 
 def test_plain_cpu_offloading_restores_the_prefix_on_cpu_only_vllm(
         baseline: dict[str, dict[str, Any]]) -> None:
-    """The README's "native offloading on CPU-only vLLM", CPU tier alone: after vLLM's
+    """docs/native-tier.md's "native offloading on CPU-only vLLM", CPU tier alone: after vLLM's
     prefix cache is reset (every GPU-cached block dropped), A's 4 full chunks (128 tokens)
     are cached again: only the offloading connector's CPU tier can hold them."""
     runs = by_name(run_in_subprocess({"mode": "cpu", "reset_between": True,
@@ -248,7 +248,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_serves_the_readme_native_config_on_the_cpu(
         wheel_venv: Path, baseline: dict[str, dict[str, Any]], tiny_llama_dir: Path,
         redis_url: str) -> None:
-    """README section 4's config (``CpuTieringOffloadingSpec`` + ``KvtierRedisTier``, URL from
+    """The README's native-tier config (``CpuTieringOffloadingSpec`` + ``KvtierRedisTier``, URL from
     ``redis_url_env``), served by a real engine from the installed wheel alone: A's prefix
     after a reset comes from the CPU tier, its chunks cascade to Redis, outputs equal vLLM's."""
     with scratch_prefix(redis_url) as prefix:

@@ -18,10 +18,12 @@ def test_every_renderer_is_quoted_and_every_benchmark_row_is_rendered() -> None:
     texts = {doc: (figures.REPO / doc).read_text() for doc in figures.DOCUMENTS}
     quoted = {m["name"] for text in texts.values() for m in figures.SPAN.finditer(text)}
     assert quoted == set(figures.RENDERERS)
-    measured = texts["README.md"].split("## Measured", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in measured.splitlines() if line.startswith("| ")
-            and "`python benchmarks/" in line]
-    assert rows and all("<!-- figures:" in row for row in rows)
+    # the front page's headline rows, and every benchmark's row in docs/benchmarks.md
+    for doc, heading in (("README.md", "## Measured"), ("docs/benchmarks.md", "# Measured")):
+        measured = texts[doc].split(heading, 1)[1].split("\n## ", 1)[0]
+        rows = [line for line in measured.splitlines() if line.startswith("| ")
+                and "`python benchmarks/" in line]
+        assert rows and all("<!-- figures:" in row for row in rows), doc
 
 
 def test_a_changed_measurement_makes_its_span_stale(tmp_path: Path) -> None:
@@ -30,7 +32,7 @@ def test_a_changed_measurement_makes_its_span_stale(tmp_path: Path) -> None:
     data = json.loads((results / "events.json").read_text())
     data["hashes_per_s"] *= 2
     (results / "events.json").write_text(json.dumps(data))
-    assert figures.stale_spans(results) == ["README.md:events"]
+    assert figures.stale_spans(results) == ["README.md:events", "docs/benchmarks.md:events"]
 
 
 def test_every_result_records_its_date_command_load_and_commit() -> None:
