@@ -34,6 +34,9 @@ from tests.support.engine_host import run_native_engine
 from tests.support.exit_store import SLOW_MACHINE_TIMEOUT_S
 from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_cluster import RedisClusterProcs
+from tests.support.redis_server import RedisServer
+from tests.support.redis_tls import start_tls_acl_server, tls_url
+from tests.support.tls_certs import make_tls_files
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +45,8 @@ DEFAULT_EXECUTORS = [64, 65, 66, 67]
 OPENAI = [70, 71]  # sent to the OpenAI server, which is then stopped by SIGTERM
 NATIVE = [68, 69]  # stored in process by vLLM's OffloadingConnector + kvtier's Redis tier
 STORED = IN_PROCESS + DEFAULT_EXECUTORS + OPENAI  # by kvtier's connector
+ALONE = {"standalone": [72, 73], "tls": [74, 75]}  # in process, on a Redis of their own
+ACL_USER, ACL_PASSWORD = "kvtier-exit", "exit-secret"
 PREFIX_TOKENS = 128  # each 150-word prompt's four full 32-token blocks
 
 
@@ -111,7 +116,8 @@ def stored(cluster: RedisClusterProcs, prefix: str,
 
 @pytest.fixture(scope="module")
 def baseline() -> dict[str, Any]:
-    steps = [["generate", f"T{s}", turn2(s)] for s in STORED + NATIVE]
+    seeds = STORED + NATIVE + [s for each in ALONE.values() for s in each]
+    steps = [["generate", f"T{s}", turn2(s)] for s in seeds]
     return {o["name"]: o for o in run_in_subprocess(
         {"model": "llama", "extra": None, "steps": steps})["outputs"]}
 
@@ -133,6 +139,58 @@ def restored_native(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: 
             "tier": {"redis_timeout_s": SLOW_MACHINE_TIMEOUT_S},
             "prompts": [[f"T{s}", turn2(s)] for s in NATIVE]}
     return {o["name"]: o for o in run_native_engine(spec)["outputs"]}
+
+
+@pytest.fixture(scope="module", params=sorted(ALONE))
+def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[dict[str, Any]]:
+    """A standalone redis-server (plain, or TLS with an ACL user and a verified server):
+    the in-process script stores its prompts and exits; a new engine asks their turn 2."""
+    kind, seeds = request.param, ALONE[request.param]
+    work = tmp_path_factory.mktemp(f"exit-{kind}")
+    extra: dict[str, Any] = {}
+    if kind == "tls":
+        tls = make_tls_files(work / "certs")
+        server, port = start_tls_acl_server(work / "redis", tls, ACL_USER, ACL_PASSWORD)
+        url = tls_url(port, ACL_USER, ACL_PASSWORD)
+        extra["redis_ssl_ca_certs"] = str(tls.ca_cert)
+    else:
+        server = RedisServer(work / "redis").start()
+        url = server.url
+    try:
+        run = store_and_exit_to(url, "exit", seeds, extra)
+        names = list(server.client().scan_iter(match="exit:*", count=1000))
+        keys = sum(1 for n in names if not n.endswith(f":{ANNOUNCE_SUFFIX}".encode()))
+        restore = {"cpu_bytes": 16 << 20, "redis_url": url, "redis_prefix": "exit",
+                   "redis_timeout_s": SLOW_MACHINE_TIMEOUT_S, **extra}
+        restored = {o["name"]: o for o in run_in_subprocess({
+            "model": "llama", "extra": restore,
+            "steps": [["generate", f"T{s}", turn2(s)] for s in seeds]})["outputs"]}
+        yield {"kind": kind, "seeds": seeds, "run": run, "keys": keys, "restored": restored}
+    finally:
+        server.stop()
+
+
+def store_and_exit_to(url: str, prefix: str, seeds: list[int], extra: dict[str, Any]
+                      ) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "tests.support.exit_store", url, prefix,
+                           json.dumps(seeds), "kvtier", json.dumps(extra)], cwd=REPO,
+                          text=True, capture_output=True, timeout=600,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"log": proc.stderr}
+
+
+def test_on_a_standalone_or_tls_redis_too(single: dict[str, Any],
+                                          baseline: dict[str, Any]) -> None:
+    """The same on one redis-server, plain and over TLS (ACL user, server verified): every
+    block there once the script ended, each prefix restored with vLLM alone's output."""
+    assert "not made before closing" not in single["run"]["log"]
+    assert single["keys"] == len(single["seeds"]) * PREFIX_TOKENS // 32, single["kind"]
+    for seed in single["seeds"]:
+        got, want = single["restored"][f"T{seed}"], baseline[f"T{seed}"]
+        assert got["delta"].get("hit_tokens_redis", 0) == PREFIX_TOKENS, (seed, got["delta"])
+        assert got["token_ids"] == want["token_ids"]
 
 
 def test_an_engine_that_exits_leaves_every_block_on_the_cluster(
