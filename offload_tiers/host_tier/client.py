@@ -82,6 +82,7 @@ log = logging.getLogger("kvtier.host_tier")
 
 @dataclass(slots=True)
 class ClientCounters:
+    attempts: int = 0  # connection tries that ended (refused, failed, or closed later)
     connects: int = 0
     disconnects: int = 0
     refusals: int = 0
@@ -431,6 +432,9 @@ class HostTierClient:
                     log.warning("kvtier: not using the host tier: %s", exc)
             except (OSError, ProtocolError, ValueError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
+            with self._cond:  # an event a caller can wait for (wait_until)
+                self.counters.attempts += 1
+                self._cond.notify_all()
             self._closed.wait(self.retry_s)
 
     def _serve_once(self) -> None:

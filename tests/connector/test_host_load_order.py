@@ -15,45 +15,20 @@ check's copy.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.plan import FetchOp
 from offload_tiers import shared_segment
 from offload_tiers.shared_segment import SEQLOCK_ENV
-from tests.support.daemon_proc import HostTierDaemon
+from tests.connector.test_host_halves import WAIT_S, Make, daemon, engines
 from tests.support.halves import BS, Blk, Halves, Req
 
-Make = Callable[[int], Halves]
-WAIT_S = 60.0
+__all__ = ["daemon", "engines"]  # the fixtures this module shares with its neighbour
 LATER = 0x5A  # the bytes a write lands in a checked shard's slot
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[HostTierDaemon]:
-    with HostTierDaemon(tmp_path / "run" / "host.sock", f"order-{uuid.uuid4().hex[:12]}",
-                        slots=256, slot_bytes=8192).running() as proc:
-        yield proc
-
-
-@pytest.fixture
-def engines(daemon: HostTierDaemon) -> Iterator[Make]:
-    made: list[Halves] = []
-
-    def make(tp: int) -> Halves:
-        config = TieredConfig(cpu_bytes=1 << 20, host_tier_socket=str(daemon.sock))
-        made.append(Halves(config, tp_size=tp))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def _stored_then_looked_up(engines: Make, tp: int) -> tuple[Halves, Halves, Req]:

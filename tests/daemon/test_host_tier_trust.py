@@ -19,7 +19,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,7 +102,8 @@ def _client_body(sock: Path, *, group: int | str | None = None, write: bool = Fa
         if write and c.available:
             payload = b"group member's KV" * 100
             wrote = c.write(digest(b"member"), payload)
-        time.sleep(0.3)  # several more tries (every 20 ms): the refusal is logged once
+        # several more tries (every 20 ms): the refusal is still logged once
+        c.wait_until(lambda c: c.available or c.counters.attempts >= 10, WAIT_S)
         report = {"available": c.available, "connects": c.counters.connects,
                   "last_error": c.last_error, "warnings": warnings, "wrote": wrote}
         c.close()
