@@ -327,11 +327,14 @@ class _DaemonCollector(Collector):
                     *fams.values(), *_host_tier_metrics(d.host_tier))
 
 
-#: host tier stats exported as counters (the rest of its numeric stats are gauges)
-_HOST_TIER_COUNTERS = ("leased", "lease_shortfall", "commits", "duplicates_dropped",
-                       "commits_rejected", "evictions", "touches", "evicted_while_pinned",
-                       "clients_attached", "clients_released", "leases_reclaimed",
-                       "pins_reclaimed", "protocol_errors", "refused")
+#: host tier stats that are states (they go up and down): exported as gauges. Every other
+#: numeric stat counts something since the daemon started and is exported as a counter.
+HOST_TIER_GAUGES = frozenset({
+    "entries", "free_slots", "draining_slots", "held_entries", "leased_slots", "clients",
+    "num_slots", "slot_bytes", "bytes_used", "redis_available", "redis_write_queue",
+    "redis_write_queue_bytes", "presence_synced", "presence_window", "redis", "connections",
+    "quarantined_clients",
+})
 
 #: HELP of every numeric host tier stat (``kvtier_host_tier_<name>``): the server's, its
 #: directory's (offload_tiers/host_tier/directory.py) and its Redis bridge's (redis_bridge.py).
@@ -412,9 +415,9 @@ def _host_tier_metrics(host_tier: Any) -> Iterator[Any]:
         if not isinstance(value, int):
             continue
         help_text = HOST_TIER_HELP.get(name, f"host tier stat {name} (undocumented)")
-        if name in _HOST_TIER_COUNTERS:
-            fam: Any = CounterMetricFamily(f"kvtier_host_tier_{name}", help_text)
+        if name in HOST_TIER_GAUGES:
+            fam: Any = GaugeMetricFamily(f"kvtier_host_tier_{name}", help_text)
         else:
-            fam = GaugeMetricFamily(f"kvtier_host_tier_{name}", help_text)
+            fam = CounterMetricFamily(f"kvtier_host_tier_{name}", help_text)
         fam.add_metric([], value)
         yield fam

@@ -171,15 +171,13 @@ class TieredPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
-        for name in connector_stats.COUNTER_NAMES:
-            metric = self._counter_cls(name=f"vllm:kvtier_{name}",
-                                       documentation=f"kvtier connector: {name}",
+        for name, help_text in connector_stats.COUNTERS.items():
+            metric = self._counter_cls(name=f"vllm:kvtier_{name}", documentation=help_text,
                                        labelnames=labelnames)
             self._counters[name] = self.make_per_engine(metric)
         self._gauges: dict[str, dict[int, Any]] = {}
-        for name in connector_stats.GAUGE_NAMES:
-            gauge = self._gauge_cls(name=f"vllm:kvtier_{name}",
-                                    documentation=f"kvtier connector: {name}",
+        for name, help_text in connector_stats.GAUGES.items():
+            gauge = self._gauge_cls(name=f"vllm:kvtier_{name}", documentation=help_text,
                                     labelnames=labelnames, multiprocess_mode="mostrecent")
             self._gauges[name] = self.make_per_engine(gauge)
 

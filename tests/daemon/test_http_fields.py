@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from connector.daemon.config import DaemonConfig
 from connector.daemon.http import make_app
-from connector.daemon.service import HOST_TIER_HELP, Daemon
+from connector.daemon.service import HOST_TIER_GAUGES, HOST_TIER_HELP, Daemon
 from connector.events import wire
 
 SOURCE = "tcp://*:5557"
@@ -174,6 +174,11 @@ def test_every_host_tier_metric_has_a_real_help(tmp_path: Path, redis_url: str) 
     numeric = {k for k, v in stats.items() if isinstance(v, int)}
     assert numeric - set(HOST_TIER_HELP) == set()
     assert "redis_writes" in numeric and "presence_learned" in numeric  # bridge and feed on
-    host = [f for f in _families(text) if f.name.startswith("kvtier_host_tier_")]
-    assert len(host) == len(numeric)
+    host = {f.name.removeprefix("kvtier_host_tier_"): f.type for f in _families(text)
+            if f.name.startswith("kvtier_host_tier_")}
+    assert set(host) == numeric
+    # a count since start is a counter (rate() works on it); only states are gauges
+    assert {n for n, kind in host.items() if kind == "gauge"} == numeric & HOST_TIER_GAUGES
+    assert host["redis_writes"] == host["replaced"] == host["rows_reused"] == "counter"
+    assert host["entries"] == host["connections"] == "gauge"
     assert _check_families(text) == []

@@ -414,3 +414,21 @@ def test_what_a_saved_while_redis_refused_it_reaches_redis_and_b_restores_it(
     assert b["first"]["cached"] == 128 and b["first"]["text"] == base["text"]
     assert delta(b["metrics"], "hit_tokens_redis", runs["B"]["metrics"]) == 128
     assert count(b["metrics"], "failed_restores") == 0
+
+
+def test_every_kvtier_metric_the_server_exports_has_its_help(runs: dict[str, Any]) -> None:
+    """``/metrics`` of a real server: each ``vllm:kvtier_*`` family carries the HELP and the
+    type kvtier documents for it (no generated placeholder), and every documented name is
+    there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from connector.vllm_connector.stats import COUNTERS, GAUGES
+
+    families = {f.name.removeprefix("vllm:kvtier_"): f
+                for f in text_string_to_metric_families(runs["A"]["metrics_text"])
+                if f.name.startswith("vllm:kvtier_")}
+    assert set(families) == set(COUNTERS) | set(GAUGES)
+    for name, fam in families.items():
+        kind, help_text = ("counter", COUNTERS[name]) if name in COUNTERS \
+            else ("gauge", GAUGES[name])
+        assert (fam.type, fam.documentation) == (kind, help_text), name
