@@ -27,8 +27,9 @@ test: lint
 unit: bootstrap
 	$(VENV)/python -m pytest -q -p no:cacheprovider -n $(JOBS) -m "not e2e" tests
 
-# kvtier's engine-free suites against the next vLLM release (0.33.0) in .venv-compat: .venv's
-# packages plus that vllm wheel (--no-deps), on the CPU platform; see scripts/compat.sh.
+# kvtier's engine-free suites against vLLM 0.33.0 and 0.34.0, each in .venv-compat-X.Y: .venv's
+# packages plus that vllm wheel (--no-deps), on the CPU platform; one line per release
+# ("compat: vllm X: N passed"); see scripts/compat.sh.
 compat:
 	@bash scripts/compat.sh
 

@@ -44,6 +44,7 @@ from connector.identity.engine import identity_from_vllm
 from connector.identity.engine_core import WeightVersionSource
 from connector.identity.generation import Generation
 from connector.vllm_connector import stats as connector_stats
+from connector.vllm_connector import vllm_api
 from connector.vllm_connector.config import (
     ConnectorConfigError,
     check_parallel_shape,
@@ -226,6 +227,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
         self.groups = _group_specs(kv_cache_config)
         self.worker: TieredWorker | None = None
+        self._kv_caches: dict[str, torch.Tensor] | None = None
         self.scheduler: TieredScheduler | None = None
         self._block_pool: Any = None
         parallel = vllm_config.parallel_config
@@ -323,16 +325,23 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return self._block_pool.blocks[block_id]
 
     # ================================================================ worker side
+    def _block_views(self, kv_caches: dict[str, torch.Tensor]
+                     ) -> tuple[dict[str, Any], dict[str, list[int]]]:
+        """vLLM's tensors as manager-block views, and where each one's block dimension is,
+        as vLLM's allocator declares it (never a guess from sizes: a dimension may equal
+        num_blocks by chance). Taken again at every (re)registration: a view taken before a
+        sleep may name memory vLLM no longer uses."""
+        views = manager_block_views(self._kv_cache_config, kv_caches)
+        return views, declared_block_dims(self._vllm_config, self._kv_cache_config, views)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         groups = [(g.group, g.kind, g.block_size,
                    list(self._kv_cache_config.kv_cache_groups[g.group].layer_names))
                   for g in self.groups]
-        # Where each tensor's block dimension is, as vLLM's allocator declares it (never a
-        # guess from sizes: a dimension may equal num_blocks by chance).
-        kv_caches = manager_block_views(self._kv_cache_config, kv_caches)
-        dims = declared_block_dims(self._vllm_config, self._kv_cache_config, kv_caches)
-        layout = self.worker.register(kv_caches, groups, int(self._kv_cache_config.num_blocks),
+        self._kv_caches = kv_caches  # vLLM's own tensors: views are re-taken from them
+        views, dims = self._block_views(kv_caches)
+        layout = self.worker.register(views, groups, int(self._kv_cache_config.num_blocks),
                                       dims)
         parallel = self._vllm_config.parallel_config
         self.worker.adopt_spare_cores(int(parallel.tensor_parallel_size)
@@ -341,6 +350,43 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("kvtier worker (TP rank %d/%d): %d slots of %d bytes, layout %s",
                  self.worker.tp_rank, self.tp_size, self.worker.num_slots, layout.slot_bytes,
                  layout.descriptor())
+
+    # Sleep mode (vLLM >= 0.33: LLM.sleep / wake_up, RLHF weight updates). vLLM first pauses
+    # and, by default, resets the connector's cache (reset_cache: CPU tier emptied, new
+    # namespace generation), then calls these on every worker; it has drained its own
+    # transfers, not kvtier's threads, which the worker handles (TieredWorker.unregister).
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Yes: across a sleep no view of the KV memory is kept (taken again from vLLM's
+        tensors at wake-up), saves in flight finish reading their blocks before the memory
+        goes, and loads that end meanwhile are written after wake-up. The CPU tier is host
+        memory (page-locked where CUDA is) and stays registered."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: no KV block is read or written until :meth:`restore_kv_caches`."""
+        if self.worker is not None:
+            self.worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: views of the KV tensors taken afresh, waiting loads written."""
+        if self.worker is not None and self._kv_caches is not None:
+            self.worker.restore(*self._block_views(self._kv_caches))
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM >= 0.34: the workers copy blocks in their own process (torch / NumPy), never
+        register the KV cache for RDMA nor export it, so any allocation works (the
+        extensible KV cache included)."""
+        return vllm_api.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM >= 0.34, EAGLE's lookahead hashing): kvtier's keys, its partial entries
+        and the token ids its KV events announce take a block's hash to cover exactly
+        ``block_hash_num_tokens`` tokens of the prompt; a lookahead hash covers more. vLLM
+        then hashes as without speculation."""
+        return False
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """This rank's layout, for the scheduler half (vLLM collects it after
@@ -427,6 +473,19 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self._follow_weight_version()
         return self.scheduler.lookup(request, num_computed_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34 (``--max-num-inflight-kv-loads``): whether a lookup may answer with an
+        asynchronous load, asked when the request enters the waiting queues. True only when
+        a hit beyond vLLM's own cache may exist and would load asynchronously: in the host
+        tier, in Redis by the presence summary (every miss while it is off or not synced),
+        or any hit on a hybrid model; CPU-tier hits of attention-only models load in the
+        step. Books only: no probe, nothing held."""
+        if self.scheduler is None:
+            return False
+        self._follow_weight_version()
+        local = vllm_api.local_hit_tokens(self._kv_cache_manager, request)
+        return self.scheduler.may_load_async(request, local)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

@@ -328,6 +328,29 @@ class TieredScheduler:
         return self._choose(request, num_computed, ends, reach.prefix, reach.ending,
                             reach.tiers, save_ids, reach.host_where)
 
+    def may_load_async(self, request: RequestLike, num_computed: int) -> bool:
+        """Whether :meth:`lookup` from ``num_computed`` may answer with an asynchronous load
+        (vLLM 0.34's ``may_load_async``): a hit may need the host tier or Redis (the
+        presence summary's "maybe"; any miss without a synced summary), or any hit on a
+        hybrid model. The same walk as a lookup's, on books only: no probe, nothing held."""
+        if not self.supported or (self.mamba and not self.config.hybrid_hits):
+            return False
+        limit = request.num_tokens if not self.mamba else request.num_tokens - 1
+        max_end = min(limit, len(request.block_hashes) * self.hash_unit)
+        if max_end - num_computed < self.hash_unit:
+            return False
+        may_redis = _never
+        if self.redis_configured and self.redis_up:
+            may_redis = self.presence.may_hold_key if self.presence is not None \
+                and self.presence.ready() else _always
+        fp = self._fingerprint(self.tenant(request))
+        ends = list(range(num_computed + self.hash_unit, max_end + 1, self.hash_unit))
+        reach = self._reach(request, fp, ends, may_redis)
+        if reach.missing or any(t != Tier.CPU for t in reach.tiers.values()):
+            return True
+        ends = ends[:len(reach.prefix)]
+        return self.hybrid and self._best(ends, reach.prefix, reach.ending, reach.tiers)[0] > 0
+
     def _needs_at(self, request: RequestLike, fp: str, end: int
                   ) -> tuple[list[_Need], list[_Need]]:
         """The keys of candidate ``end``: its prefix keys (the FULL attention blocks ending

@@ -39,8 +39,18 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class KVCacheDetached(RuntimeError):
+    """A copy was asked for while vLLM's KV cache is unregistered (sleep mode)."""
+
+
 class BlockTransfer:
-    """Gather/scatter between the registered KV tensors and a uint8 slab of slots."""
+    """Gather/scatter between the registered KV tensors and a uint8 slab of slots.
+
+    Every view of the KV memory (the tensors of each slice, their NumPy views) is taken by
+    :meth:`attach` from the tensors vLLM hands over, and dropped by :meth:`detach`: across
+    a sleep vLLM may back the cache with other memory, so no view outlives a registration.
+    The slab, the side stream and the staging buffer are host-side and stay.
+    """
 
     def __init__(self, kv_caches: dict[str, Any], layout: KVLayout, slab: np.ndarray) -> None:
         self.layout = layout
@@ -48,21 +58,44 @@ class BlockTransfer:
         self._slab_np = slab
         self._groups = {g.group: g for g in layout.groups}
         self._tensors: dict[tuple[str, int], torch.Tensor] = {}
-        for group in layout.groups:
-            for s in group.slices:
-                value = kv_caches[s.layer]
-                tensor = value[s.index] if isinstance(value, (list, tuple)) else value
-                self._tensors[(s.layer, s.index)] = tensor
+        self._blocks_np: dict[tuple[str, int], np.ndarray | None] = {}
+        self.attached = False
+        self.attach(kv_caches)
         first = next(iter(self._tensors.values()))
         self.device = first.device
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._slab_pinned = self._cuda and bool(self.slab.is_pinned())
         self._staging: torch.Tensor | None = None  # pinned, grown on demand
+
+    def attach(self, kv_caches: dict[str, Any]) -> None:
+        """Take this layout's tensors (and, on the CPU, their NumPy views) from
+        ``kv_caches`` as they are now; the layout must already describe them."""
+        tensors: dict[tuple[str, int], torch.Tensor] = {}
+        for group in self.layout.groups:
+            for s in group.slices:
+                value = kv_caches[s.layer]
+                tensors[(s.layer, s.index)] = \
+                    value[s.index] if isinstance(value, (list, tuple)) else value
+        self._tensors = tensors
         # per tensor: its blocks as a NumPy uint8 view, block dim first (CPU only)
-        self._blocks_np = {} if self._cuda else {
-            (s.layer, s.index): _numpy_blocks(self._tensors[(s.layer, s.index)], s.block_dim)
-            for g in layout.groups for s in g.slices}
+        self._blocks_np = {
+            (s.layer, s.index): _numpy_blocks(tensors[(s.layer, s.index)], s.block_dim)
+            for g in self.layout.groups for s in g.slices
+            if tensors[(s.layer, s.index)].device.type == "cpu"}
+        self.attached = True
+
+    def detach(self) -> None:
+        """Drop every view of the KV memory; copies raise :class:`KVCacheDetached` until
+        :meth:`attach`."""
+        self._tensors = {}
+        self._blocks_np = {}
+        self.attached = False
+
+    def _check_attached(self) -> None:
+        if not self.attached:
+            raise KVCacheDetached("vLLM's KV cache is unregistered (sleep mode): no block "
+                                  "can be copied until restore_kv_caches")
 
     def group(self, group: int) -> GroupLayout:
         return self._groups[group]
@@ -113,6 +146,7 @@ class BlockTransfer:
         """
         if not block_ids:
             return 0
+        self._check_attached()
         target = self.slab if dest is None else dest
         layout = self._groups[group]
         ids = self._ids(block_ids)
@@ -150,6 +184,7 @@ class BlockTransfer:
         """
         if not block_ids:
             return 0
+        self._check_attached()
         layout = self._groups[group]
         ids = self._ids(block_ids)
         n = len(block_ids)

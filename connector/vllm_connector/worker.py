@@ -35,7 +35,7 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
 from connector.vllm_connector.gil import short_switch_interval
 from connector.vllm_connector.host import host_digest
-from connector.vllm_connector.layout import KVLayout, build_layout
+from connector.vllm_connector.layout import KVLayout, LayoutError, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.pinned import PinnedMapping
 from connector.vllm_connector.plan import (
@@ -159,6 +159,10 @@ class TieredWorker:
         # plan says it arrived.
         self._send_layout = tp_rank == 0 and (
             (redis is not None and config.presence) or host is not None)
+        # Sleep mode (vLLM >= 0.33): between unregister() and restore() no KV block is read
+        # or written; fetches that end meanwhile keep their loads here until restore()
+        self._groups: list[tuple[int, str, int, list[str]]] = []
+        self._deferred_loads: list[str] = []
         self.closed = False
 
     # ------------------------------------------------------------------ setup
@@ -167,6 +171,7 @@ class TieredWorker:
                  ) -> KVLayout:
         layout = build_layout(kv_caches, groups, num_blocks, declared_block_dims)
         self.layout = layout
+        self._groups = groups
         self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
         self.transfer = BlockTransfer(kv_caches, layout, self.slab)
         if self.config.async_saves and self.transfer.gathers_in_numpy and self.host is None:
@@ -181,6 +186,53 @@ class TieredWorker:
         (:mod:`connector.vllm_connector.affinity`); ``ranks``: the engine's workers."""
         if self.transfer is not None and self.transfer.device.type == "cpu":
             self._cores.adopt(ranks)
+
+    @property
+    def kv_registered(self) -> bool:
+        """vLLM's KV cache is registered: blocks may be copied (False while asleep)."""
+        return self.transfer is not None and self.transfer.attached
+
+    def unregister(self) -> None:
+        """vLLM is about to sleep (``unregister_kv_caches``): its KV memory may be freed or
+        remapped. Saves handed to the saver thread finish reading their blocks first; then
+        every view of the KV tensors is dropped. The CPU tier (slab, page-locked or not),
+        its entries, Redis writes from it and fetches into it carry on: they never touch
+        the KV cache. A fetch that ends before :meth:`restore` keeps its blocks' writes
+        (and its request's completion) until then. Idempotent."""
+        if self.transfer is None or not self.transfer.attached:
+            return
+        if self._gathered is not None and not self._gathered.is_set():
+            log.info("kvtier: KV cache unregistered (sleep): waiting for the saves in flight "
+                     "to read their blocks")
+        self.fence()
+        self.transfer.detach()
+        log.info("kvtier worker (TP rank %d): KV cache unregistered; the CPU tier is kept",
+                 self.tp_rank)
+
+    def restore(self, kv_caches: dict[str, Any],
+                declared_block_dims: dict[str, list[int]] | None = None) -> None:
+        """vLLM woke up (``restore_kv_caches``): take fresh views of ``kv_caches`` as they
+        are now (the memory may be other than before the sleep), then write the loads that
+        waited and report their requests. The tensors must have the layout registered at
+        start (the storage namespace depends on it): else a :class:`LayoutError`.
+        Idempotent."""
+        if self.transfer is None or self.transfer.attached:
+            return
+        assert self.layout is not None
+        layout = build_layout(kv_caches, self._groups, self.layout.num_blocks,
+                              declared_block_dims)
+        if layout != self.layout:
+            raise LayoutError(
+                f"kvtier: the KV cache restored after sleep has layout {layout.descriptor()}, "
+                f"not {self.layout.descriptor()} as registered; its slots and storage names "
+                "would not match. Fix: restart the engine")
+        self.transfer.attach(kv_caches)
+        waiting, self._deferred_loads = self._deferred_loads, []
+        for req_id in waiting:
+            self._scatter(self._waiting.pop(req_id, []))
+            self._finish_recv(req_id)
+        log.info("kvtier worker (TP rank %d): KV cache restored; %d waiting load(s) written",
+                 self.tp_rank, len(waiting))
 
     def storage_key(self, key: BlockKey) -> BlockKey:
         """The key this rank stores ``key`` under (its own fingerprint)."""
@@ -465,6 +517,10 @@ class TieredWorker:
         if self._fetching[req_id]:
             return
         del self._fetching[req_id]
+        if req_id not in self._fetch_failed and self.transfer is not None \
+                and not self.transfer.attached:
+            self._deferred_loads.append(req_id)  # asleep: written by restore()
+            return
         waiting = self._waiting.pop(req_id, [])
         if req_id not in self._fetch_failed and self.transfer is not None:
             self._scatter(waiting)
