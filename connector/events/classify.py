@@ -78,6 +78,20 @@ def _op_of(cls: type) -> int:
     return op
 
 
+def _skipped_len(tok: Any) -> int | None:
+    """``len(skipped_token_ids)``, raw or decoded; ``None`` when absent (or not an array)."""
+    if tok is None:
+        return None
+    if type(tok) is list:
+        return len(tok)
+    if bytes(tok) == b"\xc0":  # msgpack nil: absent
+        return None
+    try:
+        return raw_array_len(tok)
+    except ValueError:
+        return None
+
+
 def kind_at(num_tokens: int, block_size: int) -> BlockKind | None:
     """FULL/PARTIAL of the block a known ``num_tokens`` (> 0) ends in."""
     return kind_for(num_tokens, (num_tokens - 1) // block_size, block_size)
@@ -166,6 +180,8 @@ class Classifier:
             known = contiguous
         else:
             parent_nt = self.index.position_of(pg, parent)
+            if not parent_nt:  # never announced: placed by the skipped span, if sent
+                parent_nt = self._skipped_end(pg, ev)
             known = contiguous and parent_nt > 0
 
         if b is None:  # single hash, size not decidable yet
@@ -194,6 +210,19 @@ class Classifier:
 
         self.conflicts += 1  # a size that contradicts the group's block size: never counted
         return Run(STORE, key, hashes, parent, 0, 0, None)
+
+    def _skipped_end(self, pg: PG, ev: Any) -> int:
+        """Where an unannounced parent ends, from vLLM #44488's skipped span: the skipped
+        parent's position (0 at the chain's start) plus ``len(skipped_token_ids)``; 0 when
+        the event has no span or its skipped parent is not placed either."""
+        n = _skipped_len(getattr(ev, "skipped_token_ids", None))
+        if n is None:
+            return 0
+        sp = ev.skipped_parent_block_hash
+        if sp is None:
+            return n
+        base = self.index.position_of(pg, sp)
+        return base + n if base else 0
 
     # -- learning the block size ---------------------------------------------------------
 
@@ -248,7 +277,7 @@ class Classifier:
             self.conflicts += 1
             return None
 
-        self.index.rewrite(pg, fix)
+        self.index.rewrite(pg, fix, pend)
 
     # -- out-of-order arrival --------------------------------------------------------------
 

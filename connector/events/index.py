@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import compress, count, repeat
-from operator import and_, ne
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import compress, count, islice, repeat
+from operator import and_, ne, or_, rshift
 from typing import Any, NamedTuple
 
 from connector.events.wire import Medium
@@ -47,17 +47,20 @@ __all__ = [
     "STATE_KINDS",
     "DEFAULT_SET_MEDIA",
     "KIND_NAMES",
+    "PARTIAL_BITS",
     "PG",
     "REMOVE",
     "STORE",
     "GroupSizes",
     "KVIndex",
+    "LaneView",
     "PrefixMatch",
     "Publisher",
     "ResidencyKey",
     "ResidencyPolicy",
     "Run",
     "kind_name",
+    "lane_runs",
     "merge",
     "pack",
     "publisher_id",
@@ -270,13 +273,92 @@ class ResidencyPolicy:
         return self.ttl_s.get(key[1])
 
 
+# -- the shared node table -----------------------------------------------------------------
+# One dict for the whole index: block hash -> node. A residency key holds a *lane* (a bit
+# number). A node is an int in the common case, ``(lanes << SHIFT) | facts``: the lanes
+# holding the hash, all with the same packed facts, once each (refcounts above one live in
+# ``KVIndex.extra``); a dict ``{lane: facts}`` where lanes disagree on the facts (rare: an
+# engine that learned a position another did not) or facts do not fit in SHIFT bits.
+
+SHIFT = 32
+FACTS = (1 << SHIFT) - 1  # the facts bits of an int node
+_DEAD_LANE = 1 << 20  # a released view's lane: no node has that bit
+
+
+def _lanes_of(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _unfold(node: int) -> dict[int, int]:
+    f = node & FACTS
+    return dict.fromkeys(_lanes_of(node >> SHIFT), f)
+
+
+def _fold(node: dict[int, int]) -> int | dict[int, int]:
+    """The int form of a dict node whose lanes agree on facts that fit; else the dict."""
+    facts = set(node.values())
+    if len(facts) != 1:
+        return node
+    f = facts.pop()
+    if f > FACTS:
+        return node
+    m = 0
+    for lane in node:
+        m |= 1 << lane
+    return (m << SHIFT) | f
+
+
+class LaneView(Mapping[Any, int]):
+    """The entries of one residency key, read from the shared node table: hash -> packed
+    facts. Valid until its key is cleared (then empty)."""
+
+    __slots__ = ("index", "key", "lane")
+
+    def __init__(self, index: KVIndex, key: ResidencyKey, lane: int) -> None:
+        self.index, self.key, self.lane = index, key, lane
+
+    def get(self, h: Any, default: Any = None) -> Any:
+        node = self.index.nodes.get(h)
+        if node is None:
+            return default
+        if type(node) is int:
+            return node & FACTS if node >> SHIFT >> self.lane & 1 else default
+        return node.get(self.lane, default)
+
+    def __getitem__(self, h: Any) -> int:
+        f = self.get(h, _MISS)
+        if f == _MISS:
+            raise KeyError(h)
+        return f
+
+    def __contains__(self, h: object) -> bool:
+        return self.get(h) is not None
+
+    def __len__(self) -> int:
+        kc = self.index.kinds.get(self.key)
+        return sum(kc) if kc is not None and self.lane != _DEAD_LANE else 0
+
+    def __iter__(self) -> Iterator[Any]:
+        lane = self.lane
+        return iter([h for h, node in self.index.nodes.items()
+                     if (node >> SHIFT >> lane & 1 if type(node) is int else lane in node)])
+
+    def __repr__(self) -> str:
+        return f"LaneView({self.key!r}, {dict(self)!r})"
+
+
 class KVIndex:
-    """Refcounted residency + longest-prefix look-up. Not thread-safe: one writer."""
+    """Refcounted residency + longest-prefix look-up over one shared node table (see above).
+    Not thread-safe: one writer."""
 
     __slots__ = ("sizes", "max_entries", "res", "extra", "by_pg", "kinds", "n_entries",
                  "dropped_capacity", "unknown_removals", "stores", "removals", "clears",
                  "policy", "set_keys", "ttl_keys", "expires", "expired", "_heap", "_tick",
-                 "_heap_limit", "group_kinds", "shape", "plans")
+                 "_heap_limit", "group_kinds", "shape", "plans", "nodes", "_free_lanes",
+                 "_next_lane")
 
     def __init__(self, sizes: GroupSizes | None = None, max_entries: int = 10_000_000,
                  policy: ResidencyPolicy | None = None) -> None:
@@ -292,7 +374,10 @@ class KVIndex:
         self._tick = count()
         self._heap_limit = 1024
         self.expired = 0
-        self.res: dict[ResidencyKey, dict[Any, int]] = {}
+        self.nodes: dict[Any, int | dict[int, int]] = {}  # hash -> node (module comment)
+        self.res: dict[ResidencyKey, LaneView] = {}  # residency key -> its entries
+        self._free_lanes: list[int] = []  # lanes of cleared keys, reused smallest first
+        self._next_lane = 0
         self.extra: dict[ResidencyKey, dict[Any, int]] = {}  # refcount - 1, when > 0
         self.by_pg: dict[PG, list[ResidencyKey]] = {}
         # vLLM's kv_cache_spec_kind per (publisher, group), as announced; outlives clears
@@ -309,12 +394,14 @@ class KVIndex:
         self.removals = 0  # hash removals applied (known)
         self.clears = 0
 
-    # -- updates -------------------------------------------------------------------------
+    # -- lanes ---------------------------------------------------------------------------
 
-    def _dict(self, key: ResidencyKey) -> dict[Any, int]:
-        d = self.res.get(key)
-        if d is None:
-            d = self.res[key] = {}
+    def _dict(self, key: ResidencyKey) -> LaneView:
+        view = self.res.get(key)
+        if view is None:
+            lane = heapq.heappop(self._free_lanes) if self._free_lanes else self._next_lane
+            self._next_lane = max(self._next_lane, lane + 1)
+            view = self.res[key] = LaneView(self, key, lane)
             self.shape += 1
             self.kinds[key] = [0, 0, 0, 0]
             self.by_pg.setdefault((key[0], key[2]), []).append(key)
@@ -324,78 +411,122 @@ class KVIndex:
             if ttl is not None:
                 self.ttl_keys[key] = ttl
                 self.expires[key] = {}
-        return d
+        return view
+
+    def _facts(self, lane: int, h: Any) -> int | None:
+        node = self.nodes.get(h)
+        if node is None:
+            return None
+        if type(node) is int:
+            return node & FACTS if node >> SHIFT >> lane & 1 else None
+        return node.get(lane)
+
+    def _put(self, lane: int, h: Any, f: int) -> None:
+        """Set ``lane``'s facts of ``h`` (resident there already or not)."""
+        nodes = self.nodes
+        node = nodes.get(h)
+        if node is None:
+            nodes[h] = (1 << lane << SHIFT) | f if f <= FACTS else {lane: f}
+            return
+        if type(node) is int:
+            if node & FACTS == f:
+                nodes[h] = node | (1 << lane << SHIFT)
+                return
+            if node >> SHIFT == 1 << lane and f <= FACTS:  # this lane alone: new facts
+                nodes[h] = (node >> SHIFT << SHIFT) | f
+                return
+            node = _unfold(node)
+        node[lane] = f
+        nodes[h] = _fold(node)
+
+    def _take(self, lane: int, h: Any) -> int | None:
+        """Drop ``lane`` from ``h``'s node; its facts, or ``None`` when it was not there."""
+        nodes = self.nodes
+        node = nodes.get(h)
+        if node is None:
+            return None
+        if type(node) is int:
+            bit = 1 << lane << SHIFT
+            if not node & bit:
+                return None
+            node ^= bit
+            if node >> SHIFT:
+                nodes[h] = node
+            else:
+                del nodes[h]
+            return node & FACTS
+        f = node.pop(lane, None)
+        if f is not None:
+            if not node:
+                del nodes[h]
+            else:
+                nodes[h] = _fold(node)
+        return f
+
+    # -- updates -------------------------------------------------------------------------
 
     def store(self, run: Run, now: float = 0.0) -> int:
         """One more announcement of each hash of a STORE run, with its facts (on a set key:
         the entry, once). ``now`` starts the TTL of media that have one. Returns how many
         of the hashes were resident under the key already."""
         key, hashes = run.key, run.hashes
-        d = self.res.get(key)
-        if d is None:
-            d = self._dict(key)
+        view = self.res.get(key)
+        if view is None:
+            view = self._dict(key)
         n = len(hashes)
         self.stores += n
         if n == 1:
-            again = self._store_one(key, d, hashes[0], run.first_tokens * 4 + (run.kind or 0))
+            again = self._store_one(key, view.lane, hashes[0],
+                                    run.first_tokens * 4 + (run.kind or 0))
         else:
-            again = self._store_many(key, d, run, n)
+            again = self._store_many(key, view.lane, run, n)
         if key in self.ttl_keys:
-            self._touch(key, d, hashes, now)
+            self._touch(key, view, hashes, now)
         return again
 
-    def _store_one(self, key: ResidencyKey, d: dict[Any, int], h: Any, packed: int) -> int:
-        old = d.get(h)
+    def _store_one(self, key: ResidencyKey, lane: int, h: Any, packed: int) -> int:
+        old = self._facts(lane, h)
         if old is not None:
-            self._again(key, h, old, packed, d)
+            self._again(key, lane, h, old, packed)
             return 1
         if self.n_entries < self.max_entries:
-            d[h] = packed
+            self._put(lane, h, packed)
             self.n_entries += 1
             self.kinds[key][packed & 3] += 1
         else:
             self.dropped_capacity += 1
         return 0
 
-    def _store_many(self, key: ResidencyKey, d: dict[Any, int], run: Run, n: int) -> int:
+    def _store_many(self, key: ResidencyKey, lane: int, run: Run, n: int) -> int:
         hashes = run.hashes
         base = run.first_tokens * 4 + (run.kind or 0)  # pack(), inline
-        bits = base & 3
         if run.first_tokens:
             step4 = run.step * 4
             values: Iterable[int] = range(base, base + n * step4, step4)
+            last = base + (n - 1) * step4
         else:
-            values = repeat(base, n)
-        if self.n_entries + n <= self.max_entries and d.keys().isdisjoint(hashes):
-            before = len(d)
-            d.update(zip(hashes, values, strict=True))
-            added = len(d) - before
+            values, last = repeat(base, n), base
+        nodes = self.nodes
+        if (last <= FACTS and self.n_entries + n <= self.max_entries
+                and nodes.keys().isdisjoint(hashes)):
+            before = len(nodes)  # new hashes (the common case): one C-speed update
+            nodes.update(zip(hashes, map(or_, values, repeat(1 << lane << SHIFT, n)),
+                             strict=True))
+            added = len(nodes) - before
             self.n_entries += added
-            self.kinds[key][bits] += added
+            self.kinds[key][base & 3] += added
             if added != n and key not in self.set_keys:  # one hash twice: count it twice
                 ex = self.extra.setdefault(key, {})
                 for h, c in Counter(hashes).items():
                     if c > 1:
                         ex[h] = ex.get(h, 0) + c - 1
             return 0
-        kc = self.kinds[key]
         again = 0
         for h, packed in zip(hashes, values, strict=True):
-            old = d.get(h)
-            if old is None:
-                if self.n_entries < self.max_entries:
-                    d[h] = packed
-                    self.n_entries += 1
-                    kc[packed & 3] += 1
-                else:
-                    self.dropped_capacity += 1
-            else:
-                self._again(key, h, old, packed, d)
-                again += 1
+            again += self._store_one(key, lane, h, packed)
         return again
 
-    def _again(self, key: ResidencyKey, h: Any, old: int, packed: int,
-               d: dict[Any, int]) -> None:
+    def _again(self, key: ResidencyKey, lane: int, h: Any, old: int, packed: int) -> None:
         """A resident hash announced again: one more reference (not on a set key); the
         facts merged."""
         if key not in self.set_keys:
@@ -404,11 +535,13 @@ class KVIndex:
                 ex = self.extra[key] = {}
             ex[h] = ex.get(h, 0) + 1
         if old != packed:
-            self._set(key, d, h, old, merge(old, packed))
+            self._set(key, lane, h, old, merge(old, packed))
 
-    def _set(self, key: ResidencyKey, d: dict[Any, int], h: Any, old: int, new: int) -> None:
+    def _set(self, key: ResidencyKey, lane: int, h: Any, old: int, new: int) -> None:
         """Replace the facts of a resident entry, keeping the per-kind counts right."""
-        d[h] = new
+        if new == old:
+            return
+        self._put(lane, h, new)
         if (old ^ new) & 3:
             kc = self.kinds[key]
             kc[old & 3] -= 1
@@ -417,22 +550,16 @@ class KVIndex:
     def remove(self, key: ResidencyKey, hashes: Sequence[Any]) -> None:
         """Drop one announcement of each hash under ``key``; unknown hashes are counted."""
         n = len(hashes)
-        d = self.res.get(key)
-        if d is None:
+        view = self.res.get(key)
+        if view is None:
             self.unknown_removals += n
             return
+        lane = view.lane
         ex = self.extra.get(key)
         kc = self.kinds[key]
         if not ex or ex.keys().isdisjoint(hashes):
-            # C-speed bulk path: pop each; misses return the sentinel (facts are >= 0).
-            popped = list(map(d.pop, hashes, repeat(_MISS, n)))
-            missing = popped.count(_MISS)
+            missing = self._remove_bulk(lane, hashes, kc)
             gone = n - missing
-            if gone:
-                per_kind = Counter(map(and_, popped, repeat(3, n)))
-                per_kind[_MISS & 3] -= missing
-                for kind, c in per_kind.items():
-                    kc[kind] -= c
         else:
             missing = gone = 0
             for h in hashes:
@@ -443,7 +570,7 @@ class KVIndex:
                     else:
                         ex[h] = c - 1
                     continue
-                f = d.pop(h, None)
+                f = self._take(lane, h)
                 if f is None:
                     missing += 1
                 else:
@@ -457,16 +584,54 @@ class KVIndex:
         exp = self.expires.get(key)
         if exp:
             for h in hashes:
-                if h not in d:
+                if h not in view:
                     exp.pop(h, None)
 
+    def _remove_bulk(self, lane: int, hashes: Sequence[Any], kc: list[int]) -> int:
+        """Drop ``lane`` from each hash (no extra references); return how many were not
+        there. C-speed when every hash is held by this lane alone (the common case)."""
+        n = len(hashes)
+        nodes = self.nodes
+        popped = list(map(nodes.pop, hashes, repeat(_MISS, n)))
+        try:
+            alone = list(map(rshift, popped, repeat(SHIFT, n))).count(1 << lane) == n
+        except TypeError:  # a dict node
+            alone = False
+        if alone:
+            bits = list(map(and_, popped, repeat(3, n)))
+            full = bits.count(_FULL)
+            kc[_FULL] -= full
+            if full != n:
+                for k in (0, _PARTIAL, 3):
+                    kc[k] -= bits.count(k)
+            return 0
+        for h, node in zip(reversed(hashes), reversed(popped), strict=True):
+            if node is not _MISS:  # put back (a hash twice: its first pop, last)
+                nodes[h] = node
+        missing = 0
+        for h in hashes:
+            f = self._take(lane, h)
+            if f is None:
+                missing += 1
+            else:
+                kc[f & 3] -= 1
+        return missing
+
     def clear(self, publisher: Publisher, mediums: Iterable[str] | None = None) -> int:
-        """Drop every entry of ``publisher`` (optionally only on ``mediums``); return count."""
+        """Drop every entry of ``publisher`` (optionally only on ``mediums``); return count.
+        Scans the node table once (a reset or a restart, not the hot path)."""
         wanted = None if mediums is None else set(mediums)
         dropped = 0
+        lanes = 0
         for key in [k for k in self.res if k[0] == publisher]:
             if wanted is None or key[1] in wanted:
-                dropped += len(self.res.pop(key))
+                view = self.res.pop(key)
+                size = len(view)
+                if size:
+                    lanes |= 1 << view.lane
+                dropped += size
+                heapq.heappush(self._free_lanes, view.lane)
+                view.lane = _DEAD_LANE
                 self.shape += 1
                 self.extra.pop(key, None)
                 del self.kinds[key]
@@ -477,13 +642,35 @@ class KVIndex:
                 self.by_pg[pg].remove(key)
                 if not self.by_pg[pg]:
                     del self.by_pg[pg]
+        if lanes:
+            self._drop_lanes(lanes)
         self.n_entries -= dropped
         self.clears += 1
         return dropped
 
+    def _drop_lanes(self, lanes: int) -> None:
+        nodes = self.nodes
+        keep = ~(lanes << SHIFT)
+        for h in [h for h, node in nodes.items()
+                  if (node >> SHIFT & lanes if type(node) is int
+                      else any(1 << lane & lanes for lane in node))]:
+            node = nodes[h]
+            if type(node) is int:
+                node &= keep
+                if node >> SHIFT:
+                    nodes[h] = node
+                else:
+                    del nodes[h]
+            else:
+                rest = {lane: f for lane, f in node.items() if not 1 << lane & lanes}
+                if rest:
+                    nodes[h] = _fold(rest)
+                else:
+                    del nodes[h]
+
     # -- expiry (media with a TTL) ----------------------------------------------------------
 
-    def _touch(self, key: ResidencyKey, d: dict[Any, int], hashes: Sequence[Any],
+    def _touch(self, key: ResidencyKey, d: Mapping[Any, int], hashes: Sequence[Any],
                now: float) -> None:
         """(Re)start the TTL of the resident ``hashes``: one heap item per entry; a refresh
         only moves its time (the item is re-queued when it comes up early)."""
@@ -522,7 +709,8 @@ class KVIndex:
 
     def _drop(self, key: ResidencyKey, h: Any) -> None:
         """Remove an entry outright, whatever its refcount (a Redis key expires for all)."""
-        f = self.res[key].pop(h)
+        f = self._take(self.res[key].lane, h)
+        assert f is not None
         ex = self.extra.get(key)
         if ex is not None and ex.pop(h, None) is not None and not ex:
             del self.extra[key]
@@ -533,40 +721,47 @@ class KVIndex:
 
     def position_of(self, pg: PG, block_hash: Any) -> int:
         """``num_tokens`` of a resident hash of (publisher, group); 0 when unknown."""
+        node = self.nodes.get(block_hash)
+        if node is None:
+            return 0
         for key in self.by_pg.get(pg, ()):
-            f = self.res[key].get(block_hash)
+            f = self._facts(self.res[key].lane, block_hash)
             if f is not None and f >> 2:
                 return f >> 2
         return 0
 
-    def rewrite(self, pg: PG, fn: Callable[[Any, int], int | None]) -> None:
-        """Replace facts of resident entries of (publisher, group) where ``fn`` says so."""
+    def rewrite(self, pg: PG, fn: Callable[[Any, int], int | None],
+                hashes: Iterable[Any] | None = None) -> None:
+        """Replace facts of resident entries of (publisher, group) where ``fn`` says so
+        (``hashes``: only those; default every entry, a scan of the node table)."""
         for key in self.by_pg.get(pg, ()):
-            d = self.res[key]
-            for h, f in list(d.items()):
-                new = fn(h, f)
-                if new is not None:
-                    self._set(key, d, h, f, new)
+            view = self.res[key]
+            for h in list(view if hashes is None else hashes):
+                f = view.get(h)
+                if f is not None:
+                    new = fn(h, f)
+                    if new is not None:
+                        self._set(key, view.lane, h, f, new)
 
     def rewrite_hashes(self, pg: PG, updates: Mapping[Any, int]) -> None:
         """Merge known facts into resident entries of (publisher, group)."""
         for key in self.by_pg.get(pg, ()):
-            d = self.res[key]
+            lane = self.res[key].lane
             for h, f in updates.items():
-                old = d.get(h)
+                old = self._facts(lane, h)
                 if old is not None:
-                    self._set(key, d, h, old, merge(old, f))
+                    self._set(key, lane, h, old, merge(old, f))
 
     # -- queries -------------------------------------------------------------------------
 
     def refcount(self, key: ResidencyKey, block_hash: Any) -> int:
-        d = self.res.get(key)
-        if not d or block_hash not in d:
+        view = self.res.get(key)
+        if view is None or block_hash not in view:
             return 0
         return 1 + self.extra.get(key, {}).get(block_hash, 0)
 
     def _sources(self, medium: str | None, group: int,
-                 publishers: set[Publisher] | None) -> list[dict[Any, int]]:
+                 publishers: set[Publisher] | None) -> list[LaneView]:
         return [d for key, d in self.res.items()
                 if key[2] == group and d
                 and (medium is None or key[1] == medium)
@@ -647,11 +842,11 @@ class KVIndex:
             out.setdefault(p, set()).add(g)
         return {p: sorted(gs) for p, gs in out.items()}
 
-    def media_view(self, pg: PG, empty: bool = False) -> dict[str, list[dict[Any, int]]]:
+    def media_view(self, pg: PG, empty: bool = False) -> dict[str, list[Mapping[Any, int]]]:
         """Medium -> the entry dicts of (publisher, group) there (one per ownership); with
         ``empty``, those that hold nothing right now too (the dicts live as long as their
         residency key: until :attr:`shape` changes)."""
-        view: dict[str, list[dict[Any, int]]] = {}
+        view: dict[str, list[Mapping[Any, int]]] = {}
         for key in self.by_pg.get(pg, ()):
             d = self.res[key]
             if d or empty:
@@ -683,7 +878,7 @@ class KVIndex:
         return counts
 
 
-def _walk(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -> PrefixMatch:
+def _walk(chain: Sequence[Any], sources: list[Mapping[Any, int]], u: int, b: int) -> PrefixMatch:
     prefix = 0
     full = 0
     best_partial = 0
@@ -724,7 +919,7 @@ STATE_KINDS = frozenset({_FULL, _PARTIAL, int(BlockKind.PLACEHOLDER)})
 """Kind bits that prove a recurrent (Mamba) state at a hash's position: any but PENDING."""
 
 
-def _at(sources: list[dict[Any, int]], h: Any, end: int, kinds: frozenset[int]) -> bool:
+def _at(sources: list[Mapping[Any, int]], h: Any, end: int, kinds: frozenset[int]) -> bool:
     for d in sources:
         f = d.get(h)
         if f is not None and f & 3 in kinds and (not f >> 2 or f >> 2 == end):
@@ -736,7 +931,7 @@ _FULL_ONLY = frozenset({_FULL})
 _PARTIAL_ONLY = frozenset({_PARTIAL})
 
 
-def full_run(chain: Sequence[Any], sources: list[dict[Any, int]], u: int, b: int) -> int:
+def full_run(chain: Sequence[Any], sources: list[Mapping[Any, int]], u: int, b: int) -> int:
     """How many whole blocks of ``b`` tokens from the chain's start are resident FULL entries
     (chain hash ``i`` covers ``(i + 1) * u`` tokens; a recorded position that disagrees does
     not count). The run stops at the first block that is not: nothing past a gap counts."""
@@ -792,12 +987,111 @@ def _progression(step: int, n: int) -> list[int]:
     return p
 
 
-def has_partial(sources: list[dict[Any, int]], h: Any, end: int) -> bool:
+def has_partial(sources: list[Mapping[Any, int]], h: Any, end: int) -> bool:
     """A PARTIAL entry of hash ``h`` ending at ``end`` (or at an unknown position) is resident."""
     return _at(sources, h, end, _PARTIAL_ONLY)
 
 
-def has_state(sources: list[dict[Any, int]], h: Any, end: int) -> bool:
+def has_state(sources: list[Mapping[Any, int]], h: Any, end: int) -> bool:
     """An entry of hash ``h`` that is not PENDING and not placed elsewhere is resident: for a
     recurrent group, its state after ``end`` tokens."""
     return _at(sources, h, end, STATE_KINDS)
+
+
+# -- every engine's run of whole blocks, in one pass (what scoring walks) ---------------------
+
+PARTIAL_BITS = _PARTIAL
+"""Kind bits of a PARTIAL entry (``KVIndex.kinds[key][PARTIAL_BITS]`` counts them)."""
+
+
+def lane_runs(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any], u: int,
+              b: int) -> dict[int, int]:
+    """Lane -> how many whole blocks of ``b`` tokens from the chain's start it holds as FULL
+    entries at their chain position (or at an unknown one); lanes holding none are left out.
+
+    One dict hop per block for every lane at once. The lanes still in the run (``alive``)
+    predict each block's node exactly (``alive`` at the FULL facts of its position): the
+    nodes are compared with that prediction at C speed up to the first that differs, where
+    the run of the lanes that node lacks ends. Nodes in the dict form, and more surprises
+    than :data:`_SURPRISES`, take :func:`_lane_runs_exact`.
+    """
+    r = b // u
+    ends = chain[r - 1::r] if r > 1 else chain
+    n = len(ends)
+    if not n:
+        return {}
+    vals = list(map(nodes.get, ends, repeat(0, n)))
+    runs: dict[int, int] = {}
+    alive = 0
+    j = 0  # vals[j] is next to check against the prediction
+    surprises = 0
+    prog = _progression(b * 4, n)
+    while j < n:
+        node = vals[j]
+        if type(node) is not int:
+            return _lane_runs_exact(vals, b)
+        f = node & FACTS
+        held = node >> SHIFT if f == prog[j] or f == _FULL else 0
+        now = alive & held if j else held
+        if j and alive & ~now:
+            for lane in _lanes_of(alive & ~now):
+                runs[lane] = j
+        if not now:
+            return runs
+        if now == alive:  # a node with more lanes than the run's, or a FULL of unknown place
+            surprises += 1
+            if surprises > _SURPRISES:
+                return _lane_runs_exact(vals, b)
+        alive = now
+        want = _predicted(alive, b, n)
+        j = next(compress(count(j + 1), map(ne, islice(vals, j + 1, None),
+                                            islice(want, j + 1, n))), n)
+    for lane in _lanes_of(alive):
+        runs[lane] = n
+    return runs
+
+
+_SURPRISES = 8
+_PREDICTED: dict[tuple[int, int], list[int]] = {}  # (lanes, b) -> their nodes, block by block
+_PREDICTED_CAP = 4096
+
+
+def _predicted(lanes: int, b: int, n: int) -> list[int]:
+    """The nodes of blocks ``0..n-1`` held by exactly ``lanes`` as FULL entries of ``b``
+    tokens at their positions (cached per ``(lanes, b)``)."""
+    p = _PREDICTED.get((lanes, b))
+    if p is None or len(p) < n:
+        if len(_PREDICTED) >= _PREDICTED_CAP:
+            _PREDICTED.clear()
+        p = _PREDICTED[lanes, b] = list(map(or_, _progression(b * 4, max(n, 256)),
+                                            repeat(lanes << SHIFT)))
+    return p
+
+
+def _lane_runs_exact(vals: list[Any], b: int) -> dict[int, int]:
+    """:func:`lane_runs` one block at a time (dict nodes, FULL entries of unknown position)."""
+    runs: dict[int, int] = {}
+    alive = -1  # every lane
+    for i, node in enumerate(vals):
+        full = (i + 1) * b * 4 + _FULL
+        if not node:
+            m = 0
+        elif type(node) is int:
+            f = node & FACTS
+            m = node >> SHIFT if f == full or f == _FULL else 0
+        else:
+            m = 0
+            for lane, f in node.items():
+                if f == full or f == _FULL:
+                    m |= 1 << lane
+        if i == 0:
+            alive = m
+        elif alive & ~m:
+            for lane in _lanes_of(alive & ~m):
+                runs[lane] = i
+            alive &= m
+        if not alive:
+            return runs
+    for lane in _lanes_of(alive):
+        runs[lane] = len(vals)
+    return runs

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from connector.events.index import (
+    PARTIAL_BITS,
     KVIndex,
     Publisher,
     full_run,
     has_partial,
     has_state,
+    lane_runs,
 )
 from connector.events.wire import Medium, normalize_medium
 
@@ -178,7 +180,7 @@ def _unit(groups: list[_Group], unit: int | None) -> tuple[int, str | None]:
 
 
 def _servable(chain: Sequence[Any], e: int, u: int, g: _Group, k: int,
-              sources: list[dict[Any, int]]) -> bool:
+              sources: list[Mapping[Any, int]]) -> bool:
     """Can group ``g`` (``k`` whole blocks resident from the start) restore end ``e``?"""
     h = chain[e // u - 1]
     if g.state:
@@ -189,9 +191,12 @@ def _servable(chain: Sequence[Any], e: int, u: int, g: _Group, k: int,
     return e < (k + 1) * b and has_partial(sources, h, e)
 
 
-def _attention_prefix(chain: Sequence[Any], u: int, b: int, srcs: list[dict[Any, int]]) -> Prefix:
-    """One attention group: the run of whole blocks, then a partial inside the next block."""
-    k = full_run(chain, srcs, u, b)
+def _attention_prefix(chain: Sequence[Any], u: int, b: int, srcs: list[Mapping[Any, int]],
+                      k: int | None = None) -> Prefix:
+    """One attention group: the run of whole blocks (``k`` when known), then a partial
+    inside the next block."""
+    if k is None:
+        k = full_run(chain, srcs, u, b)
     top = min(len(chain) * u, (k + 1) * b - u)
     for e in range(top, k * b, -u):  # a partial inside block k ends the prefix there
         if has_partial(srcs, chain[e // u - 1], e):
@@ -200,7 +205,7 @@ def _attention_prefix(chain: Sequence[Any], u: int, b: int, srcs: list[dict[Any,
 
 
 def _medium_prefix(chain: Sequence[Any], u: int, groups: list[_Group],
-                   srcs: list[list[dict[Any, int]]]) -> Prefix:
+                   srcs: list[list[Mapping[Any, int]]]) -> Prefix:
     """The longest end every group restores from one medium (``srcs``: its entry dicts, per
     group)."""
     if len(groups) == 1 and not groups[0].state:
@@ -229,18 +234,46 @@ class _Plan(NamedTuple):
     group_ids: list[int]
     unit: int
     note: str | None
-    walks: list[tuple[str, list[list[dict[Any, int]]]]]  # medium, per group: its dicts
-    extra: list[tuple[str, list[dict[Any, int]]]]  # media past GPU/CPU/STORAGE: their dicts
+    walks: list[tuple[str, list[list[Mapping[Any, int]]]]]  # medium, per group: its dicts
+    extra: list[tuple[str, list[Mapping[Any, int]]]]  # media past GPU/CPU/STORAGE: their dicts
     attention: int  # the block size when the engine has one group, an attention group; or 0
 
 
 _PLANS_MAX = 64  # cached (unit, groups, publishers) combinations per index shape
 
 
-def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
-           publishers: Iterable[Publisher]) -> list[_Plan]:
-    """Every engine's :class:`_Plan`, by name; cached on the index until its shape (keys,
-    group kinds, learned block sizes) changes."""
+class _ZeroFound(Found):
+    """A :class:`Found` that is the same on every query while the index's shape holds (an
+    engine that holds nothing of the chain, or cannot be walked): shared, with its
+    :class:`EngineScore` (``ranked``) made once. Callers must not mutate it."""
+
+    ranked: EngineScore
+
+
+def _zero(plan: _Plan) -> _ZeroFound:
+    z = _ZeroFound(dict(_NO_MEDIA), list(plan.group_ids), plan.note)
+    z.ranked = EngineScore(plan.publisher, 0.0, z.media, z.groups, plan.note)
+    return z
+
+
+class _Walks(NamedTuple):
+    """Every engine's walk for one (unit, groups, publishers), for one index shape.
+
+    ``fast``: per (block size, unit), lane -> (engine, medium) of the engines with one
+    attention group and one residency key per medium (walked together, one pass over the
+    node table); ``slow``: every other engine that can hold something (walked alone);
+    ``base``: every engine's answer when it holds nothing, in name order."""
+
+    fast: list[tuple[int, int, dict[int, tuple[Publisher, str]]]]
+    fast_plans: dict[Publisher, _Plan]
+    slow: list[_Plan]
+    base: dict[Publisher, Found]
+
+
+def _walks(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
+           publishers: Iterable[Publisher]) -> _Walks:
+    """The :class:`_Walks`, cached on the index until its shape (keys, group kinds, learned
+    block sizes) changes."""
     pubs = frozenset(publishers)
     token = (index.shape, getattr(index.sizes.learned, "version", None), len(index.sizes.learned))
     cache = index.plans
@@ -248,9 +281,35 @@ def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
         cache.clear()
         cache[None] = token
     ck = (unit, None if groups is None else tuple(groups), pubs)
-    cached: list[_Plan] | None = cache.get(ck)
-    if cached is not None:
-        return cached
+    cached: _Walks | None = cache.get(ck)
+    if cached is None:
+        cached = cache[ck] = _classify_plans(_plans(index, unit, groups, pubs))
+    return cached
+
+
+def _classify_plans(plans: list[_Plan]) -> _Walks:
+    fast: dict[tuple[int, int], dict[int, tuple[Publisher, str]]] = {}
+    fast_plans: dict[Publisher, _Plan] = {}
+    slow = []
+    base: dict[Publisher, Found] = {}
+    for plan in plans:
+        base[plan.publisher] = _zero(plan)
+        if plan.extra:
+            slow.append(plan)
+        elif plan.walks and plan.attention and all(len(per_group[0]) == 1
+                                                   for _m, per_group in plan.walks):
+            lanes = fast.setdefault((plan.attention, plan.unit), {})
+            for m, per_group in plan.walks:
+                lanes[per_group[0][0].lane] = (plan.publisher, m)
+            fast_plans[plan.publisher] = plan
+        elif plan.walks:
+            slow.append(plan)
+    return _Walks([(b, u, lanes) for (b, u), lanes in fast.items()], fast_plans, slow, base)
+
+
+def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
+           pubs: frozenset[Publisher]) -> list[_Plan]:
+    """Every engine's :class:`_Plan`, by name."""
     known = index.groups_by_publisher()
     for pub in pubs:
         known.setdefault(pub, [])
@@ -266,7 +325,6 @@ def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
         plans.append(_Plan(pub, gs, [g.group for g in gs], u, note, walks,
                            [(m, [d for v in views for d in v.get(m, ())]) for m in extra],
                            gs[0].block_size if len(gs) == 1 and not gs[0].state else 0))
-    cache[ck] = plans
     return plans
 
 
@@ -279,26 +337,55 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     sizes). ``groups``: the groups every engine must restore (default: each engine's
     announced groups). ``publishers`` are listed even if the index holds nothing of them.
     Only media where every group holds entries are walked (elsewhere nothing is restorable).
+    Engines with one attention group are walked together: one pass over the chain per block
+    size (:func:`lane_runs`), whatever their number.
     """
-    out: dict[Publisher, Found] = {}
-    for pub, gs, group_ids, u, note, walks, extra, b in _plans(index, unit, groups, publishers):
-        media = dict(_NO_MEDIA)
-        for m, ds in extra:  # listed where entries are, in name order after the three
-            if any(ds):
-                media[m] = _NONE
-        for m, per_group in walks:
-            if b:  # one attention group (the common case): no per-group lists
-                ds = per_group[0]
-                if len(ds) != 1:
-                    ds = [d for d in ds if d]
-                if ds and ds[0]:
-                    media[m] = _attention_prefix(chain, u, b, ds)
+    w = _walks(index, unit, groups, publishers)
+    out = w.base.copy()
+    partials = None
+    for b, u, lanes in w.fast:
+        runs = lane_runs(index.nodes, chain, u, b)
+        if u < b and partials is None:  # a partial can end a prefix: probe for one
+            partials = any(kc[PARTIAL_BITS] for kc in index.kinds.values())
+        probe = u < b and partials
+        for lane, (pub, m) in lanes.items():
+            k = runs.get(lane, 0)
+            if probe:
+                d = w.fast_plans[pub].walks
+                view = next(ds[0][0] for mm, ds in d if mm == m)
+                p = _attention_prefix(chain, u, b, [view], k) if view else _NONE
+            elif k:
+                p = Prefix(k * b, False)
+            else:
                 continue
-            srcs = [[d for d in ds if d] for ds in per_group]
-            if all(srcs):
-                media[m] = _medium_prefix(chain, u, gs, srcs)
-        out[pub] = Found(media, list(group_ids), note)
+            if p.tokens:
+                found = out[pub]
+                if type(found) is _ZeroFound:
+                    found = out[pub] = Found(dict(found.media), list(found.groups), None)
+                found.media[m] = p
+    for plan in w.slow:
+        out[plan.publisher] = _walk_one(plan, chain)
     return out
+
+
+def _walk_one(plan: _Plan, chain: Sequence[Any]) -> Found:
+    """One engine walked on its own (several groups, a recurrent group, several residency
+    keys on one medium, or media past the three)."""
+    _pub, gs, group_ids, u, note, walks, extra, b = plan
+    media = dict(_NO_MEDIA)
+    for m, ds in extra:  # listed where entries are, in name order after the three
+        if any(ds):
+            media[m] = _NONE
+    for m, per_group in walks:
+        if b:  # one attention group: no per-group lists
+            ds = [d for d in per_group[0] if d]
+            if ds:
+                media[m] = _attention_prefix(chain, u, b, ds)
+            continue
+        srcs = [[d for d in ds if d] for ds in per_group]
+        if all(srcs):
+            media[m] = _medium_prefix(chain, u, gs, srcs)
+    return Found(media, list(group_ids), note)
 
 
 def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list[EngineScore]:
@@ -312,7 +399,12 @@ def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list
         if len(_ORDERS) > 256:
             _ORDERS.clear()
     keyed = []
-    for pub, (media, gs, note) in found.items():
+    zeros = []  # engines that hold nothing: ranked once per index shape, in name order
+    for pub, f in found.items():
+        if type(f) is _ZeroFound:
+            zeros.append(f.ranked)
+            continue
+        media, gs, note = f
         covered = 0  # _weighted, inline: this loop runs once per engine per request
         total = 0.0
         for m, w in order:
@@ -323,7 +415,11 @@ def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list
         keyed.append(((-total, -max(media.values(), default=_NONE)[0], pub),
                       EngineScore(pub, total, media, gs, note)))
     keyed.sort(key=itemgetter(0))
-    return [s for _k, s in keyed]
+    if not keyed or keyed[-1][0][0] or keyed[-1][0][1]:  # every one above the zeros
+        return [s for _k, s in keyed] + zeros
+    ranked = [s for k, s in keyed if k[0] or k[1]]
+    return ranked + sorted([s for k, s in keyed if not (k[0] or k[1])] + zeros,
+                           key=attrgetter("publisher"))
 
 
 def score_engines(index: KVIndex, chain: Sequence[Any], unit: int | None = None,

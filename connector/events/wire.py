@@ -100,6 +100,13 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    # vLLM #44488 (and #58121 on top, for partial entries): the span between the last
+    # announced block and this event's first, when blocks in between were not announced
+    # (null or masked blocks; fine-grained boundaries a partial entry skips). The parent's
+    # position is the skipped parent's plus len(skipped_token_ids); None: no skipped span.
+    skipped_parent_block_hash: BlockHash | None = None
+    skipped_token_ids: list[int] | None = None
+    skipped_extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -136,15 +143,17 @@ _NIL = msgspec.Raw(b"\xc0")
 
 
 class RawBlockStored(BlockStored, tag="BlockStored"):
-    """:class:`BlockStored` with ``token_ids`` and ``extra_keys`` kept as raw msgpack
-    (``extra_keys`` is nil when absent); ``lora_id``, ``medium`` and ``lora_name`` may be
-    absent."""
+    """:class:`BlockStored` with ``token_ids``, ``extra_keys``, ``skipped_token_ids`` and
+    ``skipped_extra_keys`` kept as raw msgpack (nil when absent); ``lora_id``, ``medium`` and
+    ``lora_name`` may be absent."""
 
     token_ids: msgspec.Raw  # type: ignore[assignment]
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: msgspec.Raw = _NIL  # type: ignore[assignment]
+    skipped_token_ids: msgspec.Raw = _NIL  # type: ignore[assignment]
+    skipped_extra_keys: msgspec.Raw = _NIL  # type: ignore[assignment]
 
 
 class _OptionalMediumBlockRemoved(BlockRemoved, tag="BlockRemoved"):
@@ -176,13 +185,19 @@ _ARRAY_FORM: dict[str, tuple[type[KVCacheEvent], int]] = {
 }
 
 
+# Array-form fields stop at vLLM 0.32's last (``session_id``): what later versions append there
+# (0.33's ``lookahead_token_ids``) is not the skipped span, which only map events carry.
+_POSITIONAL: dict[type[KVCacheEvent], int] = {
+    BlockStored: BlockStored.__struct_fields__.index("session_id") + 1}
+
+
 def _from_array(event: list[Any]) -> KVCacheEvent:
     """One array-form event as its struct (types checked as the map form's are)."""
     form = _ARRAY_FORM.get(event[0]) if event and type(event[0]) is str else None
     if form is None:
         raise DecodeError(f"not a KV event: {event[:1]!r}")
     cls, required = form
-    fields = cls.__struct_fields__
+    fields = cls.__struct_fields__[:_POSITIONAL.get(cls, len(cls.__struct_fields__))]
     values = event[1:len(fields) + 1]
     if len(values) < required:
         raise DecodeError(f"{event[0]} with {len(values)} fields, needs {required}")
