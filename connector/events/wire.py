@@ -201,7 +201,7 @@ def _from_array(event: list[Any]) -> KVCacheEvent:
     values = event[1:len(fields) + 1]
     if len(values) < required:
         raise DecodeError(f"{event[0]} with {len(values)} fields, needs {required}")
-    n_without_default = len(fields) - len(cls.__struct_defaults__)
+    n_without_default = len(cls.__struct_fields__) - len(cls.__struct_defaults__)
     obj = dict.fromkeys(fields[len(values):n_without_default])  # absent: None
     obj.update(zip(fields, values, strict=False))  # values may be shorter
     try:
