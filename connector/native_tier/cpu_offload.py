@@ -22,6 +22,7 @@ blocks, per canonical tensor; a group's first device block may start mid-chunk
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,12 +30,13 @@ from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from connector.native_tier.vllm_api import device_blocks
 
 
 def _sub_block_rows(block_ids: np.ndarray, per_row: int, skip: int, count: int) -> torch.Tensor:
@@ -58,6 +60,7 @@ class CpuTransferWorker(OffloadingWorker):
         if not kv_caches.tensors:
             raise ValueError("no KV-cache tensors to offload")
         self._bpc = blocks_per_chunk
+        self._kv_caches = kv_caches  # vLLM's tensors: 0.34's device pointers name blocks of them
         self._refs: list[list[CanonicalKVCacheRef]] = kv_caches.group_data_refs
         self._device: list[torch.Tensor] = []
         self._host: list[torch.Tensor] = []
@@ -71,53 +74,52 @@ class CpuTransferWorker(OffloadingWorker):
             self._host.append(host)
         self._done: list[TransferResult] = []
 
-    def _transfer(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec,
+    def _transfer(self, job_id: int, host_spec: LoadStoreSpec, device: Any,
                   to_host: bool) -> bool:
-        if not (isinstance(src_spec, BlockIDsLoadStoreSpec)
-                and isinstance(dst_spec, BlockIDsLoadStoreSpec)):
-            raise TypeError("block-id transfer specs expected")
-        gpu_spec = src_spec if to_host else dst_spec
-        if not isinstance(gpu_spec, GPULoadStoreSpec):
-            raise TypeError("the device side of a transfer must be a GPULoadStoreSpec")
-        host_ids = (dst_spec if to_host else src_spec).block_ids
-        dev_ids = gpu_spec.block_ids
-        if len(gpu_spec.group_sizes) != len(self._refs):
+        if not isinstance(host_spec, BlockIDsLoadStoreSpec):
+            raise TypeError("the host side of a transfer must be a block-id spec")
+        dev = device_blocks(device, self._kv_caches)
+        host_ids = host_spec.block_ids
+        if len(dev.group_sizes) != len(self._refs):
             raise ValueError("group count of the transfer does not match the KV-cache groups")
         t0 = time.perf_counter()
         moved = 0
         dev_off = host_off = 0
         for g_idx, (size, first_idx) in enumerate(
-                zip(gpu_spec.group_sizes, gpu_spec.block_indices, strict=True)):
+                zip(dev.group_sizes, dev.block_indices, strict=True)):
             if size == 0:
                 continue
             skip = first_idx % self._bpc
             n_host = -(-(size + skip) // self._bpc)
-            dev_rows = _sub_block_rows(dev_ids[dev_off:dev_off + size], 1, 0, size)
+            dev_rows = _sub_block_rows(dev.block_ids[dev_off:dev_off + size], 1, 0, size)
             host_rows = _sub_block_rows(host_ids[host_off:host_off + n_host], self._bpc,
                                         skip, size)
             dev_off += size
             host_off += n_host
             for ref in self._refs[g_idx]:
                 nbytes = ref.page_size_bytes
-                dev, host = self._device[ref.tensor_idx], self._host[ref.tensor_idx]
+                dev_t, host = self._device[ref.tensor_idx], self._host[ref.tensor_idx]
                 if to_host:
-                    host[host_rows, :nbytes] = dev[dev_rows, :nbytes]
+                    host[host_rows, :nbytes] = dev_t[dev_rows, :nbytes]
                 else:
-                    dev[dev_rows, :nbytes] = host[host_rows, :nbytes]
+                    dev_t[dev_rows, :nbytes] = host[host_rows, :nbytes]
                 moved += size * nbytes
-        if dev_off != len(dev_ids) or host_off != len(host_ids):
+        if dev_off != len(dev.block_ids) or host_off != len(host_ids):
             raise ValueError("transfer spec block counts do not add up")
         self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=moved,
                                          transfer_time=time.perf_counter() - t0))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: LoadStoreSpec) -> bool:
-        return self._transfer(job_id, src_spec, dst_spec, to_host=True)
+    def submit_store(self, job_id: int, src: Any, dst_spec: LoadStoreSpec) -> bool:
+        """Device -> host. ``src``: a ``GPULoadStoreSpec`` (<= 0.33) or ``DevicePointers``
+        (0.34), see :func:`connector.native_tier.vllm_api.device_blocks`."""
+        return self._transfer(job_id, dst_spec, src, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
-        return self._transfer(job_id, src_spec, dst_spec, to_host=False)
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst: Any,
+                    expedited: bool = False) -> bool:
+        """Host -> device. ``expedited`` (0.33: a load the step waits on) changes nothing:
+        every copy here is synchronous."""
+        return self._transfer(job_id, src_spec, dst, to_host=False)
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []

@@ -21,10 +21,12 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
   generation. A chunk row holds every TP rank's share. A corrupt, foreign or truncated value
   is a miss (and ``RedisTier`` deletes a value proven corrupt, while unchanged); a failed
   load reports the keys that did load (``successful_keys``) and the rest become misses.
-* The generation (``connector.identity.generation``) starts at ``"0"``. vLLM 0.32 does not
+* The generation (``connector.identity.generation``) starts at ``"0"``. vLLM does not
   reset secondary tiers on a connector-cache reset, but its ``TieringOffloadingManager.
-  reset_cache`` calls every secondary tier's ``drain_jobs()`` (nothing else in vLLM does):
-  there the tier moves to a new generation (the named weight version, else a nonce). A
+  reset_cache`` calls every secondary tier's ``drain_jobs()``, and nothing else in vLLM does
+  (0.32, 0.33, 0.34: ``vllm_api.RESET_CALLER``, checked on the installed tree by a test):
+  there the tier moves to a new generation (the named weight version, else a nonce); nothing
+  of kvtier's calls it, so no drain moves the namespace without a reset. A
   weight version named between steps moves it too: it is followed before every look-up
   and store (one attribute read), so a step's first look-up after an update already uses
   the new generation, and again at ``on_schedule_end``. After a move the
@@ -35,6 +37,9 @@ Rules this module keeps (vLLM's ``tiering/base.py`` contract, kvtier's storage r
 * Look-ups answer from what this tier knows (chunks it stored or loaded in this process,
   bounded LRU) and otherwise from an asynchronous existence check (``exists_many``):
   "retry later", never a wait. While Redis is unavailable every look-up is a miss.
+* A load is reported only once its I/O thread is done with the primary rows, so a failed
+  promotion never defers its chunks' release (vLLM 0.34's ``JobResult.deferred_release``
+  stays None, and a drain has no event to set). Version differences: ``vllm_api``.
 * Redis faults never raise: reads miss, writes are counted drops (``RedisTier``).
   ``submit_store`` / ``submit_load`` never raise either: any exception while a job is
   prepared or submitted makes it a reported failed job (counted ``job_errors``, logged once
@@ -257,7 +262,7 @@ class KvtierRedisTier(SecondaryTierManager):
             s.locality or "None"), strict=True))
         log.info("kvtier native tier %s: Redis %s, prefix %s, fingerprint %s, row %d bytes, "
                  "checkpoint %s, engine config from %s; connector-cache resets: seen through "
-                 "drain_jobs (vLLM 0.32 reset_cache); weight version: %s",
+                 "drain_jobs (vLLM's reset_cache); weight version: %s",
                  tier_type, self.redis.target.redacted, s.redis_prefix, self._fp,
                  self.block_size_bytes, self.identity.checkpoint, config_source,
                  "followed (EngineCore found)" if self._weights.found else
@@ -580,7 +585,8 @@ class KvtierRedisTier(SecondaryTierManager):
     @override
     def drain_jobs(self) -> None:
         """vLLM's connector-cache reset (``TieringOffloadingManager.reset_cache``, its only
-        caller in vLLM 0.32): wait for every job, then move to a new generation."""
+        caller in vLLM 0.32-0.34): wait for every job (their results queued, none deferred),
+        then move to a new generation."""
         self.wait_for_jobs()
         self.generation.reset(self._weights.read())
         self._moved("connector-cache reset")

@@ -32,6 +32,11 @@ _UNHASHED = (_MANAGER, "KVT002", "return [block.block_id for block in self.block
              "if block.block_hash is None]", "high")
 _SIMPLE_SAFE = {(_SIMPLE, "KVT002", "bhash is not None"),
                 (_SIMPLE, "KVT002", "if gpu_block.block_hash is None:")}
+# Maps each hit block to its hash or None (positions kept, nothing selected): a guard before
+# using the hash value; the blocks are _LookupBlockPool's, one per whole-unit hit, so no
+# partial entry can occur (0.33, 0.34).
+_UMBP_SAFE = ("distributed/kv_transfer/kv_connector/v1/umbp/scheduler.py", "KVT002",
+              "if block.is_null or block.block_hash is None")
 EXPECTED: dict[str, dict[str, set[tuple[str, ...]]]] = {
     "0.32": {
         "verified": {
@@ -52,13 +57,20 @@ EXPECTED: dict[str, dict[str, set[tuple[str, ...]]]] = {
             # another file, so the receiver is known by its name only.
             (_MANAGER, "KVT002", "if block.block_hash is None and not block.is_null", "low"),
         },
-        "reviewed_safe": _SIMPLE_SAFE | {
-            # Maps each hit block to its hash or None (positions kept, nothing selected):
-            # a guard before using the hash value; the blocks are _LookupBlockPool's, one
-            # per whole-unit hit, so no partial entry can occur.
-            ("distributed/kv_transfer/kv_connector/v1/umbp/scheduler.py", "KVT002",
-             "if block.is_null or block.block_hash is None"),
+        "reviewed_safe": _SIMPLE_SAFE | {_UMBP_SAFE},
+    },
+    # 0.34.0 (read from the wheel): the same seven, each re-read in its new place. The pull
+    # scheduler's count now sizes each group's DCP slice start (a partial entry counted as
+    # computed still shifts it); the offloading scheduler's async scan is unchanged beside
+    # a longer comment; kv_cache_manager, umbp and simple_kv_offload are the same code.
+    "0.34": {
+        "verified": {
+            _PULL_COUNT, _UNHASHED,
+            (_OFFLOAD, "KVT003",
+             "if not block.is_null and (sync_load or block.block_hash is None):", "high"),
+            (_MANAGER, "KVT002", "if block.block_hash is None and not block.is_null", "low"),
         },
+        "reviewed_safe": _SIMPLE_SAFE | {_UMBP_SAFE},
     },
 }
 # Files whose block_hash presence tests are on non-block objects only (events, plans,

@@ -214,8 +214,9 @@ def test_restore_refuses_tensors_of_another_layout(engines: Any) -> None:
 
 
 def test_the_connector_declares_sleep_mode_and_overrides_the_hooks() -> None:
-    from connector.vllm_connector import vllm_api
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from connector.vllm_connector import vllm_api
 
     assert TieredOffloadingConnector.supports_sleep_mode(None) is True
     for hook in ("unregister_kv_caches", "restore_kv_caches"):

@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from connector.native_tier.config import NativeTierConfigError
 from connector.native_tier.namespace import NativeTierIdentityError
 from connector.native_tier.tier import KvtierRedisTier
+from connector.native_tier.vllm_api import HAS_DEFERRED_RELEASE, manager_lock
 from offload_tiers import codec
 
 BLOCK_BYTES = 8192  # worker KV bytes per block: one page-aligned chunk row
@@ -119,35 +120,44 @@ class Engine:
         self.tier: KvtierRedisTier = self.manager.secondary_tiers[0]
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())
 
+    def locked(self) -> Any:
+        """The manager's lock (vLLM >= 0.33: every caller holds it; 0.32: a no-op)."""
+        return manager_lock(self.manager)
+
     def request(self, keys: list[OffloadKey]) -> ReqContext:
         ctx = ReqContext(req_id=f"req-{next(_ids)}")
         for i, key in enumerate(keys):
             ctx.set_offload_key_position(key, (i + 1) * TOKENS)
-        self.manager.on_new_request(ctx)
+        with self.locked():
+            self.manager.on_new_request(ctx)
         return ctx
 
     def store(self, ctx: ReqContext, keys: list[OffloadKey]) -> None:
-        out = self.manager.prepare_store(keys, ctx)
-        assert out is not None
-        for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
-            self.rows[cid] = pattern(key)  # the worker's GPU->CPU copy
-        self.manager.complete_store(out.keys_to_store, ctx)
+        with self.locked():
+            out = self.manager.prepare_store(keys, ctx)
+            assert out is not None
+            for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+                self.rows[cid] = pattern(key)  # the worker's GPU->CPU copy
+            self.manager.complete_store(out.keys_to_store, ctx)
         self.settle()
 
     def settle(self) -> None:
         """Let every submitted job finish and the manager take the results."""
-        self.manager.on_schedule_end(STEP)
+        with self.locked():
+            self.manager.on_schedule_end(STEP)
         self.tier.wait_for_jobs()
-        self.manager.on_schedule_end(STEP)
+        with self.locked():
+            self.manager.on_schedule_end(STEP)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext, timeout: float = 60.0) -> LookupResult:
         """A look-up asked again, step after step, until it is no longer RETRY."""
         deadline = time.monotonic() + timeout
         while True:
-            result = self.manager.lookup(key, ctx)
-            if result is not LookupResult.RETRY or time.monotonic() > deadline:
-                return result
-            self.manager.on_schedule_end(STEP)
+            with self.locked():
+                result = self.manager.lookup(key, ctx)
+                if result is not LookupResult.RETRY or time.monotonic() > deadline:
+                    return result
+                self.manager.on_schedule_end(STEP)
             time.sleep(0.002)  # poll on the result, bounded by the deadline
 
     def fetch(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -155,26 +165,30 @@ class Engine:
         result = self.lookup(key, ctx)
         if result is LookupResult.HIT_PENDING:
             self.settle()
-            result = self.manager.lookup(key, ctx)
+            with self.locked():
+                result = self.manager.lookup(key, ctx)
         return result
 
     def primary_bytes(self, key: OffloadKey, ctx: ReqContext) -> bytes:
-        spec = self.manager.prepare_load([key], ctx)
-        data = self.rows[spec.chunk_ids[0]].tobytes()
-        self.manager.complete_load([key], ctx)
+        with self.locked():
+            spec = self.manager.prepare_load([key], ctx)
+            data = self.rows[spec.chunk_ids[0]].tobytes()
+            self.manager.complete_load([key], ctx)
         return data
 
     def finish(self, ctx: ReqContext) -> None:
-        self.manager.on_request_finished(ctx)
+        with self.locked():
+            self.manager.on_request_finished(ctx)
 
     def reset(self) -> None:
         """The connector-cache reset as vLLM's scheduler makes it: ``reset_cache()``, then
         (vLLM >= 0.33, no worker job in flight here) ``on_reset_flushed()``, which releases
         the promotions the reset holds back."""
-        self.manager.reset_cache()
-        flushed = getattr(self.manager, "on_reset_flushed", None)
-        if flushed is not None:
-            flushed()
+        with self.locked():
+            self.manager.reset_cache()
+            flushed = getattr(self.manager, "on_reset_flushed", None)
+            if flushed is not None:
+                flushed()
 
     def close(self) -> None:
         if self.spec._manager is not None and not getattr(self, "closed", False):
@@ -187,10 +201,11 @@ class Engine:
         """All keys looked up in one step, as the scheduler does, until none is RETRY."""
         deadline = time.monotonic() + timeout
         while True:
-            results = [self.manager.lookup(k, ctx) for k in keys]
-            if LookupResult.RETRY not in results or time.monotonic() > deadline:
-                return results
-            self.manager.on_schedule_end(STEP)
+            with self.locked():
+                results = [self.manager.lookup(k, ctx) for k in keys]
+                if LookupResult.RETRY not in results or time.monotonic() > deadline:
+                    return results
+                self.manager.on_schedule_end(STEP)
             time.sleep(0.002)  # poll on the results, bounded by the deadline
 
 
@@ -421,8 +436,32 @@ def test_partial_load_reports_successful_keys(engines: Any, redis_url: str,
     loads = [r for r in reported if r.successful_keys is not None or not r.success]
     assert len(loads) == 1 and loads[0].success is False
     assert set(loads[0].successful_keys) == {keys[0], keys[1]}
+    if HAS_DEFERRED_RELEASE:  # vLLM 0.34: the failed promotion's I/O is done, nothing deferred
+        assert loads[0].deferred_release is None
     assert second.manager.lookup(keys[0], ctx2) is LookupResult.HIT
     assert second.manager.lookup(keys[2], ctx2) is LookupResult.MISS
+    second.reset()  # vLLM's reset_cache drains the tier: no release left deferred (0.34 asserts)
+
+
+def test_only_the_connector_cache_reset_moves_the_generation(engines: Any) -> None:
+    """Stores, loads, settling, waiting for jobs and a shutdown leave the namespace where it
+    is; vLLM's reset_cache (its one call of drain_jobs) moves it, once per reset."""
+    eng = engines()
+    keys = chain(2)
+    ctx = eng.request(keys)
+    eng.store(ctx, keys)
+    fp = eng.tier.fingerprint
+    eng.settle()
+    eng.tier.wait_for_jobs()
+    assert eng.fetch(keys[0], ctx) is LookupResult.HIT
+    assert eng.tier.fingerprint == fp
+    assert eng.tier.counters().get("generation_moves", 0) == 0
+    eng.reset()
+    assert eng.tier.fingerprint != fp
+    assert eng.tier.counters()["generation_moves"] == 1
+    moved = eng.tier.fingerprint
+    eng.close()  # shutdown waits for jobs, moves nothing
+    assert eng.tier.fingerprint == moved
 
 
 def test_foreign_namespace_is_never_served(engines: Any, base_config: Any) -> None:
