@@ -1,21 +1,23 @@
 """The daemon's HTTP bodies and metrics (issue 45 items 5, 6), in process: a :class:`Daemon`
-fed batches through its ingestor (kvtier's own wire structs, no vLLM), served by its aiohttp
-app on a test server.
+fed batches through its ingestor (kvtier's own wire structs, no vLLM), its aiohttp app served
+by aiohttp's test server and client under pytest-asyncio.
 
 * ``/score``: a ``weights`` medium that is not one (a typo) is a 400 naming the field and the
   known media, not a weight of 0; media the index holds besides the three may be weighed.
 * hashes: ``0x``-prefixed hex is an int (any number of digits), plain hex is bytes (two digits
   a byte); plain hex with an odd number of digits is a 400 (ambiguous).
 * ``/lookup`` naming a publisher the daemon does not know is a 400 naming ``publisher``.
-* ``/metrics``: every family has a real HELP, and no gauge ends in ``_total``.
+* a malformed ``/lookup`` body is a 400 saying what is wrong; ``/entries`` names bytes hashes
+  in the hex they were asked in.
+* ``/metrics``: every family has a real HELP, and no gauge ends in ``_total``; host-tier counts
+  since start are counters, only states are gauges.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +57,22 @@ def daemon() -> Iterator[Daemon]:
     d.subscriber.close()
 
 
-def _post(d: Daemon, path: str, body: Any) -> tuple[int, Any]:
-    async def go() -> tuple[int, Any]:
-        async with TestClient(TestServer(make_app(d))) as client:
-            resp = await client.post(path, json=body)
-            return resp.status, await resp.json()
-    return asyncio.run(go())
+@pytest.fixture
+async def client(daemon: Daemon) -> AsyncIterator[TestClient]:
+    """The daemon's HTTP app on aiohttp's test server, in this process and event loop."""
+    async with TestClient(TestServer(make_app(daemon))) as test_client:
+        yield test_client
 
 
-def _get(d: Daemon, path: str) -> str:
-    async def go() -> str:
-        async with TestClient(TestServer(make_app(d))) as client:
-            resp = await client.get(path)
-            assert resp.status == 200
-            return await resp.text()
-    return asyncio.run(go())
+async def _post(client: TestClient, path: str, body: Any) -> tuple[int, Any]:
+    resp = await client.post(path, json=body)
+    return resp.status, await resp.json()
+
+
+async def _get(client: TestClient, path: str) -> str:
+    resp = await client.get(path)
+    assert resp.status == 200
+    return await resp.text()
 
 
 @pytest.mark.parametrize(("weights", "says"), [
@@ -77,15 +80,16 @@ def _get(d: Daemon, path: str) -> str:
     ({"stroage": 0.5}, "'weights.stroage' is not a medium"),
     ({"CPU": 1.0, "dsik": 1.0}, "'weights.dsik'"),
 ])
-def test_a_weights_typo_is_a_400_naming_the_field_and_the_media(daemon: Daemon,
-                                                                 weights: dict, says: str) -> None:
-    status, out = _post(daemon, "/score", {"block_hashes": [0x1F], "weights": weights})
+async def test_a_weights_typo_is_a_400_naming_the_field_and_the_media(
+        client: TestClient, weights: dict, says: str) -> None:
+    status, out = await _post(client, "/score", {"block_hashes": [0x1F], "weights": weights})
     assert status == 400 and says in out["error"], out
 
 
-def test_known_media_aliases_and_media_the_index_holds_may_be_weighed(daemon: Daemon) -> None:
+async def test_known_media_aliases_and_media_the_index_holds_may_be_weighed(
+        client: TestClient) -> None:
     for weights in ({"cpu": 0.5}, {"disk": 0.1, "GPU": 2}, {"NVME": 0.3}, {"nvme": 0.3}):
-        status, out = _post(daemon, "/score", {"block_hashes": [0x1F], "weights": weights})
+        status, out = await _post(client, "/score", {"block_hashes": [0x1F], "weights": weights})
         assert status == 200, (weights, out)
     assert out["weights"]["NVME"] == 0.3
 
@@ -99,8 +103,9 @@ def test_known_media_aliases_and_media_the_index_holds_may_be_weighed(daemon: Da
     (["0ABC"], 16),
     (["1f"], 0),                      # bytes 1f, not the int 0x1f
 ])
-def test_hash_spellings_and_what_they_mean(daemon: Daemon, hashes: list, tokens: int) -> None:
-    status, out = _post(daemon, "/lookup", {"block_hashes": hashes})
+async def test_hash_spellings_and_what_they_mean(client: TestClient, hashes: list,
+                                                 tokens: int) -> None:
+    status, out = await _post(client, "/lookup", {"block_hashes": hashes})
     assert status == 200, out
     assert out["GPU"]["tokens"] == tokens, (hashes, out)
 
@@ -113,23 +118,60 @@ def test_hash_spellings_and_what_they_mean(daemon: Daemon, hashes: list, tokens:
     (["zz"], "block_hashes[0] is not a hex string"),
 ])
 @pytest.mark.parametrize("path", ["/lookup", "/score"])
-def test_bad_hashes_are_a_400_naming_the_entry(daemon: Daemon, path: str, hashes: list,
-                                               says: str) -> None:
-    status, out = _post(daemon, path, {"block_hashes": hashes})
+async def test_bad_hashes_are_a_400_naming_the_entry(client: TestClient, path: str, hashes: list,
+                                                     says: str) -> None:
+    status, out = await _post(client, path, {"block_hashes": hashes})
     assert status == 400 and says in out["error"], out
 
 
-def test_an_unknown_publisher_is_a_400_naming_the_field(daemon: Daemon) -> None:
-    status, out = _post(daemon, "/lookup", {"block_hashes": [0x1F], "publisher": "tcp://*:5557"})
+async def test_an_unknown_publisher_is_a_400_naming_the_field(client: TestClient) -> None:
+    status, out = await _post(client, "/lookup", {"block_hashes": [0x1F], "publisher": "tcp://*:5557"})
     assert status == 400 and "'publisher' 'tcp://*:5557' is not a publisher" in out["error"]
     assert "tcp://*:5557#dp0" in out["error"]  # the known ones are listed
-    status, out = _post(daemon, "/lookup", {"block_hashes": [0x1F],
+    status, out = await _post(client, "/lookup", {"block_hashes": [0x1F],
                                             "publisher": "tcp://*:5557#dp0"})
     assert status == 200 and out["GPU"]["tokens"] == 16
     # configured but not heard from yet (DP rank 1): a real publisher holding nothing
-    status, out = _post(daemon, "/lookup", {"block_hashes": [0x1F],
+    status, out = await _post(client, "/lookup", {"block_hashes": [0x1F],
                                             "publisher": "tcp://*:5557#dp1"})
     assert status == 200 and out["GPU"]["tokens"] == 0
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    (b"{not json", "not valid JSON"),
+    ({"block_hashes": "x"}, "list of ints"),
+    ({"block_hashes": [1, True]}, "not bool"),
+    ({"block_hashes": ["zz"]}, "hex"),
+    ({"block_hashes": [1], "group_idx": -1}, "group_idx"),
+    ({"block_hashes": [1], "bogus": 1}, "unknown fields"),
+    ({"token_ids": [1, 2]}, "token_hashing"),
+    ([1, 2], "JSON object"),
+])
+async def test_bad_lookup_bodies_are_a_400_saying_what_is_wrong(client: TestClient, body: Any,
+                                                                fragment: str) -> None:
+    if isinstance(body, bytes):
+        resp = await client.post("/lookup", data=body,
+                                 headers={"Content-Type": "application/json"})
+        status, out = resp.status, await resp.json()
+    else:
+        status, out = await _post(client, "/lookup", body)
+    assert status == 400 and fragment in out["error"], (body, out)
+
+
+async def test_a_good_lookup_of_an_unknown_hash_is_a_200_with_no_tokens(
+        client: TestClient) -> None:
+    status, out = await _post(client, "/lookup", {"block_hashes": ["00ff"], "group_idx": 0})
+    assert status == 200 and out["any"]["tokens"] == 0
+
+
+async def test_entries_name_bytes_hashes_in_the_hex_they_were_asked_in(
+        client: TestClient) -> None:
+    """Bytes hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``) round-trip through hex."""
+    status, body = await _post(client, "/entries", {"block_hashes": ["0abc", "0102"]})
+    assert status == 200, body
+    assert [e["block_hash"] for e in body["entries"]] == ["0abc", "0102"]
+    assert [(e["num_tokens"], e["kind"]) for e in body["entries"]] == [(16, "FULL"),
+                                                                       (32, "FULL")]
 
 
 _PLACEHOLDER = re.compile(r"^(host tier \w+|host tier stat .*undocumented.*|[a-z_]+)$")
@@ -149,9 +191,9 @@ def _check_families(text: str) -> list[str]:
     return problems
 
 
-def test_every_daemon_metric_has_a_real_help_and_gauges_do_not_end_in_total(
-        daemon: Daemon) -> None:
-    text = _get(daemon, "/metrics")
+async def test_every_daemon_metric_has_a_real_help_and_gauges_do_not_end_in_total(
+        client: TestClient) -> None:
+    text = await _get(client, "/metrics")
     assert "\nkvtier_daemon_index_entries 5.0\n" in text  # 2 int + 2 bytes hashes + NVME
     assert "# TYPE kvtier_daemon_index_entries gauge" in text
     assert _check_families(text) == []
