@@ -48,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 B = 16  # block size (tokens); the hash unit too
 QUERY_BLOCKS = 256  # a 4k-token request
-ENGINES = 4
+ENGINES = 8  # the synthetic workload's default; --engines runs more counts
 PEER_PACKAGE = "ai-dynamo-runtime==1.6.1"
 DEFAULT_PEER_VENV = ROOT / ".kvtier" / "venv-bench-dynamo"
 
@@ -83,10 +83,12 @@ def ingest_stream(n_batches: int, seed: int = 0) -> Iterator[list[Event]]:
         yield batch
 
 
-def index_stream(n_blocks: int, seed: int = 1) -> tuple[list[Event], list[list[int]]]:
-    """Stores filling an index of ``n_blocks`` blocks over :data:`ENGINES` engines (chains of
-    :data:`QUERY_BLOCKS`; each whole on one engine, its first half on the next), and the
-    query chains (stored ones, some cut short and continued with hashes nobody holds)."""
+def index_stream(n_blocks: int, engines: int = ENGINES,
+                 seed: int = 1) -> tuple[list[Event], list[list[int]]]:
+    """Synthetic: stores filling an index of ``n_blocks`` blocks over ``engines`` engines
+    (chains of :data:`QUERY_BLOCKS`; each whole on one engine, its first half on the next),
+    and the query chains (stored ones, some cut short and continued with hashes nobody
+    holds)."""
     rng = random.Random(seed)
     half = QUERY_BLOCKS // 2
     n_chains = n_blocks // (QUERY_BLOCKS + half)
@@ -95,8 +97,8 @@ def index_stream(n_blocks: int, seed: int = 1) -> tuple[list[Event], list[list[i
     base = 10**12
     for c in range(n_chains):
         hashes = list(range(base + c * QUERY_BLOCKS, base + (c + 1) * QUERY_BLOCKS))
-        events.append(("store", c % ENGINES, hashes, None))
-        events.append(("store", (c + 1) % ENGINES, hashes[:half], None))
+        events.append(("store", c % engines, hashes, None))
+        events.append(("store", (c + 1) % engines, hashes[:half], None))
         chains.append(hashes)
     queries = []
     fresh = 2 * base
@@ -106,6 +108,86 @@ def index_stream(n_blocks: int, seed: int = 1) -> tuple[list[Event], list[list[i
         chain[cut:] = range(fresh + i * QUERY_BLOCKS, fresh + i * QUERY_BLOCKS + len(chain) - cut)
         queries.append(chain)
     return events, queries
+
+
+class _Hashes:
+    """Fresh block hashes, and the fixed chains of shared prefixes (by id)."""
+
+    def __init__(self) -> None:
+        self.next = 3 * 10**12
+        self.prefixes: dict[Any, list[int]] = {}
+
+    def fresh(self, n: int) -> list[int]:
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+    def prefix(self, pid: Any, n: int) -> list[int]:
+        if pid not in self.prefixes:
+            self.prefixes[pid] = self.fresh(n)
+        return self.prefixes[pid]
+
+
+def _zipf(rng: random.Random, n: int, s: float = 1.1) -> int:
+    return rng.choices(range(n), weights=[1 / (k + 1) ** s for k in range(n)])[0]
+
+
+def _trace_request(rng: random.Random, hs: _Hashes) -> list[tuple[Any, list[int]]]:
+    """One request's chain in parts: a long shared system prompt (16 of them, Zipf-popular,
+    512-1.5k tokens), often a shared document or few-shot prefix (64 per system prompt, Zipf,
+    128 tokens-1k), then its own turn (256 tokens-2.5k)."""
+    s = _zipf(rng, 16)
+    parts: list[tuple[Any, list[int]]] = [(("sys", s), hs.prefix(("sys", s), 32 + 4 * s))]
+    if rng.random() < 0.6:
+        d = _zipf(rng, 64)
+        parts.append((("doc", s, d), hs.prefix(("doc", s, d), 8 + (d * 7) % 56)))
+    parts.append((None, hs.fresh(rng.randint(16, 160))))
+    return parts
+
+
+def trace_stream(n_blocks: int, engines: int,
+                 seed: int = 2) -> tuple[list[Event], list[list[int]]]:
+    """Trace-shaped: requests (:func:`_trace_request`) land on random engines until
+    ``n_blocks`` blocks are stored; an engine announces only what it does not hold yet, its
+    parent the last block it holds (as vLLM's block pool). Queries: half a new request, half
+    a past conversation's next turn (its whole chain, then 8-32 new blocks)."""
+    rng = random.Random(seed)
+    hs = _Hashes()
+    held: set[tuple[int, Any]] = set()
+    events: list[Event] = []
+    convs: list[list[int]] = []
+    stored = 0
+    while stored < n_blocks:
+        e = rng.randrange(engines)
+        parent = None
+        chain: list[int] = []
+        for pid, hashes in _trace_request(rng, hs):
+            if pid is None or (e, pid) not in held:
+                events.append(("store", e, hashes, parent))
+                stored += len(hashes)
+                held.add((e, pid))
+            chain += hashes
+            parent = hashes[-1]
+        if len(convs) < 20_000:
+            convs.append(chain)
+        else:
+            convs[rng.randrange(len(convs))] = chain
+    queries = []
+    for _ in range(2000):
+        if rng.random() < 0.5:
+            queries.append([h for _pid, part in _trace_request(rng, hs) for h in part])
+        else:
+            queries.append(rng.choice(convs) + hs.fresh(rng.randint(8, 32)))
+    return events, queries
+
+
+WORKLOADS: dict[str, Callable[[int, int], tuple[list[Event], list[list[int]]]]] = {
+    "synthetic": lambda n, e: index_stream(n, e), "trace": trace_stream}
+
+
+def workload_runs(engine_counts: list[int]) -> list[tuple[str, int]]:
+    """The query stage's runs: the synthetic workload at each engine count, then the trace
+    at the largest."""
+    return [("synthetic", e) for e in engine_counts] + [("trace", max(engine_counts))]
 
 
 def updates_of(batches: list[list[Event]]) -> int:
@@ -155,25 +237,27 @@ def peer_worker(spec_path: str, out_path: str) -> int:
         best_wall = min(best_wall, time.perf_counter() - w0)
         best_cpu = min(best_cpu, time.process_time() - c0)
         del tree
-    events, queries = index_stream(spec["index_blocks"])
-    tree = RadixTree()
-    for i, ev in enumerate(events):
-        tree.apply_event(ev[1], _dynamo_json(ev, i))
-    tree.find_matches([1])
-    rounds, answers = [], []
-    for _ in range(spec.get("query_rounds", 1)):
-        lat = []
-        for q in queries:
-            t0 = time.perf_counter()
-            scores = tree.find_matches(q).scores
-            lat.append(time.perf_counter() - t0)
-            if not rounds:
-                answers.append({str(w[0] if isinstance(w, tuple) else w): n
-                                for w, n in scores.items()})
-        rounds.append(percentiles(lat))
-    Path(out_path).write_text(json.dumps({
-        "ingest_wall_s": best_wall, "ingest_cpu_s": best_cpu, "query": best_round(rounds),
-        "answers": answers[:500]}))
+    out: dict[str, Any] = {"ingest_wall_s": best_wall, "ingest_cpu_s": best_cpu, "queries": {}}
+    for name, engines in spec["runs"]:
+        events, queries = WORKLOADS[name](spec["index_blocks"], engines)
+        tree = RadixTree()
+        for i, ev in enumerate(events):
+            tree.apply_event(ev[1], _dynamo_json(ev, i))
+        tree.find_matches([1])
+        rounds, answers = [], []
+        for _ in range(spec.get("query_rounds", 1)):
+            lat = []
+            for q in queries:
+                t0 = time.perf_counter()
+                scores = tree.find_matches(q).scores
+                lat.append(time.perf_counter() - t0)
+                if not rounds:
+                    answers.append({str(w[0] if isinstance(w, tuple) else w): n
+                                    for w, n in scores.items()})
+            rounds.append(percentiles(lat))
+        del tree
+        out["queries"][f"{name}/{engines}"] = {**best_round(rounds), "answers": answers[:500]}
+    Path(out_path).write_text(json.dumps(out))
     return 0
 
 
@@ -245,11 +329,13 @@ def kvtier_ingest(batches: list[list[Event]], reps: int) -> dict[str, float]:
     return {"ingest_wall_s": best_wall, "ingest_cpu_s": best_cpu}
 
 
-def kvtier_query(n_blocks: int, rounds_n: int = 1) -> tuple[dict[str, Any], list[dict[str, int]]]:
+def kvtier_query(name: str, engines: int, n_blocks: int,
+                 rounds_n: int = 1) -> tuple[dict[str, Any], list[dict[str, int]]]:
+    """``score_engines`` (every engine, every medium, ranked) over workload ``name``."""
     from connector.daemon.ingest import Ingestor
     from connector.events.score import score_engines
 
-    events, queries = index_stream(n_blocks)
+    events, queries = WORKLOADS[name](n_blocks, engines)
     ing = Ingestor(block_sizes={0: B})
     for op, engine, hashes, parent in events:
         ing.ingest(f"engine{engine}", 0, _payloads([[(op, engine, hashes, parent)]])[0], 0.0)
@@ -266,7 +352,9 @@ def kvtier_query(n_blocks: int, rounds_n: int = 1) -> tuple[dict[str, Any], list
                                 s.media["GPU"].tokens // B
                                 for s in ranked if s.media["GPU"].tokens})
         rounds.append(percentiles(lat))
-    return {**best_round(rounds), "entries": index.n_entries}, answers
+    return {**best_round(rounds), "entries": index.n_entries, "nodes": len(index.nodes),
+            "engines": engines, "query_blocks_mean": sum(map(len, queries)) / len(queries)}, \
+        answers
 
 
 # -- HTTP /score under ingest ----------------------------------------------------------------
@@ -411,20 +499,25 @@ def agreement(ours: list[dict[str, int]], theirs: list[dict[str, int]]) -> dict[
 def report(res: dict[str, Any]) -> None:
     k, p, h = res["kvtier"], res.get("dynamo", {}), res["http"]
     u = res["ingest_updates"]
-    print(f"ingest: {u:,} hash updates (best of {res['reps']}); query: 4k-token request "
-          f"(256 hashes) against {k['query']['entries']:,} blocks, {k['query']['n']} requests "
-          f"(best of {len(k['query']['rounds'])} rounds)")
-    print(f"{'':<34}{'kvtier':>14}{'dynamo':>14}")
+    print(f"ingest: {u:,} hash updates (best of {res['reps']}); load "
+          f"{' / '.join(f'{a[0]:.1f}' for a in res['load'])}")
+    print(f"{'':<44}{'kvtier':>12}{'dynamo':>12}{'ratio':>8}")
     rows = [("ingest hash updates/s (wall)", u / k["ingest_wall_s"],
              u / p["ingest_wall_s"] if "ingest_wall_s" in p else None),
             ("ingest hash updates/CPU-s", u / k["ingest_cpu_s"],
-             u / p["ingest_cpu_s"] if "ingest_cpu_s" in p else None),
-            ("query p50 (us)", k["query"]["p50_us"], p.get("query", {}).get("p50_us")),
-            ("query p99 (us)", k["query"]["p99_us"], p.get("query", {}).get("p99_us"))]
+             u / p["ingest_cpu_s"] if "ingest_cpu_s" in p else None)]
+    for run, q in k["queries"].items():
+        theirs = p.get("queries", {}).get(run, {})
+        label = f"{run}: {q['entries'] / 1e6:.1f}M blocks, {q['query_blocks_mean']:.0f}-block q"
+        rows.append((f"{label} p50 (us)", q["p50_us"], theirs.get("p50_us")))
+        rows.append((f"{label} p99 (us)", q["p99_us"], theirs.get("p99_us")))
     for name, a, b in rows:
-        print(f"{name:<34}{a:>14,.0f}{'' if b is None else f'{b:,.0f}':>14}")
+        ratio = "" if b is None else f"{(a / b if 'us' in name else b / a):.2f}"
+        print(f"{name:<44}{a:>12,.0f}{'' if b is None else f'{b:,.0f}':>12}{ratio:>8}")
     if "error" in p:
         print(f"dynamo: not run: {p['error']}")
+    else:
+        print("full blocks equal to Dynamo's:", json.dumps(p["agreement_by_run"]))
     print(f"HTTP /score while ingesting (target {h['target_updates_per_s']:,}/s, reached "
           f"{h['applied_updates_per_s']:,.0f}/s applied, {h['entries']:,} entries): "
           f"{h['requests_per_s']:,.0f} req/s, p50 {h['busy']['p50_us'] / 1000:.2f} ms, "
@@ -454,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write results to this path")
     ap.add_argument("--rate", type=int, default=100_000, help="HTTP stage: hash updates/s")
     ap.add_argument("--seconds", type=float, default=10.0, help="HTTP stage: duration")
+    ap.add_argument("--engines", default="8,64",
+                    help="query stage: engine counts of the synthetic workload, comma-separated "
+                         "(the trace workload runs at the largest)")
+    ap.add_argument("--blocks", type=int, default=1_000_000, help="query stage: index size")
     ap.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
     ap.add_argument("--no-peer", action="store_true", help="skip Dynamo's indexer")
     ap.add_argument("--no-peer-install", action="store_true", help="never pip install")
@@ -475,35 +572,69 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0
+    counts = [int(e) for e in args.engines.split(",")]
     spec = {"n_batches": 300 if args.quick else 3000, "reps": 3 if args.quick else 5,
-            "index_blocks": 100_000 if args.quick else 1_000_000,
-            "query_rounds": 3 if args.quick else 5}
+            "index_blocks": args.blocks, "query_rounds": 3 if args.quick else 5,
+            "runs": workload_runs(counts)}
     batches = list(ingest_stream(spec["n_batches"]))
     res: dict[str, Any] = {"ingest_updates": updates_of(batches), "reps": spec["reps"],
-                           "spec": spec, "cpus": os.cpu_count()}
+                           "spec": spec, "cpus": os.cpu_count(), "load": [os.getloadavg()]}
     kv = kvtier_ingest(batches, spec["reps"])
-    kv["query"], ours = kvtier_query(spec["index_blocks"], spec["query_rounds"])
+    kv["queries"], ours = {}, {}
+    for name, engines in spec["runs"]:
+        run = f"{name}/{engines}"
+        kv["queries"][run], ours[run] = kvtier_query(name, engines, spec["index_blocks"],
+                                                     spec["query_rounds"])
+    kv["query"] = kv["queries"][f"synthetic/{counts[0]}"]
     res["kvtier"] = kv
+    res["load"].append(os.getloadavg())
     peer = (py if isinstance(py, dict) else {"error": "skipped (--no-peer)"} if py is None
             else run_peer(py, spec))
-    res["dynamo"] = {k: v for k, v in peer.items() if k != "answers"}
+    res["load"].append(os.getloadavg())
+    res["dynamo"] = _peer_summary(peer, ours, counts[0])
     res["http"] = http_under_ingest(args.rate, 3.0 if args.quick else args.seconds)
-    h = res["http"]
-    ratios = {"score_http_requests_per_s": h["requests_per_s"],
-              "score_http_p99_ms": h["busy"]["p99_us"] / 1000,
-              "ingest_applied_during_http_per_s": h["applied_updates_per_s"]}
-    if "error" not in peer:
-        ratios["ingest_vs_dynamo"] = peer["ingest_cpu_s"] / kv["ingest_cpu_s"]
-        ratios["ingest_wall_vs_dynamo"] = peer["ingest_wall_s"] / kv["ingest_wall_s"]
-        ratios["query_p99_vs_dynamo"] = kv["query"]["p99_us"] / peer["query"]["p99_us"]
-        res["dynamo"]["full_block_agreement"] = agreement(ours, peer["answers"])
-    res["ratios"] = ratios
+    res["load"].append(os.getloadavg())
+    res["ratios"] = ratios(res, peer)
     report(res)
     if not args.no_agreement:
         res["agreement"] = agreement_stage(py, args.re_record)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
+
+
+def _peer_summary(peer: dict[str, Any], ours: dict[str, list[dict[str, int]]],
+                  engines: int) -> dict[str, Any]:
+    """The peer's figures without its answers, with the full-block agreement per run."""
+    out = {k: v for k, v in peer.items() if k != "queries"}
+    if "queries" in peer:
+        out["queries"] = {run: {k: v for k, v in q.items() if k != "answers"}
+                          for run, q in peer["queries"].items()}
+        out["query"] = out["queries"][f"synthetic/{engines}"]
+        out["agreement_by_run"] = {run: agreement(ours[run], q["answers"])
+                                   for run, q in peer["queries"].items()}
+        out["full_block_agreement"] = out["agreement_by_run"][f"synthetic/{engines}"]
+    return out
+
+
+def ratios(res: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
+    """The headline ratios: HTTP figures; ingest and query against the peer, per run (the
+    first synthetic run unsuffixed)."""
+    h, kv = res["http"], res["kvtier"]
+    out = {"score_http_requests_per_s": h["requests_per_s"],
+           "score_http_p99_ms": h["busy"]["p99_us"] / 1000,
+           "ingest_applied_during_http_per_s": h["applied_updates_per_s"]}
+    if "error" in peer:
+        return out
+    out["ingest_vs_dynamo"] = peer["ingest_cpu_s"] / kv["ingest_cpu_s"]
+    out["ingest_wall_vs_dynamo"] = peer["ingest_wall_s"] / kv["ingest_wall_s"]
+    first = next(iter(kv["queries"]))
+    for run, q in kv["queries"].items():
+        theirs = peer["queries"][run]
+        suffix = "" if run == first else "_" + run.replace("/", "_")
+        out["query_p99_vs_dynamo" + suffix] = q["p99_us"] / theirs["p99_us"]
+        out["query_p50_vs_dynamo" + suffix] = q["p50_us"] / theirs["p50_us"]
+    return out
 
 
 if __name__ == "__main__":

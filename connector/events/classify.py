@@ -124,8 +124,8 @@ class Classifier:
 
     def _medium(self, raw: str | None) -> str:
         m = self._medium_cache.get(raw)
-        if m is None:
-            m = normalize_medium(raw)
+        if m is None:  # a plain str: a Medium member hashes in Python, on every key look-up
+            m = str(normalize_medium(raw))
             if len(self._medium_cache) < 64:
                 self._medium_cache[raw] = m
         return m

@@ -60,7 +60,9 @@ __all__ = [
     "ResidencyPolicy",
     "Run",
     "kind_name",
+    "lane_groups",
     "lane_runs",
+    "lanes_of",
     "merge",
     "pack",
     "publisher_id",
@@ -510,8 +512,9 @@ class KVIndex:
         if (last <= FACTS and self.n_entries + n <= self.max_entries
                 and nodes.keys().isdisjoint(hashes)):
             before = len(nodes)  # new hashes (the common case): one C-speed update
-            nodes.update(zip(hashes, map(or_, values, repeat(1 << lane << SHIFT, n)),
-                             strict=True))
+            lanes = 1 << lane << SHIFT  # the nodes: the facts plus the lane bit, as a range
+            nodes.update(zip(hashes, range(lanes + base, lanes + base + n * step4, step4)
+                             if run.first_tokens else repeat(lanes + base, n), strict=True))
             added = len(nodes) - before
             self.n_entries += added
             self.kinds[key][base & 3] += added
@@ -724,8 +727,16 @@ class KVIndex:
         node = self.nodes.get(block_hash)
         if node is None:
             return 0
+        res = self.res
+        if type(node) is int:
+            if not (node & FACTS) >> 2:  # its lanes share its facts: position unknown
+                return 0
+            for key in self.by_pg.get(pg, ()):
+                if node >> SHIFT >> res[key].lane & 1:
+                    return (node & FACTS) >> 2
+            return 0
         for key in self.by_pg.get(pg, ()):
-            f = self._facts(self.res[key].lane, block_hash)
+            f = node.get(res[key].lane)
             if f is not None and f >> 2:
                 return f >> 2
         return 0
@@ -1008,6 +1019,14 @@ def lane_runs(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any], u
               b: int) -> dict[int, int]:
     """Lane -> how many whole blocks of ``b`` tokens from the chain's start it holds as FULL
     entries at their chain position (or at an unknown one); lanes holding none are left out.
+    (:func:`lane_groups`, by lane.)"""
+    return {lane: k for lanes, k in lane_groups(nodes, chain, u, b) for lane in lanes_of(lanes)}
+
+
+def lane_groups(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any], u: int,
+                b: int) -> list[tuple[int, int]]:
+    """:func:`lane_runs` as ``(lanes, run)`` pairs: the lanes (bits) whose run ends after
+    ``run`` blocks, each run once.
 
     One dict hop per block for every lane at once. The lanes still in the run (``alive``)
     predict each block's node exactly (``alive`` at the FULL facts of its position): the
@@ -1019,9 +1038,9 @@ def lane_runs(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any], u
     ends = chain[r - 1::r] if r > 1 else chain
     n = len(ends)
     if not n:
-        return {}
+        return []
     vals = list(map(nodes.get, ends, repeat(0, n)))
-    runs: dict[int, int] = {}
+    groups: list[tuple[int, int]] = []
     alive = 0
     j = 0  # vals[j] is next to check against the prediction
     surprises = 0
@@ -1034,10 +1053,9 @@ def lane_runs(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any], u
         held = node >> SHIFT if f == prog[j] or f == _FULL else 0
         now = alive & held if j else held
         if j and alive & ~now:
-            for lane in _lanes_of(alive & ~now):
-                runs[lane] = j
+            groups.append((alive & ~now, j))
         if not now:
-            return runs
+            return groups
         if now == alive:  # a node with more lanes than the run's, or a FULL of unknown place
             surprises += 1
             if surprises > _SURPRISES:
@@ -1046,9 +1064,21 @@ def lane_runs(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any], u
         want = _predicted(alive, b, n)
         j = next(compress(count(j + 1), map(ne, islice(vals, j + 1, None),
                                             islice(want, j + 1, n))), n)
-    for lane in _lanes_of(alive):
-        runs[lane] = n
-    return runs
+    groups.append((alive, n))
+    return groups
+
+
+_LANES: dict[int, tuple[int, ...]] = {}  # lanes (bits) -> their numbers
+
+
+def lanes_of(mask: int) -> tuple[int, ...]:
+    """The lane numbers of the bits of ``mask``, ascending (cached)."""
+    lanes = _LANES.get(mask)
+    if lanes is None:
+        if len(_LANES) >= 4096:
+            _LANES.clear()
+        lanes = _LANES[mask] = tuple(_lanes_of(mask))
+    return lanes
 
 
 _SURPRISES = 8
@@ -1068,9 +1098,9 @@ def _predicted(lanes: int, b: int, n: int) -> list[int]:
     return p
 
 
-def _lane_runs_exact(vals: list[Any], b: int) -> dict[int, int]:
-    """:func:`lane_runs` one block at a time (dict nodes, FULL entries of unknown position)."""
-    runs: dict[int, int] = {}
+def _lane_runs_exact(vals: list[Any], b: int) -> list[tuple[int, int]]:
+    """:func:`lane_groups` one block at a time (dict nodes, FULL entries of unknown place)."""
+    groups: list[tuple[int, int]] = []
     alive = -1  # every lane
     for i, node in enumerate(vals):
         full = (i + 1) * b * 4 + _FULL
@@ -1087,11 +1117,9 @@ def _lane_runs_exact(vals: list[Any], b: int) -> dict[int, int]:
         if i == 0:
             alive = m
         elif alive & ~m:
-            for lane in _lanes_of(alive & ~m):
-                runs[lane] = i
+            groups.append((alive & ~m, i))
             alive &= m
         if not alive:
-            return runs
-    for lane in _lanes_of(alive):
-        runs[lane] = len(vals)
-    return runs
+            return groups
+    groups.append((alive, len(vals)))
+    return groups

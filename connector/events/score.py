@@ -27,6 +27,7 @@ speed for one that holds it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter, itemgetter
@@ -39,7 +40,8 @@ from connector.events.index import (
     full_run,
     has_partial,
     has_state,
-    lane_runs,
+    lane_groups,
+    lanes_of,
 )
 from connector.events.wire import Medium, normalize_medium
 
@@ -137,7 +139,8 @@ def weighted(media: Mapping[str, Prefix], weights: Mapping[str, float]) -> float
     return _weighted(media, _by_weight(media, weights))
 
 
-_ORDERS: dict[tuple[tuple[str, float], ...], list[tuple[str, float]]] = {}
+_ORDERS: dict[tuple[tuple[str, float], ...], tuple[list[tuple[str, float]], int]] = {}
+_ORDER_IDS = itertools.count()
 
 
 def _by_weight(media: Iterable[str], weights: Mapping[str, float]) -> list[tuple[str, float]]:
@@ -264,10 +267,11 @@ class _Walks(NamedTuple):
     node table); ``slow``: every other engine that can hold something (walked alone);
     ``base``: every engine's answer when it holds nothing, in name order."""
 
-    fast: list[tuple[int, int, dict[int, tuple[Publisher, str]]]]
+    fast: list[tuple[int, int, dict[int, tuple[Publisher, str]], bool]]
     fast_plans: dict[Publisher, _Plan]
     slow: list[_Plan]
     base: dict[Publisher, Found]
+    hits: dict[tuple[int, int, int], list[tuple[Publisher, _HitFound]]]  # (lanes, k, b)
 
 
 def _walks(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -304,7 +308,8 @@ def _classify_plans(plans: list[_Plan]) -> _Walks:
             fast_plans[plan.publisher] = plan
         elif plan.walks:
             slow.append(plan)
-    return _Walks([(b, u, lanes) for (b, u), lanes in fast.items()], fast_plans, slow, base)
+    return _Walks([(b, u, lanes, len({pub for pub, _m in lanes.values()}) == len(lanes))
+                   for (b, u), lanes in fast.items()], fast_plans, slow, base, {})
 
 
 def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -338,34 +343,79 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     announced groups). ``publishers`` are listed even if the index holds nothing of them.
     Only media where every group holds entries are walked (elsewhere nothing is restorable).
     Engines with one attention group are walked together: one pass over the chain per block
-    size (:func:`lane_runs`), whatever their number.
+    size (:func:`lane_runs`), whatever their number. The :class:`Found` returned are shared
+    between calls while the index's shape holds: read them, do not mutate them.
     """
     w = _walks(index, unit, groups, publishers)
     out = w.base.copy()
     partials = None
-    for b, u, lanes in w.fast:
-        runs = lane_runs(index.nodes, chain, u, b)
+    for b, u, lanes, one_lane in w.fast:
+        groups = lane_groups(index.nodes, chain, u, b)
         if u < b and partials is None:  # a partial can end a prefix: probe for one
             partials = any(kc[PARTIAL_BITS] for kc in index.kinds.values())
-        probe = u < b and partials
-        for lane, (pub, m) in lanes.items():
-            k = runs.get(lane, 0)
-            if probe:
-                d = w.fast_plans[pub].walks
-                view = next(ds[0][0] for mm, ds in d if mm == m)
-                p = _attention_prefix(chain, u, b, [view], k) if view else _NONE
-            elif k:
-                p = Prefix(k * b, False)
-            else:
+        if u < b and partials:
+            runs = {lane: k for mask, k in groups for lane in lanes_of(mask)}
+            _probe_partials(w, chain, u, b, lanes, runs, out)
+            continue
+        hits = w.hits
+        for mask, k in groups:
+            pairs = hits.get((mask, k, b))
+            if pairs is None:
+                if len(hits) > _HITS_MAX:
+                    hits.clear()
+                pairs = hits[mask, k, b] = _hits(w, lanes, mask, k * b)
+            if one_lane:  # an engine in one group at most: its answer as it is
+                out.update(pairs)
                 continue
-            if p.tokens:
-                found = out[pub]
-                if type(found) is _ZeroFound:
-                    found = out[pub] = Found(dict(found.media), list(found.groups), None)
-                found.media[m] = p
+            for pub, f in pairs:
+                prev = out[pub]
+                out[pub] = f if type(prev) is _ZeroFound else _hit(pub, prev, f.media)
     for plan in w.slow:
         out[plan.publisher] = _walk_one(plan, chain)
     return out
+
+
+_HITS_MAX = 1 << 14  # cached (lanes, run) answers per index shape
+
+
+def _hits(w: _Walks, lanes: dict[int, tuple[Publisher, str]], mask: int,
+          tokens: int) -> list[tuple[Publisher, _HitFound]]:
+    """Each engine's answer where the lanes of ``mask`` hold ``tokens`` in whole blocks."""
+    out = []
+    for lane in lanes_of(mask):
+        at = lanes.get(lane)
+        if at is not None:  # else an engine walked otherwise
+            out.append((at[0], _hit(at[0], w.base[at[0]], {at[1]: Prefix(tokens, False)})))
+    return out
+
+
+class _HitFound(Found):
+    """A :class:`Found` of the joint walk, shared while the index's shape holds, with its
+    ranking per weighting (``ranked``) made on first use."""
+
+    ranked: dict[int, tuple[tuple[float, int, str], EngineScore]]  # by weighting
+    ranked_as: Publisher
+
+
+def _hit(pub: Publisher, base: Found, media: Mapping[str, Prefix]) -> _HitFound:
+    """``base`` with ``media`` found (each over what ``base`` has there), for ``pub``."""
+    f = _HitFound({**base.media, **{m: p for m, p in media.items()
+                                     if p.tokens > base.media[m].tokens}},
+                  list(base.groups), base.note)
+    f.ranked, f.ranked_as = {}, pub
+    return f
+
+
+def _probe_partials(w: _Walks, chain: Sequence[Any], u: int, b: int,
+                    lanes: dict[int, tuple[Publisher, str]], runs: dict[int, int],
+                    out: dict[Publisher, Found]) -> None:
+    """The joint walk's runs, each followed by a probe for a partial entry inside the next
+    block (only while the index holds partial entries)."""
+    for lane, (pub, m) in lanes.items():
+        view = next(ds[0][0] for mm, ds in w.fast_plans[pub].walks if mm == m)
+        p = _attention_prefix(chain, u, b, [view], runs.get(lane, 0)) if view else _NONE
+        if p.tokens:
+            out[pub] = _hit(pub, out[pub], {m: p})
 
 
 def _walk_one(plan: _Plan, chain: Sequence[Any]) -> Found:
@@ -390,36 +440,55 @@ def _walk_one(plan: _Plan, chain: Sequence[Any]) -> Found:
 
 def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list[EngineScore]:
     """Engines with their weighted scores, best first (score, cached tokens, then name)."""
-    extra = [f.media for f in found.values() if len(f.media) > len(_MEDIA)]
-    if extra:
-        order = _by_weight(set(_MEDIA).union(*extra), weights)
-    else:  # the three media: their order per weights, kept (a few weightings in use)
-        wk = tuple(weights.items())
-        order = _ORDERS.get(wk) or _ORDERS.setdefault(wk, _by_weight(_MEDIA, weights))
+    zeros = []  # engines that hold nothing: ranked once per index shape, in name order
+    hits = []  # answers of the joint walk: ranked once per weighting
+    others = []
+    for pub, f in found.items():
+        t = type(f)
+        if t is _ZeroFound:
+            zeros.append(f.ranked)
+        elif t is _HitFound:
+            hits.append(f)
+        else:
+            others.append((pub, f))
+    extra = [f.media for _p, f in others if len(f.media) > len(_MEDIA)]
+    wk = tuple(weights.items())
+    got = _ORDERS.get(wk)
+    if got is None:
         if len(_ORDERS) > 256:
             _ORDERS.clear()
+        got = _ORDERS[wk] = (_by_weight(_MEDIA, weights), next(_ORDER_IDS))
+    order, wid = got  # wid: a small int naming the weighting (media hash slowly)
     keyed = []
-    zeros = []  # engines that hold nothing: ranked once per index shape, in name order
-    for pub, f in found.items():
-        if type(f) is _ZeroFound:
-            zeros.append(f.ranked)
-            continue
-        media, gs, note = f
-        covered = 0  # _weighted, inline: this loop runs once per engine per request
-        total = 0.0
-        for m, w in order:
-            p = media.get(m)
-            if p is not None and p[0] > covered:
-                total += w * (p[0] - covered)
-                covered = p[0]
-        keyed.append(((-total, -max(media.values(), default=_NONE)[0], pub),
-                      EngineScore(pub, total, media, gs, note)))
+    for f in hits:  # the three media only: ranked by the three's order
+        kv = f.ranked.get(wid)
+        if kv is None:
+            kv = f.ranked[wid] = _keyed(f.ranked_as, f, order)
+        keyed.append(kv)
+    if extra:
+        order = _by_weight(set(_MEDIA).union(*extra), weights)
+    keyed += [_keyed(pub, f, order) for pub, f in others]
     keyed.sort(key=itemgetter(0))
     if not keyed or keyed[-1][0][0] or keyed[-1][0][1]:  # every one above the zeros
         return [s for _k, s in keyed] + zeros
     ranked = [s for k, s in keyed if k[0] or k[1]]
     return ranked + sorted([s for k, s in keyed if not (k[0] or k[1])] + zeros,
                            key=attrgetter("publisher"))
+
+
+def _keyed(pub: Publisher, f: Found,
+           order: list[tuple[str, float]]) -> tuple[tuple[float, int, str], EngineScore]:
+    """One engine's sort key (score, cached tokens, name) and :class:`EngineScore`."""
+    media, gs, note = f
+    covered = 0  # _weighted, inline
+    total = 0.0
+    for m, w in order:
+        p = media.get(m)
+        if p is not None and p[0] > covered:
+            total += w * (p[0] - covered)
+            covered = p[0]
+    return ((-total, -max(media.values(), default=_NONE)[0], pub),
+            EngineScore(pub, total, media, gs, note))
 
 
 def score_engines(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
