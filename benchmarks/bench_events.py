@@ -141,21 +141,23 @@ def best_of(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]
     return best
 
 
-def bytes_per_entry(n: int = 200_000) -> float:
-    """Index memory per resident full entry (facts + residency), measured with tracemalloc."""
+def bytes_per_entry(n: int = 200_000, engines: int = 1) -> float:
+    """Index memory per resident full entry (facts + residency), measured with tracemalloc:
+    ``n`` entries, the same blocks on each of ``engines`` engines (one node per block)."""
     import tracemalloc
 
     payloads = []
     h = 10**12
-    for i in range(n // 50):
+    for i in range(n // engines // 50):
         hashes = list(range(h + i * 50, h + i * 50 + 50))
         payloads.append(encode_batch(KVEventBatch(0.0, [BlockStored(
             hashes, None, [1] * (B * 50), B, None, "GPU", None, group_idx=0)])))
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     ing = Ingestor(block_sizes={0: B})
-    for p in payloads:
-        ing.ingest("mem", 0, p, now=0.0)
+    for e in range(engines):
+        for p in payloads:
+            ing.ingest(f"mem{e}", 0, p, now=0.0)
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     assert ing.index.n_entries == n
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "ingest_vs_own_decoder": rates["kvtier_ingest"] / rates["kvtier_decoder_only"],
     }
     bpe = bytes_per_entry(20_000 if args.quick else 200_000)
+    bpe8 = bytes_per_entry(20_000 if args.quick else 200_000, engines=8)
     print(f"{n_batches} batches, {updates:,} hash updates, {total_bytes / 2**20:.1f} MiB; "
           f"best of {reps}, one core")
     print(f"{'consumer':<22}{'hash updates/s':>16}{'MB/s':>10}{'vs floor':>10}")
@@ -192,11 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratios: ingest/decode_floor = {ratios['ingest_vs_decode_floor']:.2f}   "
           f"ingest/naive = {ratios['ingest_vs_naive']:.2f}   "
           f"ingest/own decoder = {ratios['ingest_vs_own_decoder']:.2f}")
-    print(f"index memory: {bpe:.0f} bytes per resident full entry")
+    print(f"index memory: {bpe:.0f} bytes per resident full entry ({bpe8:.0f} when 8 engines "
+          f"hold the same blocks)")
     result = {
         "ratios": ratios, "hashes_per_s": rates["kvtier_ingest"],
         "rates": rates, "updates": updates, "batches": n_batches,
         "payload_bytes": total_bytes, "reps": reps, "bytes_per_entry": bpe,
+        "bytes_per_entry_8_engines_same_blocks": bpe8,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -512,7 +512,7 @@ def report(res: dict[str, Any]) -> None:
         rows.append((f"{label} p50 (us)", q["p50_us"], theirs.get("p50_us")))
         rows.append((f"{label} p99 (us)", q["p99_us"], theirs.get("p99_us")))
     for name, a, b in rows:
-        ratio = "" if b is None else f"{(a / b if 'us' in name else b / a):.2f}"
+        ratio = "" if b is None else f"{a / b:.2f}"
         print(f"{name:<44}{a:>12,.0f}{'' if b is None else f'{b:,.0f}':>12}{ratio:>8}")
     if "error" in p:
         print(f"dynamo: not run: {p['error']}")

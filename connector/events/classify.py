@@ -179,9 +179,8 @@ class Classifier:
             parent_nt = 0
             known = contiguous
         else:
-            parent_nt = self.index.position_of(pg, parent)
-            if not parent_nt:  # never announced: placed by the skipped span, if sent
-                parent_nt = self._skipped_end(pg, ev)
+            # never announced: placed by the skipped span, if the event has one
+            parent_nt = self.index.position_of(pg, parent) or self._skipped_end(pg, ev)
             known = contiguous and parent_nt > 0
 
         if b is None:  # single hash, size not decidable yet

@@ -16,9 +16,12 @@ pool's reset: the caller clears the publisher's GPU entries only. Entries of a m
 TTL (STORAGE with ``storage_ttl_s``: Redis expires values and announces nothing) expire that
 long after their last announcement (:meth:`KVIndex.expire`).
 
-Each residency key maps hash -> packed facts (``num_tokens * 4 + kind``, :func:`pack`);
-counts above one live in a small side table, so the common case (announced once, removed
-once) costs one dict entry and the bulk paths stay in C.
+One node table serves every residency key: block hash -> node. A key owns a lane (a bit);
+a node is ``lanes << SHIFT | facts`` (packed facts ``num_tokens * 4 + kind``, :func:`pack`)
+while its lanes agree on the facts, else a dict lane -> facts. Counts above one live in a
+small side table per key, so the common case (announced once, removed once) costs one node
+per block however many engines hold it, and the bulk paths stay in C. ``res[key]`` is a
+read-only view of one key's entries (:class:`LaneView`).
 Facts live exactly as long as the entry: memory is bounded by ``max_entries``; stores
 beyond it are dropped and counted, which can only make look-ups answer *less*.
 
@@ -27,6 +30,8 @@ them), per medium and over all media: FULL entries count whole; a PARTIAL entry 
 end a prefix and counts only its own ``num_tokens``; nothing extends past a partial;
 PLACEHOLDER and PENDING entries never count. Each publisher is walked with its own block
 size (publishers that share one are walked together); the answer is the best of those walks.
+Scoring (``connector.events.score``) walks every engine of one block size at once over the
+node table (:func:`lane_groups`).
 """
 
 from __future__ import annotations

@@ -19,10 +19,12 @@ Rules it keeps (docs/daemon.md, "POST /score"):
 
 Functions over a :class:`~connector.events.index.KVIndex`; not thread-safe (the caller holds
 the index's lock while :func:`prefixes` walks it). What a walk needs per engine and changes
-only with the index's shape (groups, block sizes, unit, the entry dicts per medium) is kept on
-the index (``KVIndex.plans``) until that shape changes, so a query is the walks themselves:
-one dict look-up for an engine that lacks the first block, whole chunks of the chain at C
-speed for one that holds it.
+only with the index's shape (groups, block sizes, unit, each medium's residency key) is kept
+on the index (``KVIndex.plans``) until that shape changes. Engines with one attention group
+are walked together, one pass over the chain's nodes per block size
+(:func:`~connector.events.index.lane_groups`): the cost is one dict hop per block whatever the
+number of engines; engines whose run ends at one block share one answer, made once per shape.
+Others (hybrid, several ownerships on a medium, media past the three) are walked one by one.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def weights_from(given: Mapping[str, Any] | None,
     CPU). :class:`ValueError` naming ``weights.<medium>`` for a weight that is not a finite
     number >= 0, and with ``known_media`` (media announced besides the three) for a medium
     that is neither one of the three (or an alias) nor one of those."""
-    out = dict(DEFAULT_WEIGHTS)
+    out = {str(m): w for m, w in DEFAULT_WEIGHTS.items()}  # plain str: an enum hashes slowly
     known = None if known_media is None else {*_MEDIA, *known_media}
     for name, w in (given or {}).items():
         if (isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w)
@@ -271,6 +273,7 @@ class _Walks(NamedTuple):
     fast_plans: dict[Publisher, _Plan]
     slow: list[_Plan]
     base: dict[Publisher, Found]
+    zeros: dict[Publisher, EngineScore]  # every engine's ranking when it holds nothing
     hits: dict[tuple[int, int, int], list[tuple[Publisher, _HitFound]]]  # (lanes, k, b)
 
 
@@ -309,7 +312,8 @@ def _classify_plans(plans: list[_Plan]) -> _Walks:
         elif plan.walks:
             slow.append(plan)
     return _Walks([(b, u, lanes, len({pub for pub, _m in lanes.values()}) == len(lanes))
-                   for (b, u), lanes in fast.items()], fast_plans, slow, base, {})
+                   for (b, u), lanes in fast.items()], fast_plans, slow, base,
+                  {pub: f.ranked for pub, f in base.items()}, {})
 
 
 def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -347,7 +351,8 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     between calls while the index's shape holds: read them, do not mutate them.
     """
     w = _walks(index, unit, groups, publishers)
-    out = w.base.copy()
+    out = _Answers(w.base)
+    out.zeros = w.zeros
     partials = None
     for b, u, lanes, one_lane in w.fast:
         groups = lane_groups(index.nodes, chain, u, b)
@@ -365,7 +370,8 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
                     hits.clear()
                 pairs = hits[mask, k, b] = _hits(w, lanes, mask, k * b)
             if one_lane:  # an engine in one group at most: its answer as it is
-                out.update(pairs)
+                dict.update(out, pairs)
+                out.changed.update(p for p, _f in pairs)
                 continue
             for pub, f in pairs:
                 prev = out[pub]
@@ -373,6 +379,30 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     for plan in w.slow:
         out[plan.publisher] = _walk_one(plan, chain)
     return out
+
+
+class _Answers(dict[Publisher, Found]):
+    """What :func:`prefixes` returns: a dict, plus what :func:`rank` reads to skip the
+    engines that hold nothing (``zeros``: all of them ranked, by name; ``changed``: those
+    answered otherwise this time)."""
+
+    zeros: dict[Publisher, EngineScore]
+
+    def __init__(self, base: dict[Publisher, Found]) -> None:
+        super().__init__(base)
+        self.changed: set[Publisher] = set()
+
+    def __setitem__(self, pub: Publisher, found: Found) -> None:
+        super().__setitem__(pub, found)
+        self.changed.add(pub)
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        new = dict(*args, **kw)
+        super().update(new)
+        self.changed.update(new)
+
+    def __delitem__(self, pub: Publisher) -> None:  # rank would list it among the zeros
+        raise TypeError("an engine's answer cannot be deleted")
 
 
 _HITS_MAX = 1 << 14  # cached (lanes, run) answers per index shape
@@ -408,7 +438,7 @@ def _hit(pub: Publisher, base: Found, media: Mapping[str, Prefix]) -> _HitFound:
 
 def _probe_partials(w: _Walks, chain: Sequence[Any], u: int, b: int,
                     lanes: dict[int, tuple[Publisher, str]], runs: dict[int, int],
-                    out: dict[Publisher, Found]) -> None:
+                    out: _Answers) -> None:
     """The joint walk's runs, each followed by a probe for a partial entry inside the next
     block (only while the index holds partial entries)."""
     for lane, (pub, m) in lanes.items():
@@ -440,10 +470,21 @@ def _walk_one(plan: _Plan, chain: Sequence[Any]) -> Found:
 
 def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list[EngineScore]:
     """Engines with their weighted scores, best first (score, cached tokens, then name)."""
-    zeros = []  # engines that hold nothing: ranked once per index shape, in name order
+    zeros: list[EngineScore] = []  # engines that hold nothing: ranked once per shape, by name
     hits = []  # answers of the joint walk: ranked once per weighting
     others = []
-    for pub, f in found.items():
+    items: Iterable[tuple[Publisher, Found]] = found.items()
+    if type(found) is _Answers:  # only the engines answered this time: the rest hold nothing
+        changed = found.changed
+        if changed:
+            left = found.zeros.copy()
+            for pub in changed:
+                left.pop(pub, None)
+            zeros = list(left.values())
+        else:
+            zeros = list(found.zeros.values())
+        items = [(pub, found[pub]) for pub in changed]
+    for pub, f in items:
         t = type(f)
         if t is _ZeroFound:
             zeros.append(f.ranked)

@@ -15,7 +15,14 @@ import pytest
 
 from connector.daemon.ingest import Ingestor
 from connector.events.index import FACTS, SHIFT, lane_runs
-from connector.events.score import _walk_one, _walks, prefixes, score_engines
+from connector.events.score import (
+    _walk_one,
+    _walks,
+    prefixes,
+    rank,
+    score_engines,
+    weights_from,
+)
 from connector.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -107,6 +114,10 @@ def test_one_walk_for_every_engine_answers_as_each_engine_walked_alone(seed: int
             if pub in plans:
                 alone = _walk_one(plans[pub], chain)
                 assert found.media == alone.media, (pub, chain)
+        for weights in ({}, {"GPU": 0.0, "CPU": 2.0}):  # ranked as a plain dict is
+            w = weights_from(weights)
+            assert [s.as_dict() for s in rank(together, w)] == \
+                [s.as_dict() for s in rank(dict(together), w)]
 
 
 def test_lane_runs_match_a_block_by_block_walk_with_dict_nodes_and_unplaced_entries() -> None:
