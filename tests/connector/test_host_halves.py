@@ -133,7 +133,9 @@ def test_shards_of_two_saves_are_never_one_hit(engines: Make) -> None:
     y = engines(2)
     _store(y)  # rank 1's 3 shards committed, rank 0's 3 dropped as duplicates
     keys = [y.key(req, 0, end) for end in (32, 64, 96)]
-    assert all(None not in [host.client.lookup(d) for d in host.digests(k)] for k in keys)
+    # x's mirror hears of y's commits after y's own does: wait for it, not for y's
+    assert host.client.wait_until(lambda c: all(
+        None not in [c.lookup(d) for d in host.digests(k)] for k in keys), WAIT_S)
     z = engines(2)
     assert z.lookup(Req("c", 100)) == (0, False)
     snap = z.sched.counters.snapshot()
