@@ -1044,16 +1044,16 @@ def lane_groups(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any],
     n = len(ends)
     if not n:
         return []
-    vals = list(map(nodes.get, ends, repeat(0, n)))
+    get = nodes.get
     groups: list[tuple[int, int]] = []
     alive = 0
-    j = 0  # vals[j] is next to check against the prediction
+    j = 0  # ends[j] is the block to look at; nothing past a run's end is fetched
     surprises = 0
     prog = _progression(b * 4, n)
     while j < n:
-        node = vals[j]
+        node = get(ends[j], 0)
         if type(node) is not int:
-            return _lane_runs_exact(vals, b)
+            return _lane_runs_exact(list(map(get, ends, repeat(0, n))), b)
         f = node & FACTS
         held = node >> SHIFT if f == prog[j] or f == _FULL else 0
         now = alive & held if j else held
@@ -1064,10 +1064,10 @@ def lane_groups(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any],
         if now == alive:  # a node with more lanes than the run's, or a FULL of unknown place
             surprises += 1
             if surprises > _SURPRISES:
-                return _lane_runs_exact(vals, b)
+                return _lane_runs_exact(list(map(get, ends, repeat(0, n))), b)
         alive = now
         want = _predicted(alive, b, n)
-        j = next(compress(count(j + 1), map(ne, islice(vals, j + 1, None),
+        j = next(compress(count(j + 1), map(ne, map(get, islice(ends, j + 1, n)),
                                             islice(want, j + 1, n))), n)
     groups.append((alive, n))
     return groups

@@ -274,7 +274,8 @@ class _Walks(NamedTuple):
     slow: list[_Plan]
     base: dict[Publisher, Found]
     zeros: dict[Publisher, EngineScore]  # every engine's ranking when it holds nothing
-    hits: dict[tuple[int, int, int], list[tuple[Publisher, _HitFound]]]  # (lanes, k, b)
+    hits: dict[tuple[int, int, int], _Hits]  # (lanes, k, b) -> their answers
+    answers: dict[tuple[int, int], tuple[Publisher, _HitFound]]  # (lane, tokens) -> answer
 
 
 def _walks(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -313,7 +314,7 @@ def _classify_plans(plans: list[_Plan]) -> _Walks:
             slow.append(plan)
     return _Walks([(b, u, lanes, len({pub for pub, _m in lanes.values()}) == len(lanes))
                    for (b, u), lanes in fast.items()], fast_plans, slow, base,
-                  {pub: f.ranked for pub, f in base.items()}, {})
+                  {pub: f.ranked for pub, f in base.items()}, {}, {})
 
 
 def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -364,16 +365,16 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
             continue
         hits = w.hits
         for mask, k in groups:
-            pairs = hits.get((mask, k, b))
-            if pairs is None:
+            g = hits.get((mask, k, b))
+            if g is None:
                 if len(hits) > _HITS_MAX:
                     hits.clear()
-                pairs = hits[mask, k, b] = _hits(w, lanes, mask, k * b)
+                g = hits[mask, k, b] = _Hits(_hits(w, lanes, mask, k * b))
             if one_lane:  # an engine in one group at most: its answer as it is
-                dict.update(out, pairs)
-                out.changed.update(p for p, _f in pairs)
+                dict.update(out, g.pairs)
+                out.groups.append(g)
                 continue
-            for pub, f in pairs:
+            for pub, f in g.pairs:
                 prev = out[pub]
                 out[pub] = f if type(prev) is _ZeroFound else _hit(pub, prev, f.media)
     for plan in w.slow:
@@ -381,16 +382,40 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     return out
 
 
+class _Hits:
+    """The engines whose run ends at one block, with one answer each: made once per index
+    shape; ranked once per weighting (``ranked``: the shared sort key and the engines'
+    scores by name)."""
+
+    __slots__ = ("pairs", "pubs", "ranked")
+
+    def __init__(self, pairs: list[tuple[Publisher, _HitFound]]) -> None:
+        self.pairs = pairs
+        self.pubs = tuple(pub for pub, _f in pairs)
+        self.ranked: dict[int, tuple[tuple[float, int], list[EngineScore]]] = {}
+
+    def rank(self, wid: int, order: list[tuple[str, float]]
+             ) -> tuple[tuple[float, int], list[EngineScore]]:
+        got = self.ranked.get(wid)
+        if got is None:
+            keyed = sorted((f.ranked.get(wid) or f.ranked.setdefault(wid, _keyed(pub, f, order))
+                            for pub, f in self.pairs), key=itemgetter(0))
+            key = keyed[0][0][:2] if keyed else (0.0, 0)
+            got = self.ranked[wid] = (key, [sc for _k, sc in keyed])
+        return got
+
+
 class _Answers(dict[Publisher, Found]):
     """What :func:`prefixes` returns: a dict, plus what :func:`rank` reads to skip the
-    engines that hold nothing (``zeros``: all of them ranked, by name; ``changed``: those
-    answered otherwise this time)."""
+    engines that hold nothing (``zeros``: all of them ranked, by name; ``groups``: engines
+    answered in groups; ``changed``: those answered otherwise this time)."""
 
     zeros: dict[Publisher, EngineScore]
 
     def __init__(self, base: dict[Publisher, Found]) -> None:
         super().__init__(base)
         self.changed: set[Publisher] = set()
+        self.groups: list[_Hits] = []
 
     def __setitem__(self, pub: Publisher, found: Found) -> None:
         super().__setitem__(pub, found)
@@ -410,12 +435,21 @@ _HITS_MAX = 1 << 14  # cached (lanes, run) answers per index shape
 
 def _hits(w: _Walks, lanes: dict[int, tuple[Publisher, str]], mask: int,
           tokens: int) -> list[tuple[Publisher, _HitFound]]:
-    """Each engine's answer where the lanes of ``mask`` hold ``tokens`` in whole blocks."""
+    """Each engine's answer where the lanes of ``mask`` hold ``tokens`` in whole blocks
+    (made once per lane and answer)."""
     out = []
+    answers = w.answers
     for lane in lanes_of(mask):
-        at = lanes.get(lane)
-        if at is not None:  # else an engine walked otherwise
-            out.append((at[0], _hit(at[0], w.base[at[0]], {at[1]: Prefix(tokens, False)})))
+        pair = answers.get((lane, tokens))
+        if pair is None:
+            at = lanes.get(lane)
+            if at is None:  # an engine walked otherwise
+                continue
+            if len(answers) > _HITS_MAX:
+                answers.clear()
+            pair = answers[lane, tokens] = (
+                at[0], _hit(at[0], w.base[at[0]], {at[1]: Prefix(tokens, False)}))
+        out.append(pair)
     return out
 
 
@@ -431,7 +465,7 @@ def _hit(pub: Publisher, base: Found, media: Mapping[str, Prefix]) -> _HitFound:
     """``base`` with ``media`` found (each over what ``base`` has there), for ``pub``."""
     f = _HitFound({**base.media, **{m: p for m, p in media.items()
                                      if p.tokens > base.media[m].tokens}},
-                  list(base.groups), base.note)
+                  base.groups, base.note)  # shared, as the answer is
     f.ranked, f.ranked_as = {}, pub
     return f
 
@@ -470,29 +504,6 @@ def _walk_one(plan: _Plan, chain: Sequence[Any]) -> Found:
 
 def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list[EngineScore]:
     """Engines with their weighted scores, best first (score, cached tokens, then name)."""
-    zeros: list[EngineScore] = []  # engines that hold nothing: ranked once per shape, by name
-    hits = []  # answers of the joint walk: ranked once per weighting
-    others = []
-    items: Iterable[tuple[Publisher, Found]] = found.items()
-    if type(found) is _Answers:  # only the engines answered this time: the rest hold nothing
-        changed = found.changed
-        if changed:
-            left = found.zeros.copy()
-            for pub in changed:
-                left.pop(pub, None)
-            zeros = list(left.values())
-        else:
-            zeros = list(found.zeros.values())
-        items = [(pub, found[pub]) for pub in changed]
-    for pub, f in items:
-        t = type(f)
-        if t is _ZeroFound:
-            zeros.append(f.ranked)
-        elif t is _HitFound:
-            hits.append(f)
-        else:
-            others.append((pub, f))
-    extra = [f.media for _p, f in others if len(f.media) > len(_MEDIA)]
     wk = tuple(weights.items())
     got = _ORDERS.get(wk)
     if got is None:
@@ -500,21 +511,72 @@ def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list
             _ORDERS.clear()
         got = _ORDERS[wk] = (_by_weight(_MEDIA, weights), next(_ORDER_IDS))
     order, wid = got  # wid: a small int naming the weighting (media hash slowly)
-    keyed = []
-    for f in hits:  # the three media only: ranked by the three's order
-        kv = f.ranked.get(wid)
-        if kv is None:
-            kv = f.ranked[wid] = _keyed(f.ranked_as, f, order)
-        keyed.append(kv)
+    if type(found) is _Answers and not any(found.changed.intersection(g.pubs)
+                                           for g in found.groups):
+        return _rank_answers(found, order, wid, weights)
+    return _rank_each(list(found.items()), [], order, weights)
+
+
+def _rank_answers(found: _Answers, order: list[tuple[str, float]], wid: int,
+                  weights: Mapping[str, float]) -> list[EngineScore]:
+    """:func:`rank` of :func:`prefixes`' answer: the engines that hold nothing are ranked
+    already, each group of engines once per weighting; only the rest one by one."""
+    left = found.zeros.copy()
+    blocks = []
+    for g in found.groups:
+        for pub in g.pubs:
+            del left[pub]
+        blocks.append(g.rank(wid, order))
+    for pub in found.changed:
+        left.pop(pub, None)
+    if found.changed:
+        return _rank_each([(pub, found[pub]) for pub in found.changed], blocks, order,
+                          weights, list(left.values()))
+    return _merge(blocks, list(left.values()))
+
+
+def _rank_each(items: list[tuple[Publisher, Found]],
+               blocks: list[tuple[tuple[float, int], list[EngineScore]]],
+               order: list[tuple[str, float]], weights: Mapping[str, float],
+               zeros: list[EngineScore] | None = None) -> list[EngineScore]:
+    """Rank ``items`` one by one (engines that hold nothing once per shape) with ``blocks``
+    (ranked groups) and ``zeros`` (engines known to hold nothing, by name)."""
+    zeros = [] if zeros is None else zeros
+    extra = [f.media for _p, f in items if len(f.media) > len(_MEDIA)]
     if extra:
         order = _by_weight(set(_MEDIA).union(*extra), weights)
-    keyed += [_keyed(pub, f, order) for pub, f in others]
-    keyed.sort(key=itemgetter(0))
-    if not keyed or keyed[-1][0][0] or keyed[-1][0][1]:  # every one above the zeros
-        return [s for _k, s in keyed] + zeros
-    ranked = [s for k, s in keyed if k[0] or k[1]]
-    return ranked + sorted([s for k, s in keyed if not (k[0] or k[1])] + zeros,
-                           key=attrgetter("publisher"))
+    for pub, f in items:
+        if type(f) is _ZeroFound:
+            zeros.append(f.ranked)
+        else:
+            k, sc = _keyed(pub, f, order)
+            blocks.append((k[:2], [sc]))
+    zeros.sort(key=attrgetter("publisher"))  # sorted already, mostly: linear
+    return _merge(blocks, zeros)
+
+
+def _merge(blocks: list[tuple[tuple[float, int], list[EngineScore]]],
+           zeros: list[EngineScore]) -> list[EngineScore]:
+    """Blocks of equally ranked engines (each by name) best first, engines of equal rank
+    by name; then the zeros (by name) with the blocks that rank as nothing."""
+    blocks.sort(key=itemgetter(0))
+    out: list[EngineScore] = []
+    i, n = 0, len(blocks)
+    while i < n:
+        key, scores = blocks[i]
+        if not (key[0] or key[1]):  # ranks as nothing: among the zeros, by name
+            rest = [sc for _k, ss in blocks[i:] for sc in ss] + zeros
+            return out + sorted(rest, key=attrgetter("publisher"))
+        j = i + 1
+        while j < n and blocks[j][0] == key:
+            j += 1
+        if j == i + 1:
+            out += scores
+        else:
+            out += sorted((sc for _k, ss in blocks[i:j] for sc in ss),
+                          key=attrgetter("publisher"))
+        i = j
+    return out + zeros
 
 
 def _keyed(pub: Publisher, f: Found,
