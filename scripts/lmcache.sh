@@ -20,6 +20,8 @@ cd "$(dirname "$0")/.."
 
 VERSION=${LMCACHE_VERSION:-0.5.6}
 GLIDE=valkey-glide-sync==2.5.3
+# lmcache.v1.storage_backend (which its valkey adapter imports) imports these two at load.
+AIOFILE="aiofile aiofiles"
 # LMCache's MP server, started as its users start it (observability on), imports this one.
 OTEL="opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0"
 VENV=.venv-lmcache
@@ -27,7 +29,7 @@ VENV=.venv-lmcache
 [ -x .venv/bin/python ] || bash scripts/bootstrap.sh
 
 base_site=$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
-stamp="$VENV/.kvtier-lmcache-$( (cat scripts/lmcache.sh; echo "$VERSION $GLIDE $OTEL $base_site") |
+stamp="$VENV/.kvtier-lmcache-$( (cat scripts/lmcache.sh; echo "$VERSION $GLIDE $OTEL $AIOFILE $base_site") |
   sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "[lmcache] building $VENV: lmcache $VERSION (--no-deps) over .venv's packages" >&2
@@ -38,7 +40,7 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps \
     ${LMCACHE_FIND_LINKS:+--no-index --find-links "$LMCACHE_FIND_LINKS"} "lmcache==$VERSION"
   "$VENV/bin/python" -m pip install -q \
-    ${LMCACHE_FIND_LINKS:+--no-index --find-links "$LMCACHE_FIND_LINKS"} "$GLIDE" "$OTEL"
+    ${LMCACHE_FIND_LINKS:+--no-index --find-links "$LMCACHE_FIND_LINKS"} "$GLIDE" "$OTEL" $AIOFILE
   touch "$stamp"
 fi
 

@@ -7,10 +7,12 @@ only kvtier module that imports LMCache.
 
 The task model, as LMCache's controllers use it:
 
-* ``submit_*`` return a task id at once; no Redis I/O runs on LMCache's thread. Stores go to
-  the Redis tier's write-behind thread (zero copy: LMCache keeps the buffers until the task
-  completes); lookups run on one kvtier thread, loads on ``load_threads`` (a task's keys split
-  between them), deletes, listing and the namespace registry on a control thread.
+* ``submit_*`` return a task id at once; no Redis I/O runs on LMCache's thread. Stores run on
+  a kvtier store thread, one pipelined batch per task straight from LMCache's buffers (zero
+  copy: LMCache keeps them until the task completes), and so do the unlinks of ``delete``
+  (ordered with the stores); lookups on a lookup thread; loads on ``load_threads`` (a task's
+  keys split between them), each GET reply received into LMCache's buffer; listing and the
+  namespace registry on a control thread.
 * Each kind of task has its own eventfd, signalled once per completed task after its result is
   published (``pop_completed_store_tasks``, ``query_lookup_and_lock_result``,
   ``query_load_result``: each result handed out once). A task always completes: Redis trouble,
@@ -107,15 +109,13 @@ class _Worker:
 
 
 class _StoreTask:
-    __slots__ = ("task_id", "keys", "sizes", "ok", "remaining", "lock")
+    __slots__ = ("task_id", "keys", "sizes", "ok")
 
     def __init__(self, task_id: int, keys: list[ObjectKey], sizes: list[int]) -> None:
         self.task_id = task_id
         self.keys = keys
         self.sizes = sizes
         self.ok = [False] * len(keys)
-        self.remaining = len(keys)
-        self.lock = threading.Lock()
 
 
 class _LoadTask:
@@ -160,9 +160,7 @@ class KvtierL2Adapter(L2AdapterInterface):
             url, prefix=settings.key_prefix, ttl_s=settings.ttl_s,
             redis_timeout_s=settings.redis_timeout_s,
             connect_timeout_s=settings.connect_timeout_s, cluster=settings.cluster,
-            ssl_ca_certs=settings.ssl_ca_certs, write_queue_max=1 << 20,
-            write_queue_max_bytes=settings.write_queue_max_bytes,
-            delete_corrupt=settings.delete_corrupt, write_linger_s=0.0)
+            ssl_ca_certs=settings.ssl_ca_certs, delete_corrupt=settings.delete_corrupt)
         self._control_factory = ClientFactory(
             target, timeout_s=settings.redis_timeout_s,
             connect_timeout_s=settings.connect_timeout_s, ssl_ca_certs=settings.ssl_ca_certs)
@@ -191,6 +189,7 @@ class KvtierL2Adapter(L2AdapterInterface):
              "keys_load_missed", "locks", "unlocks", "unmatched_unlocks", "deletes",
              "deferred_deletes", "bad_keys", "internal_errors"), 0)
 
+        self._store_worker = _Worker("kvtier-lmc-store")  # stores and unlinks, in order
         self._lookup_worker = _Worker("kvtier-lmc-look")
         load_queue: SimpleQueue[Job | None] = SimpleQueue()
         self._load_workers = [_Worker(f"kvtier-lmc-load{i}", load_queue)
@@ -268,37 +267,31 @@ class KvtierL2Adapter(L2AdapterInterface):
             return task_id
         self._register([ChunkOwner(k.model_name, k.kv_rank, k.cache_salt)
                         for k, bk in zip(keys, bkeys, strict=True) if bk is not None])
-        puts = []
-        for i, (bkey, view) in enumerate(zip(bkeys, views, strict=True)):
-            if bkey is None or view is None:
-                self._store_done(task, i, False)
-                continue
-            puts.append((bkey, view, self._store_callback(task, i), 0))
-        if puts:
-            try:
-                self._tier.submit_puts(puts)  # never blocks; a drop calls back with False
-            except Exception:
-                log.exception("kvtier L2 adapter: store task %d could not be queued", task_id)
-                with self._lock:
-                    self._n["internal_errors"] += 1
-                for _, _, done, _ in puts:
-                    done(False)
+        self._submit(self._store_worker, lambda: self._run_store(task, bkeys, views),
+                     lambda: self._finish_store(task, failed=True))
         return task_id
 
-    def _store_callback(self, task: _StoreTask, i: int) -> Callable[[bool], None]:
-        def done(ok: bool) -> None:
-            self._store_done(task, i, ok)
-        return done
-
-    def _store_done(self, task: _StoreTask, i: int, ok: bool) -> None:
-        with task.lock:
-            if task.remaining <= 0:
-                return
-            task.ok[i] = ok
-            task.remaining -= 1
-            last = task.remaining == 0
-        if last:
-            self._finish_store(task)
+    def _run_store(self, task: _StoreTask, bkeys: list[BlockKey | None],
+                   views: list[memoryview | None]) -> None:
+        """One pipelined batch of SETs (the payloads go from LMCache's buffers to the socket);
+        when fewer than all were stored, the header probe says which ones Redis holds."""
+        idx = [i for i, (bk, v) in enumerate(zip(bkeys, views, strict=True))
+               if bk is not None and v is not None]
+        try:
+            items = [(bkeys[i], views[i]) for i in idx]
+            stored = self._tier.put_many(items) if items else 0  # type: ignore[arg-type]
+            if stored == len(idx):
+                flags = [True] * len(idx)
+            else:
+                flags = self._tier.exists_many([bkeys[i] for i in idx])  # type: ignore[misc]
+            for i, ok in zip(idx, flags, strict=True):
+                task.ok[i] = ok
+        except Exception:
+            log.exception("kvtier L2 adapter: store task %d failed", task.task_id)
+            with self._lock:
+                self._n["internal_errors"] += 1
+            task.ok = [False] * len(task.keys)
+        self._finish_store(task)
 
     def _finish_store(self, task: _StoreTask, failed: bool = False) -> None:
         """Account the keys written, publish the task's result, signal the store fd."""
@@ -419,7 +412,7 @@ class KvtierL2Adapter(L2AdapterInterface):
                 else:
                     self._locks[key] = count - 1
         if unlink:
-            self._submit(self._control, lambda: self._unlink(unlink), lambda: None)
+            self._submit(self._store_worker, lambda: self._unlink(unlink), lambda: None)
 
     # ------------------------------------------------------------------ load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -519,8 +512,8 @@ class KvtierL2Adapter(L2AdapterInterface):
             self._n["deletes"] += len(keys)
         if gone:
             self._notify_quietly(self._notify_keys_deleted, gone, sizes)
-        if now:
-            self._call_control(lambda: self._unlink(now), None)
+        if now:  # after the stores queued before it, so a re-store is never unlinked
+            self._call_on(self._store_worker, lambda: self._unlink(now), None)
 
     def _unlink(self, bkeys: list[BlockKey]) -> int:
         return self._tier.delete_many(bkeys)
@@ -532,8 +525,8 @@ class KvtierL2Adapter(L2AdapterInterface):
         (another kvtier deployment's, another ``namespace`` setting's) are left out."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive (got {page_size})")
-        result = self._call_control(
-            lambda: list_keys(self._client(), self.keys, self.settings.key_prefix,
+        result = self._call_on(
+            self._control, lambda: list_keys(self._client(), self.keys, self.settings.key_prefix,
                               model_name=model_name, page_size=page_size, cursor=cursor),
             RuntimeError("kvtier L2 adapter: listing did not finish"))
         entries = tuple(
@@ -546,8 +539,8 @@ class KvtierL2Adapter(L2AdapterInterface):
             for item in result.items)
         return KeyListPage(entries=entries, next_page_token=result.next_cursor)
 
-    def _call_control(self, fn: Callable[[], Any], default: Any) -> Any:
-        """Run ``fn`` on the control thread and wait for it (bounded); ``default`` when it
+    def _call_on(self, worker: _Worker, fn: Callable[[], Any], default: Any) -> Any:
+        """Run ``fn`` on ``worker``'s thread and wait for it (bounded); ``default`` when it
         could not run or did not finish (an exception default is raised)."""
         future: Future[Any] = Future()
 
@@ -562,7 +555,7 @@ class KvtierL2Adapter(L2AdapterInterface):
         with self._lock:
             closed = self._closed
             if not closed:
-                self._control.queue.put(job)
+                worker.queue.put(job)
         if closed:
             if isinstance(default, BaseException):
                 raise default
@@ -571,8 +564,8 @@ class KvtierL2Adapter(L2AdapterInterface):
             return future.result(timeout=self._control_wait_s)
         except TimeoutError:
             future.cancel()
-            log.warning("kvtier L2 adapter: control call did not finish in %.0f s",
-                        self._control_wait_s)
+            log.warning("kvtier L2 adapter: %s did not finish in %.0f s",
+                        worker.thread.name, self._control_wait_s)
             if isinstance(default, BaseException):
                 raise default from None
             return default
@@ -596,7 +589,7 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict[str, Any]:
         tier = self._tier.stats()
-        threads = [self._lookup_worker, self._control, *self._load_workers]
+        threads = [self._store_worker, self._lookup_worker, self._control, *self._load_workers]
         usage = self.get_usage()
         return {
             "is_healthy": (not self._closed and bool(tier["available"])
@@ -622,14 +615,14 @@ class KvtierL2Adapter(L2AdapterInterface):
             if self._closed:
                 return
             self._closed = True
-            for worker in [self._lookup_worker, self._control]:
+            for worker in [self._store_worker, self._lookup_worker, self._control]:
                 worker.queue.put(None)
             for _ in self._load_workers:
                 self._load_workers[0].queue.put(None)
-        workers = [self._lookup_worker, self._control, *self._load_workers]
+        workers = [self._store_worker, self._lookup_worker, self._control, *self._load_workers]
         for worker in workers:
             worker.thread.join(timeout=self._control_wait_s)
-        self._tier.close(timeout=self._control_wait_s)  # unwritten stores complete as failed
+        self._tier.close(timeout=self._control_wait_s)
         client, self._control_client = self._control_client, None
         close_quietly(client)
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
