@@ -33,6 +33,13 @@ unit: bootstrap
 compat:
 	@bash scripts/compat.sh
 
+# kvtier's LMCache L2 adapter (connector/lmcache_l2) inside LMCache 0.5.6, in .venv-lmcache
+# (lmcache --no-deps over .venv's packages; never a dependency of kvtier): its tests on real
+# Redis (standalone and Cluster) and LMCache's MP server end to end; see scripts/lmcache.sh.
+.PHONY: lmcache
+lmcache:
+	@bash scripts/lmcache.sh
+
 # Every benchmark the README quotes, its JSON into benchmarks/results/ (stamped with date,
 # load and command), then README/docs figures rendered from those files (benchmarks/figures.py;
 # the test suite fails when a quoted figure differs from its JSON). Takes ~1 h on 2 cores.
@@ -54,4 +61,5 @@ bench: bootstrap
 	$(VENV)/python benchmarks/route_demo.py --json $(R)/route.json && $(FIG) stamp $(R)/route.json -- route_demo.py
 	$(VENV)/python benchmarks/bench_host_tier.py --quick --json $(R)/host_tier.json && $(FIG) stamp $(R)/host_tier.json -- bench_host_tier.py --quick
 	$(VENV)/python benchmarks/bench_checkpoint_identity.py --gib 16 --shards 4 --json $(R)/checkpoint_identity.json && $(FIG) stamp $(R)/checkpoint_identity.json -- bench_checkpoint_identity.py --gib 16 --shards 4
+	LMCACHE_VENV_ONLY=1 bash scripts/lmcache.sh && .venv-lmcache/bin/python benchmarks/bench_lmcache_l2.py --json $(R)/lmcache_l2.json && $(FIG) stamp $(R)/lmcache_l2.json -- bench_lmcache_l2.py
 	$(FIG) render

@@ -15,6 +15,7 @@
 #
 #   LMCACHE_VERSION=0.5.6        the release to test
 #   LMCACHE_FIND_LINKS=/dir      install the wheels from this folder, not the index
+#   LMCACHE_VENV_ONLY=1          build the venv and stop (what `make bench` needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +44,8 @@ if [ ! -f "$stamp" ]; then
     ${LMCACHE_FIND_LINKS:+--no-index --find-links "$LMCACHE_FIND_LINKS"} "$GLIDE" "$OTEL" $AIOFILE
   touch "$stamp"
 fi
+
+[ -z "${LMCACHE_VENV_ONLY:-}" ] || exit 0
 
 export LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 

@@ -31,6 +31,10 @@ FORBIDDEN = [
     ("connector.identity", "connector.vllm_connector", "both halves use it, it uses neither"),
     ("connector.identity", "connector.native_tier", "both halves use it, it uses neither"),
     ("connector.vllm_connector", "connector.demo", "the connector never needs the demo"),
+    *(("connector.lmcache_l2", f"connector.{room}", "the LMCache adapter uses offload_tiers "
+        "only") for room in ("vllm_connector", "native_tier", "identity", "events", "daemon",
+                             "demo", "cli")),
+    ("connector.lmcache_l2", "vllm", "the LMCache adapter never imports vLLM"),
 ]
 
 
@@ -57,7 +61,8 @@ def _graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        graph[name] = {m for m in _imports(path) if m in modules or m.split(".")[0] == "vllm"}
+        graph[name] = {m for m in _imports(path)
+                       if m in modules or m.split(".")[0] in ("vllm", "lmcache")}
     return graph
 
 
@@ -78,8 +83,15 @@ def test_imports_point_one_way(importer: str, imported: str, why: str) -> None:
     assert not bad, f"{why}: " + "; ".join(bad)
 
 
+def test_only_the_lmcache_adapter_imports_lmcache() -> None:
+    importers = sorted(mod for mod, deps in _graph().items()
+                       if any(_within(dep, "lmcache") for dep in deps))
+    assert importers == ["connector.lmcache_l2.adapter"]
+
+
 def test_no_import_cycles_between_modules() -> None:
-    graph = {m: {d for d in deps if not d.startswith("vllm")} for m, deps in _graph().items()}
+    graph = {m: {d for d in deps if not d.startswith(("vllm", "lmcache"))}
+             for m, deps in _graph().items()}
     # a package's __init__ is not an edge target for its own members' cycles
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
