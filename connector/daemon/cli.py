@@ -102,12 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     j = p.add_argument_group("Redis: the janitor, and with --cpu-bytes the host tier's "
                              "write-behind and restores (off unless --redis-url or redis_url)")
     j.add_argument("--redis-url", help="the Redis tier's URL (redis://, rediss://, unix://, "
-                   "+cluster) without a password (ps shows flags): see the next two")
+                   "+cluster) without a password (ps shows flags): see the next three")
     j.add_argument("--redis-url-env", help="name of an environment variable holding the URL "
                    "(password included)")
     j.add_argument("--redis-password-file", help="a file only this user can read holding the "
                    "Redis password (with --redis-url; --redis-username for an ACL user)")
-    j.add_argument("--redis-username", help="the Redis ACL user (with --redis-password-file)")
+    j.add_argument("--redis-password-env", help="name of an environment variable holding the "
+                   "Redis password (with --redis-url; --redis-username for an ACL user)")
+    j.add_argument("--redis-username", help="the Redis ACL user (with --redis-password-file "
+                   "or --redis-password-env)")
     j.add_argument("--redis-prefix", help="key prefix of the Redis tier (default kvtier)")
     j.add_argument("--redis-ttl-s", type=int, dest="redis_ttl_s",
                    help="seconds values the host tier writes behind live (default 7 days)")
@@ -208,6 +211,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "redis_url": args.redis_url, "redis_prefix": args.redis_prefix,
         "redis_url_env": args.redis_url_env, "redis_username": args.redis_username,
         "redis_password_file": args.redis_password_file, "redis_ttl_s": args.redis_ttl_s,
+        "redis_password_env": args.redis_password_env,
         "janitor_interval_s": args.janitor_interval_s,
         "janitor_max_keys_per_s": args.janitor_max_keys_per_s,
         "janitor_max_keys_per_pass": args.janitor_max_keys_per_pass,

@@ -14,13 +14,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from connector.events.wire import Medium
+from offload_tiers.redis.settings import REDIS_FIXES, RedisConnectionSettings, RedisSettingError
 
 __all__ = ["ConfigError", "DaemonConfig", "PublisherConfig", "load_config", "offset_endpoint"]
 
@@ -140,8 +140,9 @@ class TokenHashingConfig(BaseModel):
         return self
 
 
-class DaemonConfig(BaseModel):
-    """Everything ``kvtier daemon`` can be told (see configs/daemon.yaml)."""
+class DaemonConfig(RedisConnectionSettings):
+    """Everything ``kvtier daemon`` can be told (see configs/daemon.yaml). Its Redis (the
+    janitor's and the host tier's) is reached as :class:`RedisConnectionSettings` say."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -163,17 +164,9 @@ class DaemonConfig(BaseModel):
     token_hashing: TokenHashingConfig | None = None
     # POST /score's tier weights (medium -> weight >= 0); a body's "weights" override them
     score_weights: dict[str, float] = Field(default_factory=dict)
-    # Redis janitor (off unless redis_url is set): see offload_tiers/redis/janitor.py
-    redis_url: str | None = None
-    # Credentials outside the YAML and the command line: offload_tiers/redis/credentials.py.
-    redis_url_env: str | None = None
-    redis_username: str | None = None
-    redis_password_file: str | None = None
-    redis_prefix: str = Field(default="kvtier", min_length=1)
-    # how long values the host tier writes behind to Redis live (the connector's default)
-    redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
-    redis_ssl_ca_certs: str | None = None
-    # bound on every Redis wait; the old name redis_socket_timeout_s is still read
+    # Redis (the janitor, offload_tiers/redis/janitor.py, and the host tier's write-behind;
+    # off unless redis_url or redis_url_env is set): RedisConnectionSettings' fields, with
+    # a longer bound on every Redis wait (the old name redis_socket_timeout_s is still read)
     redis_timeout_s: float = Field(
         default=2.0, gt=0, le=60,
         validation_alias=AliasChoices("redis_timeout_s", "redis_socket_timeout_s"))
@@ -193,22 +186,6 @@ class DaemonConfig(BaseModel):
                                 pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
     host_tier_max_clients: int = Field(default=256, ge=1, le=65536)
     host_tier_group: str | None = None  # share segment and socket with this group (0660)
-    _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
-
-    @property
-    def redis_warnings(self) -> tuple[str, ...]:
-        """Warnings about how the Redis credentials were given (logged once, at start)."""
-        return self._redis_warnings
-
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, v: str | None) -> str | None:
-        if v is None:
-            return None
-        from offload_tiers.redis.settings import check_redis_url
-
-        return check_redis_url(v)
-
     @field_validator("janitor_allowed_fingerprints")
     @classmethod
     def _fingerprints(cls, v: list[str] | None) -> list[str] | None:
@@ -222,17 +199,12 @@ class DaemonConfig(BaseModel):
 
     @model_validator(mode="after")
     def _janitor(self) -> DaemonConfig:
-        from offload_tiers.redis.credentials import resolve_redis_url, setting_at_fault
-
         try:
-            url, warnings = resolve_redis_url(
-                self.redis_url, url_env=self.redis_url_env, username=self.redis_username,
-                password_file=self.redis_password_file,
+            url, warnings = self.resolve_url(
                 exposure="a --redis-url flag is visible to every user of this host (ps), and "
                          "a YAML file is only as private as its mode")
-        except ValueError as exc:  # "key: ..." (_format_errors reads the key from it)
-            key = setting_at_fault(exc, self.redis_url_env, self.redis_password_file)
-            raise ValueError(f"{key}: {exc}") from None
+        except RedisSettingError as exc:  # "key: ..." (_format_errors reads the key from it)
+            raise ValueError(f"{exc.key}: {exc}") from None
         self.redis_url = url
         self._redis_warnings = tuple(warnings)
         if self.redis_url is None and self.janitor_allowed_fingerprints is not None:
@@ -346,6 +318,8 @@ def _format_errors(exc: ValidationError, flags: dict[str, str] | None = None) ->
         if err["type"] == "extra_forbidden":
             msg = (f"unknown setting. Fix: remove it or correct its spelling; known keys: "
                    f"{_known_keys(tuple(err['loc']))}")
+        elif (key := where.rpartition("(")[2].rstrip(")")) in REDIS_FIXES:
+            msg = f"{msg}. Fix: {REDIS_FIXES[key]}"
         lines.append(f"  {where}: {msg}")
     return "invalid daemon configuration:\n" + "\n".join(lines)
 

@@ -205,10 +205,7 @@ def _make_host_tier(cfg: DaemonConfig) -> Any:
         from offload_tiers.redis.tier import RedisTier
 
         # the host tier's shared slots stay held until written: a short linger
-        redis = RedisTier.from_url(cfg.redis_url, prefix=cfg.redis_prefix, ttl_s=cfg.redis_ttl_s,
-                                   redis_timeout_s=cfg.redis_timeout_s,
-                                   ssl_ca_certs=cfg.redis_ssl_ca_certs,
-                                   write_linger_s=SHORT_WRITE_LINGER_S)
+        redis = RedisTier.from_settings(cfg, write_linger_s=SHORT_WRITE_LINGER_S)
         if not redis.available:
             log.warning("kvtier daemon: Redis at %s is not answering (%s); the host tier "
                         "writes behind and restores once it does", redis.target.redacted,
@@ -226,17 +223,11 @@ def _presence_feed(cfg: DaemonConfig) -> Any:
     presence stream (as engines announce their own writes) and learns what Redis holds
     (a walk of the key names, then every engine's announcements) for the engines that
     reach Redis only through the daemon; its own thread and connection."""
-    from offload_tiers.redis.client import ClientFactory
     from offload_tiers.redis.presence_feed import PresenceFeed
-    from offload_tiers.redis.url import parse_redis_url
 
-    assert cfg.redis_url is not None
     # its blocking reads wait up to a tenth of a second: a generous timeout (a timeout costs
     # a walk of the key names; nothing waits on this thread)
-    factory = ClientFactory(parse_redis_url(cfg.redis_url),
-                            timeout_s=max(cfg.redis_timeout_s, 5.0),
-                            ssl_ca_certs=cfg.redis_ssl_ca_certs)
-    return PresenceFeed(factory, cfg.redis_prefix).start()
+    return PresenceFeed(cfg.client_factory(min_timeout_s=5.0), cfg.redis_prefix).start()
 
 
 def _rss_bytes() -> int:

@@ -103,10 +103,8 @@ from connector.identity.generation import Generation
 from connector.native_tier.config import NativeTierSettings, load_native_settings
 from connector.native_tier.namespace import identity_for_spec
 from offload_tiers.keys import BlockKey, BlockKind
-from offload_tiers.redis.client import ClientFactory
 from offload_tiers.redis.settings import SHORT_WRITE_LINGER_S
 from offload_tiers.redis.tier import RedisTier
-from offload_tiers.redis.url import parse_redis_url
 
 log = logging.getLogger(__name__)
 
@@ -223,17 +221,13 @@ class KvtierRedisTier(SecondaryTierManager):
         bpc = offloading_spec.config.cache.blocks_per_chunk
         self._chunk_tokens = {g.group_id: g.tokens_per_block * bpc
                               for g in offloading_spec.config.groups}
-        password = {"password": s.redis_password()} if s.redis_password_env else {}
-        self._scrubber = ClientFactory(parse_redis_url(s.url),
-                                       timeout_s=s.redis_timeout_s, **password)
-        self.redis = RedisTier.from_url(
-            s.url, prefix=s.redis_prefix, ttl_s=s.redis_ttl_s,
-            redis_timeout_s=s.redis_timeout_s, ssl_ca_certs=s.redis_ssl_ca_certs,
-            write_queue_max=s.write_queue_max,
+        self._scrubber = s.client_factory()
+        self.redis = RedisTier.from_settings(
+            s, write_queue_max=s.write_queue_max,
             write_queue_max_bytes=max(s.write_queue_max * self.block_size_bytes, 1 << 20),
-            # vLLM's CPU blocks stay held while their store job runs
-            write_linger_s=SHORT_WRITE_LINGER_S,
-            **password)  # delete_corrupt: RedisTier's default (on), never turned off here
+            # vLLM's CPU blocks stay held while their store job runs; delete_corrupt:
+            # RedisTier's default (on), never turned off here
+            write_linger_s=SHORT_WRITE_LINGER_S)
         if self._tp_rank == 0:  # once per engine
             for warning in s.redis_warnings:
                 log.warning("kvtier native tier: %s", warning)

@@ -11,31 +11,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError
 
-from offload_tiers.redis.credentials import resolve_redis_url, setting_at_fault
 from offload_tiers.redis.settings import (
+    REDIS_FIXES,
     WRITE_LINGER_S,
-    check_ca_file,
-    check_key_prefix,
-    check_redis_url,
+    RedisConnectionSettings,
+    RedisSettingError,
+    explain,
 )
-from offload_tiers.redis.url import redact_url
 
 _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
-    "redis_url": "use redis://host:port/db, rediss://... for TLS, or null for CPU tier only",
-    "redis_url_env": "name an environment variable that holds the Redis URL (the engine's "
-                     "processes inherit it), e.g. KVTIER_REDIS_URL, set to "
-                     "redis://[user:password@]host:port/db; leave redis_url unset",
-    "redis_username": "use the Redis ACL user name (with redis_password_file)",
-    "redis_password_file": "give the path of a file only this user can read (chmod 600) "
-                           "holding the Redis password",
-    "redis_prefix": "use a short non-empty string without spaces, e.g. 'kvtier'",
-    "redis_ttl_s": "give seconds as a positive integer, or null for no expiry",
-    "redis_timeout_s": "give seconds as a number > 0, e.g. 0.25",
-    "redis_ssl_ca_certs": "give the path of a readable PEM file of the CA that signed the "
-                          "Redis server's certificate (used with rediss:// URLs)",
+    "redis_url": "use redis://host:port/db, rediss://... for TLS, unix:///path.sock, "
+                 "redis+cluster://host:port for Redis Cluster, or null for the CPU tier only",
     "write_mode": "use 'back' (default: a background writer, no Redis round trip in a step) "
                   "or 'through' (a step's blocks reach Redis before the next step starts)",
     "redis_write_linger_ms": "give milliseconds as a number from 0 to 1000 (how long the "
@@ -79,23 +68,13 @@ class ConnectorConfigError(ValueError):
     """A setting is wrong; the message names the key and how to fix it."""
 
 
-class TieredConfig(BaseModel):
-    """Every setting of the connector, with its default."""
+class TieredConfig(RedisConnectionSettings):
+    """Every setting of the connector, with its default (the Redis connection's:
+    :class:`~offload_tiers.redis.settings.RedisConnectionSettings`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cpu_bytes: int = Field(default=1 << 30, ge=1 << 20)
-    redis_url: str | None = None
-    # Credentials outside vLLM's printed config: the URL in an environment variable, or
-    # the password in a file (offload_tiers/redis/credentials.py).
-    redis_url_env: str | None = None
-    redis_username: str | None = None
-    redis_password_file: str | None = None
-    redis_prefix: str = "kvtier"
-    redis_ttl_s: int | None = Field(default=7 * 24 * 3600, gt=0)
-    redis_timeout_s: float = Field(default=0.25, gt=0)
-    # CA bundle that verifies a rediss:// server (default: the system's trust store).
-    redis_ssl_ca_certs: str | None = None
     write_mode: Literal["through", "back"] = "back"
     # write_mode back: how long the writer waits for more saves before one round trip.
     redis_write_linger_ms: float = Field(default=WRITE_LINGER_S * 1e3, ge=0, le=1000)
@@ -133,36 +112,6 @@ class TieredConfig(BaseModel):
     # Once Redis answers again, write the CPU-tier entries saved while it was down (or whose
     # write failed) from their slots, a writer batch at a time (write_mode back only).
     redis_backfill: bool = True
-    _redis_warnings: tuple[str, ...] = PrivateAttr(default=())
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_url(cls, value: str | None) -> str | None:
-        if value is None or value == "":
-            return None
-        return check_redis_url(value)
-
-    @field_validator("redis_ssl_ca_certs")
-    @classmethod
-    def _check_ca(cls, value: str | None) -> str | None:
-        return check_ca_file(value)
-
-    @field_validator("redis_prefix")
-    @classmethod
-    def _check_prefix(cls, value: str) -> str:
-        return check_key_prefix(value)
-
-    def describe(self) -> dict[str, Any]:
-        """Settings safe to log (the Redis password is redacted)."""
-        data = self.model_dump()
-        if self.redis_url:
-            data["redis_url"] = redact_url(self.redis_url)
-        return data
-
-    @property
-    def redis_warnings(self) -> tuple[str, ...]:
-        """Warnings about how the Redis credentials were given (log them once, at start)."""
-        return self._redis_warnings
 
 
 def _load_yaml(path_value: Any) -> dict[str, Any]:
@@ -202,37 +151,23 @@ def load_config(extra_config: dict[str, Any] | None) -> TieredConfig:
     try:
         config = TieredConfig(**merged)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "?"
-            if err["type"] == "extra_forbidden":
-                known = ", ".join(sorted(TieredConfig.model_fields))
-                problems.append(f"{key}: unknown setting. Fix: remove it; known keys: {known}")
-                continue
-            fix = _FIXES.get(key, "see docs/connector.md")
-            msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix says nothing
-            problems.append(f"{key}: {msg}. Fix: {fix}")
+        problems = explain(exc, TieredConfig, _FIXES, "see docs/connector.md", given=merged)
         raise ConnectorConfigError(
             "TieredOffloadingConnector: bad kv_connector_extra_config: " + "; ".join(problems)
         ) from None
     try:
-        url, warnings = resolve_redis_url(
-            config.redis_url, url_env=config.redis_url_env, username=config.redis_username,
-            password_file=config.redis_password_file)
-    except ValueError as exc:
-        key = setting_at_fault(exc, config.redis_url_env, config.redis_password_file)
+        url, warnings = config.resolve_url()
+    except RedisSettingError as exc:
         raise ConnectorConfigError(
-            f"TieredOffloadingConnector: bad kv_connector_extra_config: {key}: {exc}. "
-            f"Fix: {_FIXES[key]}") from None
+            f"TieredOffloadingConnector: bad kv_connector_extra_config: {exc.key}: {exc}. "
+            f"Fix: {_FIXES.get(exc.key) or REDIS_FIXES[exc.key]}") from None
     if config.host_tier_redis and (url or not config.host_tier_socket):
         why = ("redis_url is set too: the engine would write to Redis twice" if url
                else "host_tier_socket is not set")
         raise ConnectorConfigError(
             f"TieredOffloadingConnector: bad kv_connector_extra_config: host_tier_redis: "
             f"{why}. Fix: {_FIXES['host_tier_redis']}")
-    resolved = config.model_copy(update={"redis_url": url})
-    resolved._redis_warnings = tuple(warnings)
-    return resolved
+    return config.with_resolved_url(url, warnings)
 
 
 PIPELINE_UNSUPPORTED = (

@@ -77,13 +77,9 @@ class RedisPresence:
         """The summary with its feed thread started; None when Redis or the summary is off."""
         if not config.redis_url or not config.presence:
             return None
-        from offload_tiers.redis.client import ClientFactory
         from offload_tiers.redis.presence_feed import PresenceFeed
-        from offload_tiers.redis.url import parse_redis_url
 
-        factory = ClientFactory(parse_redis_url(config.redis_url),
-                                timeout_s=max(config.redis_timeout_s, _FEED_TIMEOUT_S),
-                                ssl_ca_certs=config.redis_ssl_ca_certs)
+        factory = config.client_factory(min_timeout_s=_FEED_TIMEOUT_S)
         # learned digests wait for a step: no more than the summary keeps (its capacity)
         feed = PresenceFeed(factory, config.redis_prefix, max_keys=config.presence_capacity,
                             learned_max=config.presence_capacity,

@@ -81,10 +81,8 @@ def make_redis_tier(config: TieredConfig) -> Any:
     """
     from offload_tiers.redis.tier import RedisTier
 
-    redis = RedisTier.from_url(
-        config.redis_url or "", prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-        redis_timeout_s=config.redis_timeout_s, ssl_ca_certs=config.redis_ssl_ca_certs,
-        write_linger_s=config.redis_write_linger_ms / 1e3, write_settle_s=WRITE_SETTLE_S)
+    redis = RedisTier.from_settings(config, write_linger_s=config.redis_write_linger_ms / 1e3,
+                                    write_settle_s=WRITE_SETTLE_S)
     if not redis.available:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)

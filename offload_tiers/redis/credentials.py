@@ -8,7 +8,9 @@ the connector, the native tier and the daemon alike:
   engine core and worker processes inherit the environment of the process that starts
   them, under every executor kvtier supports);
 * ``redis_password_file`` (and ``redis_username``): a file the engine's user can read,
-  whose content (one trailing newline stripped) is the password.
+  whose content (one trailing newline stripped) is the password;
+* ``redis_password_env`` (and ``redis_username``): an environment variable that holds the
+  password.
 
 :func:`resolve_redis_url` turns the settings into the URL to connect with; it lives only in
 memory. :func:`inline_password_warning` is the one warning a URL with an inline password gets.
@@ -70,6 +72,7 @@ VLLM_EXPOSURE = ("vLLM prints its whole kv-transfer config at start, so the pass
 
 def resolve_redis_url(url: str | None, *, url_env: str | None = None,
                       username: str | None = None, password_file: str | None = None,
+                      password_env: str | None = None,
                       environ: Mapping[str, str] = os.environ,
                       exposure: str = VLLM_EXPOSURE) -> tuple[str | None, list[str]]:
     """The URL to connect with (None: no Redis) and warnings to log once; ``exposure``
@@ -87,11 +90,20 @@ def resolve_redis_url(url: str | None, *, url_env: str | None = None,
                              f"this process's environment (pid {os.getpid()})")
         url = value.strip()
     if not url:
-        if password_file or username:
-            raise ValueError("redis_password_file and redis_username need redis_url or "
-                             "redis_url_env")
+        if password_file or password_env or username:
+            raise ValueError("redis_password_file, redis_password_env and redis_username "
+                             "need redis_url or redis_url_env")
         return None, warnings
-    if password_file:
+    if password_file and password_env:
+        raise ValueError("redis_password_file and redis_password_env are both set: give one "
+                         "of them")
+    if password_env:
+        password = environ.get(password_env, "")
+        if not password:
+            raise ValueError(f"redis_password_env names {password_env}, which is not set (or "
+                             f"empty) in this process's environment (pid {os.getpid()})")
+        url = with_credentials(url, username, password)
+    elif password_file:
         password, warning = read_password_file(password_file)
         if warning:
             warnings.append(warning)
@@ -107,13 +119,6 @@ def resolve_redis_url(url: str | None, *, url_env: str | None = None,
             raise ValueError(f"the URL in ${url_env}: {exc}") from None
         raise
     return url, warnings
-
-
-def setting_at_fault(exc: ValueError, url_env: str | None, password_file: str | None) -> str:
-    """Which setting a :func:`resolve_redis_url` error is about (for "key: message. Fix")."""
-    if password_file and "password file" in str(exc):
-        return "redis_password_file"
-    return "redis_url_env" if url_env else "redis_url"
 
 
 def inline_password_warning(url: str, exposure: str = VLLM_EXPOSURE) -> str:

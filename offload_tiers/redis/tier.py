@@ -51,7 +51,7 @@ from offload_tiers.keys import BlockKey
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.node_pool import NodePool
 from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
-from offload_tiers.redis.settings import WRITE_LINGER_S
+from offload_tiers.redis.settings import WRITE_LINGER_S, RedisConnectionSettings
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 from offload_tiers.redis.write_behind import DoneCallback, Item, WriteBehind
 
@@ -221,6 +221,16 @@ class RedisTier:
             tier.close()
             raise RedisTierError(f"cannot use Redis at {target.redacted}: {error}")
         return tier
+
+    @classmethod
+    def from_settings(cls, settings: RedisConnectionSettings, **tuning: Any) -> RedisTier:
+        """:meth:`from_url` with the connection settings every kvtier config shares
+        (resolved: ``redis_url`` carries its credentials); ``tuning``: the other arguments."""
+        if not settings.redis_url:
+            raise ValueError("no redis_url: the settings are not resolved, or name no Redis")
+        return cls.from_url(settings.redis_url, prefix=settings.redis_prefix,
+                            ttl_s=settings.redis_ttl_s, redis_timeout_s=settings.redis_timeout_s,
+                            ssl_ca_certs=settings.redis_ssl_ca_certs, **tuning)
 
     def _get_client(self) -> Any:
         if self._client is None and not self._closed:

@@ -10,7 +10,7 @@ the part at fault and how to write it, and never the password.
 from __future__ import annotations
 
 from collections.abc import Callable
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 import pytest
 
@@ -19,6 +19,7 @@ from connector.daemon.config import load_config as load_daemon
 from connector.native_tier.config import NativeTierConfigError, load_native_settings
 from connector.vllm_connector.config import ConnectorConfigError
 from connector.vllm_connector.config import load_config as load_connector
+from offload_tiers.redis.settings import RedisConnectionSettings
 from offload_tiers.redis.url import parse_redis_url
 
 SECRET = "s3cr3t-Zq81"
@@ -83,19 +84,19 @@ def test_parse_redis_url_names_the_part_and_the_form_never_the_password(url: str
     _no_secret(str(err.value))
 
 
-def _connector(settings: dict) -> None:
-    load_connector(settings)
+def _connector(settings: dict) -> RedisConnectionSettings:
+    return load_connector(settings)
 
 
-def _native(settings: dict) -> None:
-    load_native_settings(settings)
+def _native(settings: dict) -> RedisConnectionSettings:
+    return load_native_settings(settings)
 
 
-def _daemon(settings: dict) -> None:
-    load_daemon(None, {"publishers": [{"endpoint": "tcp://*:5557"}], **settings})
+def _daemon(settings: dict) -> RedisConnectionSettings:
+    return load_daemon(None, {"publishers": [{"endpoint": "tcp://*:5557"}], **settings})
 
 
-LOADERS: dict[str, tuple[Callable[[dict], None], type[Exception]]] = {
+LOADERS: dict[str, tuple[Callable[[dict], RedisConnectionSettings], type[Exception]]] = {
     "connector": (_connector, ConnectorConfigError),
     "native_tier": (_native, NativeTierConfigError),
     "daemon": (_daemon, ConfigError),
@@ -143,3 +144,56 @@ def test_a_bad_url_with_a_password_file_is_blamed_on_the_url(tmp_path) -> None:
         load_connector({"redis_url": "redis://h:99999/0", "redis_password_file": str(path)})
     assert "redis_url: " in str(err.value) and "redis_password_file:" not in str(err.value)
     _no_secret(str(err.value))
+
+
+# -- one set of connection settings (issue 46): the same keys, checks and credentials in all
+# three configs (before, redis_password_env was the native tier's only, the daemon took a
+# prefix with spaces and a CA path that did not exist)
+
+@pytest.mark.parametrize("config", LOADERS)
+def test_the_password_may_come_from_an_environment_variable_in_every_config(
+        config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_TEST_PW", RAW)
+    load, _ = LOADERS[config]
+    settings = load({"redis_url": "redis://h:6379/0", "redis_username": "kv",
+                     "redis_password_env": "KVTIER_TEST_PW"})
+    parts = urlsplit(settings.redis_url or "")
+    assert (unquote(parts.username or ""), unquote(parts.password or "")) == ("kv", RAW)
+    assert settings.redis_warnings == ()  # no password written in the config
+    _no_secret(repr(settings.describe()))
+
+
+@pytest.mark.parametrize("config", LOADERS)
+@pytest.mark.parametrize(("given", "says"), [
+    ({"redis_password_env": "KVTIER_TEST_UNSET_PW"},
+     "redis_password_env: redis_password_env names KVTIER_TEST_UNSET_PW, which is not set"),
+    ({"redis_password_env": "KVTIER_TEST_PW", "redis_password_file": "/nonexistent"},
+     "redis_password_file and redis_password_env are both set"),
+    ({"redis_prefix": "kv tier"}, "redis_prefix: must be non-empty without whitespace"),
+    ({"redis_prefix": ""}, "redis_prefix: must be non-empty without whitespace"),
+    ({"redis_ssl_ca_certs": "/nonexistent/ca.pem"}, "redis_ssl_ca_certs: no readable file"),
+])
+def test_every_config_checks_the_connection_settings_alike(
+        config: str, given: dict, says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_TEST_PW", RAW)
+    monkeypatch.delenv("KVTIER_TEST_UNSET_PW", raising=False)
+    load, error = LOADERS[config]
+    with pytest.raises(error) as err:
+        load({"redis_url": "rediss://h:6380/0", **given})
+    text = str(err.value)
+    assert says in text and "Fix:" in text, text
+    _no_secret(text)
+
+
+def test_the_three_configs_share_one_connection_model() -> None:
+    from connector.daemon.config import DaemonConfig
+    from connector.native_tier.config import NativeTierSettings
+    from connector.vllm_connector.config import TieredConfig
+
+    shared = set(RedisConnectionSettings.model_fields)
+    for model in (TieredConfig, NativeTierSettings, DaemonConfig):
+        assert issubclass(model, RedisConnectionSettings), model
+        assert shared <= set(model.model_fields), model
+    # the daemon waits longer (it is on no engine's step path); the rest is one default
+    assert DaemonConfig.model_fields["redis_timeout_s"].default == 2.0
+    assert TieredConfig.model_fields["redis_timeout_s"].default == 0.25
