@@ -162,7 +162,8 @@ class Classifier:
         if n == 0 or x < 0 or group < 0:
             self.invalid_events += 1
             return None
-        key = (publisher, self._medium(ev.medium), group, ev.ownership)
+        medium = self._medium_cache.get(ev.medium) or self._medium(ev.medium)
+        key = (publisher, medium, group, ev.ownership)
         parent = ev.parent_block_hash
         if x == 0 or ntok == 0:
             return Run(STORE, key, hashes, parent, 0, 0, PLACEHOLDER)
@@ -171,7 +172,7 @@ class Classifier:
             return None
         contiguous = ntok == x * n  # null/masked blocks skipped => positions unknown
         pg = (publisher, group)
-        b = self.sizes.block_size(pg)
+        b = self.sizes.configured.get(group) or self.sizes.block_size(pg)
         if b is None:
             b = self._learn(pg, x, n)
 

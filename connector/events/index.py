@@ -606,12 +606,12 @@ class KVIndex:
         except TypeError:  # a dict node
             alone = False
         if alone:
+            if kc[_FULL] == sum(kc):  # the key holds FULL entries only: so were these
+                kc[_FULL] -= n
+                return 0
             bits = list(map(and_, popped, repeat(3, n)))
-            full = bits.count(_FULL)
-            kc[_FULL] -= full
-            if full != n:
-                for k in (0, _PARTIAL, 3):
-                    kc[k] -= bits.count(k)
+            for k in range(4):
+                kc[k] -= bits.count(k)
             return 0
         for h, node in zip(reversed(hashes), reversed(popped), strict=True):
             if node is not _MISS:  # put back (a hash twice: its first pop, last)
