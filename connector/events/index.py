@@ -40,7 +40,7 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, count, islice, repeat
-from operator import and_, ne, or_, rshift
+from operator import and_, ne, or_
 from typing import Any, NamedTuple
 
 from connector.events.wire import Medium
@@ -601,8 +601,9 @@ class KVIndex:
         n = len(hashes)
         nodes = self.nodes
         popped = list(map(nodes.pop, hashes, repeat(_MISS, n)))
+        lo = 1 << lane << SHIFT  # nodes of this lane alone: lo + facts
         try:
-            alone = list(map(rshift, popped, repeat(SHIFT, n))).count(1 << lane) == n
+            alone = min(popped) >= lo and max(popped) <= lo + FACTS
         except TypeError:  # a dict node
             alone = False
         if alone:
