@@ -33,7 +33,7 @@ from connector.events.wire import Medium
 from connector.vllm_connector.backfill import Backfill
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import SchedulerHost
-from connector.vllm_connector.jobs import JobBook, TierChange
+from connector.vllm_connector.jobs import JobBook, SlotJob, TierChange
 from connector.vllm_connector.plan import (
     BACKFILL_REQ,
     HOST_SLOT,
@@ -160,6 +160,15 @@ def _never(key: BlockKey) -> bool:
 
 
 @dataclass(slots=True)
+class _Restore:
+    """A hit being fetched: counted (by tier) once its last fetch job is back, if all ok."""
+
+    split: dict[str, int]
+    jobs: set[int]
+    ok: bool = True
+
+
+@dataclass(slots=True)
 class _Tracked:
     request: Any
     saved: set[tuple[int, int, int]] = field(default_factory=set)  # (group, index, tokens)
@@ -227,8 +236,7 @@ class TieredScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._hit_tiers: dict[str, dict[str, int]] = {}
-        # req -> [token split, fetch jobs still out, all ok so far]
-        self._restoring: dict[str, list[Any]] = {}
+        self._restoring: dict[str, _Restore] = {}
         self._in_redis: OrderedDict[BlockKey, None] = OrderedDict()
         # Keys whose Redis value failed a fetch: not offered again until this engine rewrites
         # them or ``bad_key_ttl_s`` passes (so a corrupt value cannot make a request retry
@@ -635,7 +643,7 @@ class TieredScheduler:
         self._hit_tiers[req_id] = split
         if fetched:
             # Counted once every fetch is back and valid (a bad value is no hit).
-            self._restoring[req_id] = [split, set(fetched.values()), True]
+            self._restoring[req_id] = _Restore(split, set(fetched.values()))
         else:
             self._count_hit(split)
 
@@ -649,16 +657,16 @@ class TieredScheduler:
         entry = self._restoring.get(req_id)
         if entry is None:
             return
-        entry[1].discard(job)
-        entry[2] = entry[2] and ok
-        if entry[1]:
+        entry.jobs.discard(job)
+        entry.ok = entry.ok and ok
+        if entry.jobs:
             return
         del self._restoring[req_id]
-        if entry[2]:
-            self._count_hit(entry[0])
+        if entry.ok:
+            self._count_hit(entry.split)
         else:
             self.counters.add("failed_restores")
-            self.counters.add("failed_restore_tokens", sum(entry[0].values()))
+            self.counters.add("failed_restore_tokens", sum(entry.split.values()))
 
     def hit_tiers(self, req_id: str) -> dict[str, int]:
         """Tokens of ``req_id``'s last hit by tier (for vLLM's hit-source split)."""
@@ -868,7 +876,7 @@ class TieredScheduler:
             if done is not None:
                 self._probe_done(job, *done)
 
-    def _save_done(self, info: Any, all_ok: bool) -> None:
+    def _save_done(self, info: SlotJob, all_ok: bool) -> None:
         key = info.key
         backfilled = info.req_id == BACKFILL_REQ
         if backfilled and self.backfill is not None:
@@ -898,7 +906,7 @@ class TieredScheduler:
             while len(self._in_redis) > self.directory.num_slots * 4:
                 self._in_redis.popitem(last=False)
 
-    def _fetch_done(self, job: int, info: Any, all_ok: bool) -> None:
+    def _fetch_done(self, job: int, info: SlotJob, all_ok: bool) -> None:
         key = info.key
         self._restore_progress(info.req_id, job, all_ok)
         if job in self._host_fetches:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,52 @@ def worker_redis(config: TieredConfig, host: HostTierClient | None) -> Any:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeDone:
+    """A probe job's answer: each key's save id in Redis (0: none)."""
+
+    job: int
+    save_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchDone:
+    """A fetch batch of one request, and which of its ops read a valid value."""
+
+    req_id: str
+    ops: list[FetchOp]
+    oks: list[bool]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveDone:
+    """A save settled without a Redis write: ``[ok, 1, copy_failed]`` for the report."""
+
+    job: int
+    counts: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """A Redis write's outcome: a save's (``kind`` "write") or a backfill's."""
+
+    kind: str
+    job: int
+    ok: bool
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TailsSent:
+    """Finished requests whose partial tails are copied: their blocks may go now."""
+
+    req_ids: list[str]
+
+
+#: What the I/O and saver threads hand the main thread (:meth:`TieredWorker.collect`).
+IoResult = ProbeDone | FetchDone | SaveDone | WriteDone | TailsSent
+
+
 class TieredWorker:
     """One rank's slab, transfers and Redis I/O."""
 
@@ -139,7 +186,7 @@ class TieredWorker:
         self._gathered: threading.Event | None = None  # set once the saver read its blocks
         self._saver_tail: futures.Future[None] | None = None  # the saver's last task
         self._lock = threading.Lock()
-        self._done: deque[tuple[str, Any]] = deque()  # results from I/O threads
+        self._done: deque[IoResult] = deque()  # results from I/O threads
         self._waiting: dict[str, list[LoadOp]] = {}  # req -> loads waiting on its fetches
         self._fetching: dict[str, int] = {}  # req -> fetch batches still running
         self._fetch_failed: set[str] = set()
@@ -382,7 +429,7 @@ class TieredWorker:
                 ids = self.redis.save_ids_many([self.storage_key(k) for k in probe.keys])
         except Exception:
             log.exception("kvtier: Redis probe failed")
-        self._done.append(("probe", (probe.job, [i or 0 for i in ids])))
+        self._done.append(ProbeDone(probe.job, [i or 0 for i in ids]))
 
     def forward_starts(self) -> None:
         """A step with a forward begins: fetches on the compute cores leave them."""
@@ -413,7 +460,7 @@ class TieredWorker:
         self._count_fetched(from_redis, oks, "redis", t1 - t0)
         self._count_fetched([op for op in ops if op.host is not None], oks, "host",
                             time.perf_counter_ns() - t1)
-        self._done.append(("fetch", (req_id, ops, [oks[op.job] for op in ops])))
+        self._done.append(FetchDone(req_id, ops, [oks[op.job] for op in ops]))
 
     def _count_fetched(self, ops: list[FetchOp], oks: dict[int, bool], tier: str,
                        elapsed_ns: int) -> None:
@@ -476,33 +523,30 @@ class TieredWorker:
     def _on_written(self, job: int, nbytes: int, kind: str = "write"
                     ) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
-            self._done.append((kind, (job, ok, nbytes)))
+            self._done.append(WriteDone(kind, job, ok, nbytes))
         return done
 
     def collect(self) -> None:
         """Main thread: apply what the I/O threads finished since the last call."""
         while self._done:
-            kind, value = self._done.popleft()
-            if kind == "probe":
-                job, save_ids = value
-                self._report.probes[job] = (save_ids, 1)
-            elif kind == "fetch":
-                self._fetched(*value)
-            elif kind == "save":
-                job, counts = value
-                self._report.saves[job] = counts
-            elif kind == "sent":
-                self._finished_sending.update(value)
-            else:  # a Redis write's outcome: a save's ("write") or a backfill's
-                job, ok, nbytes = value
-                self._report.saves[job] = [int(ok), 1, 0]
-                written, written_bytes, failed = _WRITE_COUNTERS[kind]
-                if ok:
-                    self.counters.add(written)
-                    self.counters.add(written_bytes, nbytes)
-                else:
-                    for name in failed:
-                        self.counters.add(name)
+            match self._done.popleft():
+                case ProbeDone(job, save_ids):
+                    self._report.probes[job] = (save_ids, 1)
+                case FetchDone(req_id, ops, oks):
+                    self._fetched(req_id, ops, oks)
+                case SaveDone(job, counts):
+                    self._report.saves[job] = counts
+                case TailsSent(req_ids):
+                    self._finished_sending.update(req_ids)
+                case WriteDone(kind, job, ok, nbytes):
+                    self._report.saves[job] = [int(ok), 1, 0]
+                    written, written_bytes, failed = _WRITE_COUNTERS[kind]
+                    if ok:
+                        self.counters.add(written)
+                        self.counters.add(written_bytes, nbytes)
+                    else:
+                        for name in failed:
+                            self.counters.add(name)
 
     def _fetched(self, req_id: str, ops: list[FetchOp], oks: list[bool]) -> None:
         for op, ok in zip(ops, oks, strict=True):
@@ -572,7 +616,7 @@ class TieredWorker:
         def blocks_read() -> None:
             nonlocal read
             read = True
-            self._done.append(("sent", tails))  # finished requests' blocks may go now
+            self._done.append(TailsSent(tails))  # finished requests' blocks may go now
             if not through:
                 gathered.set()
 
@@ -585,7 +629,7 @@ class TieredWorker:
             log.exception("kvtier: saving blocks off the step failed; their slots stay held")
         finally:
             if not read:
-                self._done.append(("sent", tails))
+                self._done.append(TailsSent(tails))
             gathered.set()
 
     def _claim(self, plan: StepPlan) -> list[SaveOp]:
@@ -801,7 +845,7 @@ class TieredWorker:
 
     def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
         """Any thread: the main thread applies it to the report (:meth:`collect`)."""
-        self._done.append(("save", (job, [int(ok), 1, int(not gathered)])))
+        self._done.append(SaveDone(job, [int(ok), 1, int(not gathered)]))
 
     # ------------------------------------------------------------------ to vLLM
     def take_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
