@@ -1081,9 +1081,9 @@ def lanes_of(mask: int) -> tuple[int, ...]:
     """The lane numbers of the bits of ``mask``, ascending (cached)."""
     lanes = _LANES.get(mask)
     if lanes is None:
-        if len(_LANES) >= 4096:
-            _LANES.clear()
-        lanes = _LANES[mask] = tuple(_lanes_of(mask))
+        lanes = tuple(_lanes_of(mask))
+        if len(_LANES) < 1 << 16:  # full: made each time
+            _LANES[mask] = lanes
     return lanes
 
 
@@ -1097,10 +1097,9 @@ def _predicted(lanes: int, b: int, n: int) -> list[int]:
     tokens at their positions (cached per ``(lanes, b)``)."""
     p = _PREDICTED.get((lanes, b))
     if p is None or len(p) < n:
-        if len(_PREDICTED) >= _PREDICTED_CAP:
-            _PREDICTED.clear()
-        p = _PREDICTED[lanes, b] = list(map(or_, _progression(b * 4, max(n, 256)),
-                                            repeat(lanes << SHIFT)))
+        p = list(map(or_, _progression(b * 4, max(n, 256)), repeat(lanes << SHIFT)))
+        if len(_PREDICTED) < _PREDICTED_CAP:  # full: made each time
+            _PREDICTED[lanes, b] = p
     return p
 
 

@@ -367,9 +367,9 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
         for mask, k in groups:
             g = hits.get((mask, k, b))
             if g is None:
-                if len(hits) > _HITS_MAX:
-                    hits.clear()
-                g = hits[mask, k, b] = _Hits(_hits(w, lanes, mask, k * b))
+                g = _Hits(_hits(w, lanes, mask, k * b))
+                if len(hits) < _HITS_MAX:  # full: made each time (a clear would pause)
+                    hits[mask, k, b] = g
             if one_lane:  # an engine in one group at most: its answer as it is
                 dict.update(out, g.pairs)
                 out.groups.append(g)
@@ -430,7 +430,7 @@ class _Answers(dict[Publisher, Found]):
         raise TypeError("an engine's answer cannot be deleted")
 
 
-_HITS_MAX = 1 << 14  # cached (lanes, run) answers per index shape
+_HITS_MAX = 1 << 16  # cached group answers, and engine answers, per index shape
 
 
 def _hits(w: _Walks, lanes: dict[int, tuple[Publisher, str]], mask: int,
@@ -445,10 +445,9 @@ def _hits(w: _Walks, lanes: dict[int, tuple[Publisher, str]], mask: int,
             at = lanes.get(lane)
             if at is None:  # an engine walked otherwise
                 continue
-            if len(answers) > _HITS_MAX:
-                answers.clear()
-            pair = answers[lane, tokens] = (
-                at[0], _hit(at[0], w.base[at[0]], {at[1]: Prefix(tokens, False)}))
+            pair = (at[0], _hit(at[0], w.base[at[0]], {at[1]: Prefix(tokens, False)}))
+            if len(answers) < _HITS_MAX:
+                answers[lane, tokens] = pair
         out.append(pair)
     return out
 
