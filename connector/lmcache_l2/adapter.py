@@ -8,11 +8,11 @@ only kvtier module that imports LMCache.
 The task model, as LMCache's controllers use it:
 
 * ``submit_*`` return a task id at once; no Redis I/O runs on LMCache's thread. Stores run on
-  a kvtier store thread, one pipelined batch per task straight from LMCache's buffers (zero
-  copy: LMCache keeps them until the task completes), and so do the unlinks of ``delete``
-  (ordered with the stores); lookups on a lookup thread; loads on ``load_threads`` (a task's
-  keys split between them), each GET reply received into LMCache's buffer; listing and the
-  namespace registry on a control thread.
+  a kvtier store thread (a task's keys split over ``store_threads`` connections), pipelined
+  straight from LMCache's buffers (zero copy: LMCache keeps them until the task completes),
+  and so do the unlinks of ``delete`` (ordered with the stores); lookups on a lookup thread;
+  loads on ``load_threads`` (a task's keys split between them), each GET reply received into
+  LMCache's buffer; listing and the namespace registry on a control thread.
 * Each kind of task has its own eventfd, signalled once per completed task after its result is
   published (``pop_completed_store_tasks``, ``query_lookup_and_lock_result``,
   ``query_load_result``: each result handed out once). A task always completes: Redis trouble,
@@ -190,6 +190,9 @@ class KvtierL2Adapter(L2AdapterInterface):
              "deferred_deletes", "bad_keys", "internal_errors"), 0)
 
         self._store_worker = _Worker("kvtier-lmc-store")  # stores and unlinks, in order
+        helper_queue: SimpleQueue[Job | None] = SimpleQueue()
+        self._store_helpers = [_Worker(f"kvtier-lmc-st{i}", helper_queue)
+                               for i in range(1, settings.store_threads)]
         self._lookup_worker = _Worker("kvtier-lmc-look")
         load_queue: SimpleQueue[Job | None] = SimpleQueue()
         self._load_workers = [_Worker(f"kvtier-lmc-load{i}", load_queue)
@@ -273,10 +276,33 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def _run_store(self, task: _StoreTask, bkeys: list[BlockKey | None],
                    views: list[memoryview | None]) -> None:
-        """One pipelined batch of SETs (the payloads go from LMCache's buffers to the socket);
-        when fewer than all were stored, the header probe says which ones Redis holds."""
+        """The task's SETs, pipelined, split over ``store_threads`` connections (this thread
+        and helpers; the task ends before the store thread's next job, so unlinks stay in
+        order). The payloads go from LMCache's buffers to the sockets."""
         idx = [i for i, (bk, v) in enumerate(zip(bkeys, views, strict=True))
                if bk is not None and v is not None]
+        n_slices = max(1, min(len(self._store_helpers) + 1, len(idx)))
+        bounds = [len(idx) * s // n_slices for s in range(n_slices + 1)]
+        slices = [idx[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        finished = [threading.Event() for _ in slices]
+
+        def run(j: int) -> None:
+            try:
+                self._store_slice(task, bkeys, views, slices[j])
+            finally:
+                finished[j].set()
+
+        for j in range(1, len(slices)):
+            self._store_helpers[0].queue.put(lambda j=j: run(j))
+        run(0)
+        for event in finished:
+            event.wait()
+        self._finish_store(task)
+
+    def _store_slice(self, task: _StoreTask, bkeys: list[BlockKey | None],
+                     views: list[memoryview | None], idx: list[int]) -> None:
+        """One pipelined batch of SETs; when fewer than all were stored, the header probe
+        says which ones Redis holds."""
         try:
             items = [(bkeys[i], views[i]) for i in idx]
             stored = self._tier.put_many(items) if items else 0  # type: ignore[arg-type]
@@ -290,8 +316,8 @@ class KvtierL2Adapter(L2AdapterInterface):
             log.exception("kvtier L2 adapter: store task %d failed", task.task_id)
             with self._lock:
                 self._n["internal_errors"] += 1
-            task.ok = [False] * len(task.keys)
-        self._finish_store(task)
+            for i in idx:
+                task.ok[i] = False
 
     def _finish_store(self, task: _StoreTask, failed: bool = False) -> None:
         """Account the keys written, publish the task's result, signal the store fd."""
@@ -589,7 +615,8 @@ class KvtierL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict[str, Any]:
         tier = self._tier.stats()
-        threads = [self._store_worker, self._lookup_worker, self._control, *self._load_workers]
+        threads = [self._store_worker, self._lookup_worker, self._control, *self._load_workers,
+                   *self._store_helpers]
         usage = self.get_usage()
         return {
             "is_healthy": (not self._closed and bool(tier["available"])
@@ -622,6 +649,10 @@ class KvtierL2Adapter(L2AdapterInterface):
         workers = [self._store_worker, self._lookup_worker, self._control, *self._load_workers]
         for worker in workers:
             worker.thread.join(timeout=self._control_wait_s)
+        for helper in self._store_helpers:  # after the store thread: it may still use them
+            helper.queue.put(None)
+        for helper in self._store_helpers:
+            helper.thread.join(timeout=self._control_wait_s)
         self._tier.close(timeout=self._control_wait_s)
         client, self._control_client = self._control_client, None
         close_quietly(client)

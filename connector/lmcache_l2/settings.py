@@ -44,10 +44,11 @@ class L2Settings:
     ssl_ca_certs: str | None = None
     max_capacity_gb: float = 0.0
     """Capacity for LMCache's usage-driven eviction (0: no aggregate eviction signal)."""
-    load_threads: int = 1
+    load_threads: int = 2
     """kvtier threads that serve load tasks, a task's keys split between them (each thread a
-    connection of its own). One was faster than two on a loaded 2-core machine; more may pay
-    where Redis is on another host."""
+    connection of its own)."""
+    store_threads: int = 2
+    """Connections a store task's keys are split over (the store thread and helpers)."""
     delete_corrupt: bool = True
 
     @classmethod
@@ -79,7 +80,7 @@ class L2Settings:
                 if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                     raise ValueError(f"adapter_params.{name} must be a non-negative number")
                 kw[name] = float(value)
-        for name in ("load_threads",):
+        for name in ("load_threads", "store_threads"):
             value = params.get(name)
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
