@@ -1,6 +1,7 @@
 """The daemon as a routing index: ingest rate, /score latency, side by side with Dynamo's indexer.
 
-    python benchmarks/bench_index.py [--quick] [--json PATH] [--peer-venv DIR | --no-peer]
+    python benchmarks/bench_index.py [--quick] [--json PATH] [--engines 8,64] [--blocks N]
+                                     [--peer-venv DIR | --no-peer]
                                      [--no-agreement | --agreement-only] [--re-record]
 
 Four measurements, each printed and written to JSON (``ratios`` and ``agreement`` included):
@@ -11,11 +12,14 @@ Four measurements, each printed and written to JSON (``ratios`` and ``agreement`
    ``RadixTree.apply_event`` (its JSON events, encoded before the clock starts). Hash updates
    per second of wall time and per CPU-second (``per core``: Dynamo's tree works on a thread
    of its own, so its CPU time can exceed its wall time). Best of several repetitions.
-2. **query** (in process): a 4k-token request (256 hashes) against a 1M-block index (4
-   engines, chains of 256 blocks; each chain whole on one engine, its first half on
-   another): kvtier's ``score_engines`` (every engine, every medium, ranked) and Dynamo's
-   ``find_matches``; p50/p99 over many requests, the best of several rounds of them (as for
-   ingest: bursts of a shared machine are not the index's). Full-block answers are compared.
+2. **query** (in process): requests against a 1M-block index (``--blocks``): the synthetic
+   workload (4k-token requests, 256 hashes; chains of 256 blocks, each whole on one engine,
+   its first half on the next) at each ``--engines`` count (default 8 and 64), and the
+   trace-shaped one (:func:`trace_stream`: 64 engines, Zipf-popular long system prompts and
+   documents, multi-turn conversations); kvtier's ``score_engines`` (every engine, every
+   medium, ranked) and Dynamo's ``find_matches``; p50/p99 over 2,000 requests, the best of
+   several rounds (as for ingest: bursts of a shared machine are not the index's).
+   Full-block answers are compared per run.
 3. **HTTP** (real ``kvtier daemon`` process): ``POST /score`` (256 hashes) on one keep-alive
    connection, closed loop, while another process publishes events over ZMQ at
    ``--rate`` hash updates/s; requests/s, p50/p99, and the ingest rate the daemon reached.
@@ -573,8 +577,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0
     counts = [int(e) for e in args.engines.split(",")]
-    spec = {"n_batches": 300 if args.quick else 3000, "reps": 3 if args.quick else 5,
-            "index_blocks": args.blocks, "query_rounds": 3 if args.quick else 5,
+    # --quick: a smaller ingest stream, but enough repetitions and rounds that the best of
+    # them is not a burst of a shared machine (each repetition takes ~0.1 s)
+    spec = {"n_batches": 1000 if args.quick else 3000, "reps": 7 if args.quick else 9,
+            "index_blocks": args.blocks, "query_rounds": 5 if args.quick else 7,
             "runs": workload_runs(counts)}
     batches = list(ingest_stream(spec["n_batches"]))
     res: dict[str, Any] = {"ingest_updates": updates_of(batches), "reps": spec["reps"],
