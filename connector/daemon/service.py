@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,6 +21,11 @@ from connector.events.index import KIND_NAMES, ResidencyPolicy, publisher_id
 from connector.events.score import check_unit, prefixes, rank
 from connector.events.token_hashing import TokenHasher
 from connector.events.wire import Medium
+
+if TYPE_CHECKING:  # imported only when the daemon runs them (Redis, the host tier)
+    from offload_tiers.host_tier.server import HostTierServer
+    from offload_tiers.redis.janitor import RedisJanitor
+    from offload_tiers.redis.presence_feed import PresenceFeed
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -167,7 +172,7 @@ def residency_policy(cfg: DaemonConfig) -> ResidencyPolicy:
                            ttl_s=ttl)
 
 
-def _make_janitor(cfg: DaemonConfig) -> Any:
+def _make_janitor(cfg: DaemonConfig) -> RedisJanitor | None:
     """The Redis janitor when ``redis_url`` is configured (redis is imported only then)."""
     if cfg.redis_url is None:
         return None
@@ -184,7 +189,7 @@ def _make_janitor(cfg: DaemonConfig) -> Any:
         redis_timeout_s=cfg.redis_timeout_s, ssl_ca_certs=cfg.redis_ssl_ca_certs)
 
 
-def _make_host_tier(cfg: DaemonConfig) -> Any:
+def _make_host_tier(cfg: DaemonConfig) -> HostTierServer | None:
     """The host tier's server when ``cpu_bytes`` is configured (started by ``start``)."""
     if cfg.cpu_bytes is None:
         return None
@@ -218,7 +223,7 @@ def _make_host_tier(cfg: DaemonConfig) -> Any:
                           presence_feed=presence_feed)
 
 
-def _presence_feed(cfg: DaemonConfig) -> Any:
+def _presence_feed(cfg: DaemonConfig) -> PresenceFeed:
     """The host tier's presence feed: announces what it writes behind on the prefix's
     presence stream (as engines announce their own writes) and learns what Redis holds
     (a walk of the key names, then every engine's announcements) for the engines that

@@ -21,11 +21,16 @@ threads call it, never vLLM's step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from connector.vllm_connector.host import host_digest
+from connector.vllm_connector.remote_store import (
+    PendingSave,
+    SaveDoneCallback,
+    SaveKind,
+    WriteCounters,
+)
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.host_tier.protocol import KeyTuple
 from offload_tiers.keys import BlockKey
@@ -41,8 +46,18 @@ def key_tuple(key: BlockKey) -> KeyTuple:
     return (key.fingerprint, key.group, key.block_hash, key.num_tokens, int(key.kind))
 
 
+#: A save the daemon writes behind counts as one via the daemon; one with no host-tier slot
+#: at hand reaches no Redis (a drop). Backfills: the daemon's own (see ``backfills``).
+_VIA_DAEMON: WriteCounters = ("redis_saves_via_daemon", None, ("store_drops",))
+
+
 class DaemonRedis:
-    """The daemon's Redis, as a worker calls it (probes and fetches; saves ride commits)."""
+    """The daemon's Redis, as a worker calls it (a
+    :class:`~connector.vllm_connector.remote_store.RemoteStore`: probes and fetches; saves
+    ride the host-tier commits)."""
+
+    #: the daemon backfills what it failed to write; this worker has nothing to send
+    backfills = False
 
     def __init__(self, host: HostTierClient, timeout_s: float) -> None:
         self.host = host
@@ -82,6 +97,20 @@ class DaemonRedis:
             ok[i] = good
         return ok
 
+    def write_counters(self, kind: SaveKind) -> WriteCounters:
+        return _VIA_DAEMON
+
+    def write(self, saves: Sequence[PendingSave], done: SaveDoneCallback) -> None:
+        """Each save reaches Redis if its host-tier commit names its key (the daemon
+        writes it behind); one with no host-tier slot at hand does not."""
+        for save in saves:
+            done(save, save.in_host_commit)
+
+    def host_commit_note(self, key: BlockKey, save_id: int, rank0: bool
+                         ) -> tuple[KeyTuple, int, bool]:
+        """The commit names the Redis key and save (rank 0's note announces it)."""
+        return key_tuple(key), save_id, rank0
+
     def flush(self, timeout: float | None = None) -> bool:
         """Nothing queued here: saves ride the host-tier commits (the worker's
         ``flush_host`` waits for those); the daemon's write-behind is its own."""
@@ -93,11 +122,6 @@ class DaemonRedis:
 
     #: :meth:`counts` never moves (``RedisTier.events_serial``'s counterpart).
     events_serial = 0
-
-    def stats(self) -> dict[str, Any]:
-        """The Redis tier's outage counters the worker follows (the daemon keeps the real
-        ones: ``kvtier daemon``'s /stats)."""
-        return {}
 
     def close(self, timeout: float = 0.0) -> None:
         """Nothing of its own to close: the host-tier client is the worker's."""

@@ -31,14 +31,15 @@ drops announcements as they come. Drops are counted (``presence_learned_dropped`
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.stats import ConnectorCounters
+from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.keys import BlockKey
 from offload_tiers.presence import PresenceFilter, name_digest
 
@@ -55,11 +56,42 @@ _RANK0_CACHE_MAX = 4096
 _FEED_TIMEOUT_S = 5.0
 
 
+#: Digests a feed hands over: a list, or an array (the daemon's, straight off its message).
+Digests = Sequence[int] | np.ndarray
+
+
+class PresenceSource(Protocol):
+    """What feeds a summary: Redis's own feed
+    (:class:`~offload_tiers.redis.presence_feed.PresenceFeed`) or the daemon's
+    (:class:`DaemonFeed`)."""
+
+    @property
+    def synced(self) -> bool:
+        """It has walked the key names and follows every announcement now."""
+        ...
+
+    def take(self) -> Digests:
+        """Digests learned since the last call."""
+        ...
+
+    def announce_digests(self, digests: Iterable[int]) -> None:
+        """Announce this engine's stores to the engines sharing the prefix."""
+        ...
+
+    def drop_counts(self) -> tuple[int, int]:
+        """``(announce_dropped, learned_dropped)`` so far."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
+
+
 class RedisPresence:
     """Which keys Redis may hold, for one engine (all TP ranks)."""
 
     def __init__(self, config: TieredConfig, world_size: int, counters: ConnectorCounters,
-                 feed: Any) -> None:
+                 feed: PresenceSource) -> None:
         self.filter = PresenceFilter(config.presence_capacity)
         self.feed = feed
         self.world_size = world_size
@@ -88,7 +120,7 @@ class RedisPresence:
         return cls(config, world_size, counters, feed.start())
 
     @classmethod
-    def from_daemon(cls, client: Any, config: TieredConfig, world_size: int,
+    def from_daemon(cls, client: HostTierClient, config: TieredConfig, world_size: int,
                     counters: ConnectorCounters) -> RedisPresence | None:
         """The summary fed by the host tier's daemon (``host_tier_redis``); None when the
         summary is off."""
@@ -165,7 +197,7 @@ class RedisPresence:
         if self.layout is not None:
             self._learn([self._digest(key)])
 
-    def _learn(self, digests: Any) -> None:
+    def _learn(self, digests: Digests) -> None:
         """Remember ``digests``: a large batch goes into the filter now; a small one waits
         in the set until :data:`_RECENT_MAX` digests share one update (no array work per
         step or per look-up)."""
@@ -182,7 +214,12 @@ class RedisPresence:
         self.feed.close()
 
 
-def presence_source(config: TieredConfig, host_client: Any) -> Any:
+#: How the scheduler half builds its summary (None: off): ``(config, world_size, counters)``.
+PresenceFactory = Callable[[TieredConfig, int, ConnectorCounters], "RedisPresence | None"]
+
+
+def presence_source(config: TieredConfig, host_client: HostTierClient | None
+                    ) -> PresenceFactory:
     """How the scheduler half builds its summary: from the daemon's feed for a
     ``host_tier_redis`` engine (``host_client``: its subscribed host-tier client), else
     from Redis (``RedisPresence.from_config``)."""
@@ -197,17 +234,17 @@ class DaemonFeed:
     daemon is gone or its own feed walks). Announcing is the daemon's (it announces what it
     writes behind): this engine writes nothing to Redis itself."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: HostTierClient) -> None:
         self.client = client
 
     @property
     def synced(self) -> bool:
         return bool(self.client.available and self.client.presence_synced)
 
-    def take(self) -> Any:
+    def take(self) -> Digests:
         return self.client.take_presence()
 
-    def announce_digests(self, digests: Any) -> None:
+    def announce_digests(self, digests: Iterable[int]) -> None:
         """Nothing to do: the daemon announces the saves it writes behind."""
 
     def drop_counts(self) -> tuple[int, int]:
@@ -217,5 +254,5 @@ class DaemonFeed:
     def stats(self) -> dict[str, Any]:
         return {"synced": int(self.synced)}
 
-    def close(self, timeout: float = 0.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Nothing of its own: the host-tier client is the scheduler half's."""

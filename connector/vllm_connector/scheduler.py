@@ -45,7 +45,7 @@ from connector.vllm_connector.plan import (
     StepPlan,
     WorkerReport,
 )
-from connector.vllm_connector.presence import RedisPresence
+from connector.vllm_connector.presence import PresenceFactory
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.codec import new_save_id
 from offload_tiers.cpu_tier import CpuTier
@@ -193,7 +193,7 @@ class TieredScheduler:
                  fingerprint: Callable[[str], str],
                  blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
                  pool_block: Callable[[int], BlockLike],
-                 presence: Callable[..., RedisPresence | None] | None = None,
+                 presence: PresenceFactory | None = None,
                  host: SchedulerHost | None = None, events: bool = True) -> None:
         self.config = config
         self.events = events  # BlockStored events are published (what they need is kept)

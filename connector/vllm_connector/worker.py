@@ -26,14 +26,14 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from connector.vllm_connector.affinity import SpareCores
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis, key_tuple
+from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis
 from connector.vllm_connector.gil import short_switch_interval
 from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.layout import KVLayout, LayoutError, build_layout
@@ -49,6 +49,13 @@ from connector.vllm_connector.plan import (
     StepPlan,
     WorkerReport,
 )
+from connector.vllm_connector.remote_store import (
+    OwnRedis,
+    PendingSave,
+    RemoteStore,
+    SaveDoneCallback,
+    SaveKind,
+)
 from connector.vllm_connector.stats import ConnectorCounters
 from connector.vllm_connector.transfer import BlockTransfer
 from offload_tiers.cpu_tier import allocate_slab
@@ -59,21 +66,18 @@ from offload_tiers.redis.settings import WRITE_SETTLE_S
 from offload_tiers.shared_segment import seqlock_sound
 from offload_tiers.thread_names import name_current_thread
 
+if TYPE_CHECKING:  # redis-py is imported only by an engine that uses Redis
+    from offload_tiers.redis.tier import RedisTier
+
 log = logging.getLogger(__name__)
 
 #: A Redis write's counters by kind: (written, bytes written, what a failure adds to).
-_WRITE_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "write": ("blocks_written_redis", "bytes_written_redis",
-              ("redis_write_failures", "store_drops")),
-    "backfill": ("blocks_backfilled_redis", "bytes_backfilled_redis",
-                 ("redis_backfill_failures",)),
-}
 
 #: Base fingerprints (tenants x generations) whose rank fingerprints are kept.
 RANK_FP_CACHE_MAX = 4096
 
 
-def make_redis_tier(config: TieredConfig) -> Any:
+def make_redis_tier(config: TieredConfig) -> RedisTier:
     """The Redis tier a worker stores through, from the connector's settings (no vLLM here).
 
     Never raises for an unreachable or refusing server (TLS, ACL, password): the tier starts
@@ -90,13 +94,13 @@ def make_redis_tier(config: TieredConfig) -> Any:
     return redis
 
 
-def worker_redis(config: TieredConfig, host: HostTierClient | None) -> Any:
+def worker_redis(config: TieredConfig, host: HostTierClient | None) -> RemoteStore | None:
     """The Redis a worker uses: its own (``redis_url``), the daemon's (``host_tier_redis``),
     or None."""
     if config.host_tier_redis and host is not None:
         return DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
     if config.redis_url:
-        return make_redis_tier(config)
+        return OwnRedis(make_redis_tier(config), config.write_mode)
     return None
 
 
@@ -129,7 +133,7 @@ class SaveDone:
 class WriteDone:
     """A Redis write's outcome: a save's (``kind`` "write") or a backfill's."""
 
-    kind: str
+    kind: SaveKind
     job: int
     ok: bool
     nbytes: int
@@ -150,17 +154,14 @@ class TieredWorker:
     """One rank's slab, transfers and Redis I/O."""
 
     def __init__(self, config: TieredConfig, tp_rank: int, tp_size: int, num_slots: int,
-                 redis: Any = None, host: HostTierClient | None = None) -> None:
+                 redis: RemoteStore | None = None, host: HostTierClient | None = None) -> None:
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.num_slots = num_slots
         self.counters = ConnectorCounters()
-        self.redis = redis
+        self.redis = redis  # its own or the daemon's (connector/vllm_connector/remote_store.py)
         self.host = host  # the host's shared CPU tier (connector/vllm_connector/host.py)
-        # Redis through the daemon (connector/vllm_connector/daemon_redis.py): saves ride
-        # the host-tier commits instead of this worker's own writes
-        self._daemon_redis = isinstance(redis, DaemonRedis)
         self._host_commits: set[futures.Future[None]] = set()
         # req -> key -> (segment, slot, seq) of each host shard checked for that request
         self._host_shards: dict[str, dict[BlockKey, tuple[Any, int, int]]] = {}
@@ -520,10 +521,10 @@ class TieredWorker:
                 oks[op.job] = True
         return oks
 
-    def _on_written(self, job: int, nbytes: int, kind: str = "write"
-                    ) -> Callable[[bool], None]:
-        def done(ok: bool) -> None:
-            self._done.append(WriteDone(kind, job, ok, nbytes))
+    def _on_written(self, kind: SaveKind) -> SaveDoneCallback:
+        """What a store calls, on any thread, once a save of ``kind`` is settled."""
+        def done(save: PendingSave, ok: bool) -> None:
+            self._done.append(WriteDone(kind, save.job, ok, save.view.nbytes))
         return done
 
     def collect(self) -> None:
@@ -540,10 +541,12 @@ class TieredWorker:
                     self._finished_sending.update(req_ids)
                 case WriteDone(kind, job, ok, nbytes):
                     self._report.saves[job] = [int(ok), 1, 0]
-                    written, written_bytes, failed = _WRITE_COUNTERS[kind]
+                    assert self.redis is not None  # only a store reports writes
+                    written, written_bytes, failed = self.redis.write_counters(kind)
                     if ok:
                         self.counters.add(written)
-                        self.counters.add(written_bytes, nbytes)
+                        if written_bytes is not None:
+                            self.counters.add(written_bytes, nbytes)
                     else:
                         for name in failed:
                             self.counters.add(name)
@@ -782,66 +785,49 @@ class TieredWorker:
                 save_id = op.save_id or new_host_save_id()
                 segment.commit_write(slot, d, save_id, nbytes)
                 saves.append((d, slot, save_id, nbytes))
-                behind.append((key_tuple(key), op.save_id, self.tp_rank == 0)
-                              if op.to_redis and self._daemon_redis else None)
+                behind.append(self.redis.host_commit_note(key, op.save_id, self.tp_rank == 0)
+                              if op.to_redis and self.redis is not None else None)
         except Exception:
             log.exception("kvtier: committing host-tier writes failed")
         self.host.commit(lease, saves, behind[:len(saves)] if any(behind) else None)
         self.counters.add("blocks_written_host", len(saves))
 
     def _to_redis(self, items: list[tuple[SaveOp, memoryview]], hosted: set[int]) -> None:
-        """Hand saves to Redis; with the daemon's Redis, report those it writes behind
-        (``hosted``: their host-tier commits name their Redis keys); the others are
-        dropped (no host-tier slot at hand). Saves not for Redis were reported gathered."""
-        remote = [(op, view) for op, view in items if op.to_redis]
+        """Hand the saves for Redis to the remote store (``hosted``: saves whose host-tier
+        commits name their Redis keys, for a store that writes through the daemon). Saves
+        not for Redis were reported gathered."""
+        remote = [PendingSave(op.job, self.storage_key(op.key), view, op.save_id,
+                              op.job in hosted) for op, view in items if op.to_redis]
         if not remote:
-            return
-        if self._daemon_redis and self.redis is not None and self.redis.available:
-            for op, _ in remote:
-                ok = op.job in hosted
-                self._report_save(op.job, ok=ok, gathered=True)
-                self.counters.add("redis_saves_via_daemon" if ok else "store_drops")
             return
         if self.redis is None or not self.redis.available:
             self.counters.add("redis_unavailable_steps")
-            for op, _ in remote:
-                self._report_save(op.job, ok=False, gathered=True)
+            for save in remote:
+                self._report_save(save.job, ok=False, gathered=True)
             self.counters.add("store_drops", len(remote))
             self.counters.add("redis_write_failures", len(remote))
             return
-        keyed = [(self.storage_key(op.key), view) for op, view in remote]
-        if self.config.write_mode == "through":
-            # Which values of a short batch landed is unknown: count none (never over-claim).
-            all_ok = self.redis.put_many(keyed, save_ids=[op.save_id for op, _ in remote]) \
-                == len(keyed)
-            for op, view in remote:
-                self._on_written(op.job, view.nbytes)(all_ok)
-            return
-        # One hand-over for the step's saves (one wake-up of the writer). Each slot stays
-        # pinned by the scheduler until its job is reported: no copy.
-        self.redis.submit_puts([(key, view, self._on_written(op.job, view.nbytes), op.save_id)
-                                for (op, view), (key, _) in zip(remote, keyed, strict=True)])
+        self.redis.write(remote, self._on_written("write"))
 
     def _backfill(self, ops: list[SaveOp]) -> None:
         """Hand entries that never reached Redis to its writer, from their slots (the last
         step's saves are in them: :meth:`fence` ran). A slot that does not hold its key on
         this rank fails its op as a failed copy: the scheduler drops the entry."""
-        if self.redis is None or self._daemon_redis:
+        if self.redis is None or not self.redis.backfills:
             for op in ops:
                 self._report_save(op.job, ok=False, gathered=True)
             self.counters.add("redis_backfill_failures", len(ops))
             return
-        puts = []
+        saves = []
         for op in ops:
             if self.transfer is None or op.slot < 0 or self.holds[op.slot] != op.key:
                 self._report_save(op.job, ok=False, gathered=False)
                 self.counters.add("redis_backfill_failures")
                 continue
             view = memoryview(self.slab[op.slot, :self._nbytes(op.group)])
-            puts.append((self.storage_key(op.key), view,
-                         self._on_written(op.job, view.nbytes, "backfill"), op.save_id))
-        if puts:
-            self.redis.submit_puts(puts)  # one hand-over; refusals answer False at once
+            saves.append(PendingSave(op.job, self.storage_key(op.key), view, op.save_id))
+        if saves:
+            self.redis.write(saves, self._on_written("backfill"))  # refusals answer at once
 
     def _report_save(self, job: int, *, ok: bool, gathered: bool) -> None:
         """Any thread: the main thread applies it to the report (:meth:`collect`)."""

@@ -45,13 +45,17 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from offload_tiers.host_tier.directory import HostDirectory, Location
 from offload_tiers.host_tier.protocol import EntryTuple
 from offload_tiers.keys import BlockKey
+
+if TYPE_CHECKING:  # redis-py is imported only where Redis is configured
+    from offload_tiers.redis.presence_feed import PresenceFeed
+    from offload_tiers.redis.tier import RedisTier
 
 log = logging.getLogger("kvtier.host_tier")
 
@@ -96,9 +100,10 @@ class BridgeCounters:
 class RedisBridge:
     """Redis write-behind and restores for one host tier (``directory``, under ``lock``)."""
 
-    def __init__(self, redis: Any, directory: HostDirectory, lock: threading.RLock,
+    def __init__(self, redis: RedisTier, directory: HostDirectory, lock: threading.RLock,
                  post: Callable[[Callable[[], None]], None], *, request_threads: int = 2,
-                 feed: Any = None, push: Callable[[np.ndarray, bool], None] | None = None,
+                 feed: PresenceFeed | None = None,
+                 push: Callable[[np.ndarray, bool], None] | None = None,
                  window: int = PRESENCE_WINDOW) -> None:
         """``feed``: a started PresenceFeed (announces; learns when its ``learn``);
         ``push(digests, synced)``, run on the loop, sends learned digests to subscribers."""

@@ -38,7 +38,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offload_tiers.codec import validate_key
 from offload_tiers.host_tier.directory import HostDirectory, Location
@@ -74,6 +74,10 @@ from offload_tiers.host_tier.run_files import RunFiles, RunLock, share_file
 from offload_tiers.host_tier.trust import address_of, mapped_file, prepare_socket_dir
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.shared_segment import DIGEST_BYTES, SharedSegment, default_path
+
+if TYPE_CHECKING:  # redis-py is imported only where Redis is configured
+    from offload_tiers.redis.presence_feed import PresenceFeed
+    from offload_tiers.redis.tier import RedisTier
 
 log = logging.getLogger("kvtier.host_tier")
 
@@ -126,7 +130,8 @@ class HostTierServer:
 
     def __init__(self, *, name: str, cpu_bytes: int, slot_bytes: int, socket_path: str,
                  max_clients: int = 256, mode: int = 0o600, group: int | None = None,
-                 redis: Any = None, presence_feed: Any = None) -> None:
+                 redis: RedisTier | None = None,
+                 presence_feed: PresenceFeed | None = None) -> None:
         if slot_bytes < 1:
             raise ValueError(f"slot_bytes must be >= 1, got {slot_bytes}")
         num_slots = cpu_bytes // slot_bytes

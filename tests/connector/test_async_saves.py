@@ -11,6 +11,7 @@ import pytest
 
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.plan import StepPlan
+from connector.vllm_connector.remote_store import OwnRedis
 from tests.support.halves import BS, Halves, as_bytes
 from tests.support.sched_doubles import Blk, Req
 
@@ -113,9 +114,9 @@ def test_the_next_step_waits_for_the_blocks_read_not_for_the_redis_hand_off(
     gate, handing = threading.Event(), threading.Event()
     try:
         worker = e.ranks[0].worker
-        assert worker.redis is not None
+        assert isinstance(worker.redis, OwnRedis)
         hand_off = "put_many" if mode == "through" else "submit_puts"
-        real = getattr(worker.redis, hand_off)
+        real = getattr(worker.redis.tier, hand_off)
 
         def held(*args: Any, **kwargs: Any) -> Any:
             handing.set()
@@ -123,7 +124,7 @@ def test_the_next_step_waits_for_the_blocks_read_not_for_the_redis_hand_off(
                 gate.wait()
             return real(*args, **kwargs)
 
-        setattr(worker.redis, hand_off, held)
+        setattr(worker.redis.tier, hand_off, held)
         e.fill([1, 2], seed=8)
         e.admit(Req("a", 70), [[Blk(1, BS), Blk(2, 2 * BS)]], 0)
         plan = e.plan({"a": 2 * BS})
@@ -139,7 +140,7 @@ def test_the_next_step_waits_for_the_blocks_read_not_for_the_redis_hand_off(
             block = as_bytes(e.ranks[0].kv["attn0"][op.block_id])
             assert bytes(np.asarray(worker.slab[op.slot, :len(block)])) == block
         assert worker.flush_redis(10.0)
-        assert worker.redis.counts()["puts"] == 2
+        assert worker.redis.tier.counts()["puts"] == 2
     finally:
         gate.set()
         e.close()

@@ -18,6 +18,7 @@ import torch
 
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.plan import OVERFLOW_SLOT
+from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.scheduler import ATTENTION, GroupSpec
 from offload_tiers.keys import BlockKey, BlockKind
 from tests.support.halves import BS, HYBRID, Halves, as_bytes, identity
@@ -329,8 +330,9 @@ def test_a_failed_load_skips_that_steps_saves_which_are_planned_again(engines: M
     # That rank already holds a valid shard of the 96-token key from an older save: the
     # other ranks' shards of this step must never be served beside it.
     older = victim.storage_key(plan.saves[0].key)
-    assert victim.redis.put_many([(older, as_bytes(e.ranks[-1].kv["attn0"][2]))],
-                                 save_ids=[12345]) == 1
+    assert isinstance(victim.redis, OwnRedis)
+    assert victim.redis.tier.put_many([(older, as_bytes(e.ranks[-1].kv["attn0"][2]))],
+                                      save_ids=[12345]) == 1
     e.run(plan)
     result = e.deliver(plan)
     assert result.load_errors == {5}

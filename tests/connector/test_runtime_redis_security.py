@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from connector.vllm_connector.config import TieredConfig, load_config
+from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.worker import TieredWorker, make_redis_tier
 from tests.support.halves import BS, Halves
 from tests.support.redis_tls import start_tls_acl_server, tls_url
@@ -43,7 +44,7 @@ def _config(port: int, ca: Path, password: str = PASSWORD, **extra: Any) -> Tier
 
 
 def _worker(cfg: TieredConfig) -> TieredWorker:
-    return TieredWorker(cfg, 0, 1, 4, make_redis_tier(cfg))
+    return TieredWorker(cfg, 0, 1, 4, OwnRedis(make_redis_tier(cfg), cfg.write_mode))
 
 
 def test_right_ca_and_user_connect(server: int, tls: TlsFiles) -> None:
@@ -74,8 +75,8 @@ def test_blocks_round_trip_over_tls_between_two_engines(server: int, tls: TlsFil
     finally:
         for e in (first, second):
             for rank in e.ranks:
-                assert rank.worker.redis is not None
-                rank.worker.redis.delete_many([
+                assert isinstance(rank.worker.redis, OwnRedis)
+                rank.worker.redis.tier.delete_many([
                     rank.worker.storage_key(e.key(Req("a", 70), 0, n)) for n in (BS, 2 * BS)])
             e.close()
 
@@ -93,7 +94,8 @@ def test_unverifiable_server_or_wrong_password_is_a_clear_cpu_only_start(
         assert worker.take_report().redis_up == {0: 0}
         snap = worker.counters.snapshot()
         assert snap["redis_available"] == 0 and snap["redis_configured"] == 1
-        stats = worker.redis.stats()
+        assert isinstance(worker.redis, OwnRedis)
+        stats = worker.redis.tier.stats()
         error = stats["last_error"].lower()
         assert ("certificate verify failed" in error if case == "other-ca"
                 else "authentication failed" in error), error

@@ -38,6 +38,7 @@ from connector.vllm_connector.layout import build_layout
 from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.presence import presence_source
+from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
 from connector.vllm_connector.worker import TieredWorker, worker_redis
 from offload_tiers.keys import BlockKey
@@ -81,8 +82,8 @@ class Rank:
 
     def stored(self, key: BlockKey) -> bytes | None:
         """The payload this rank's Redis holds for ``key`` (under its own fingerprint)."""
-        assert self.worker.redis is not None
-        got = self.worker.redis.get(self.worker.storage_key(key))
+        assert isinstance(self.worker.redis, OwnRedis)
+        got = self.worker.redis.tier.get(self.worker.storage_key(key))
         return None if got is None else bytes(got)
 
 
