@@ -353,7 +353,7 @@ class TieredScheduler:
                 and self.presence.ready() else _always
         fp = self._fingerprint(self.tenant(request))
         ends = list(range(num_computed + self.hash_unit, max_end + 1, self.hash_unit))
-        reach = self._reach(request, fp, ends, may_redis)
+        reach = self._reach(request, fp, ends, may_redis, count=False)
         if reach.missing or any(t != Tier.CPU for t in reach.tiers.values()):
             return True
         ends = ends[:len(reach.prefix)]
@@ -373,7 +373,7 @@ class TieredScheduler:
         return prefix, ending
 
     def _reach(self, request: RequestLike, fp: str, ends: list[int],
-               may_redis: Callable[[BlockKey], bool]) -> _Reach:
+               may_redis: Callable[[BlockKey], bool], count: bool = True) -> _Reach:
         """Where each key of each candidate end is, end by end, up to the first end with a
         FULL block in no tier: not in the CPU tier, not in the host tier, and not worth a
         Redis probe (``may_redis``) or known bad. No hit reaches past it, so nothing past it
@@ -401,7 +401,8 @@ class TieredScheduler:
             reach.prefix[end], reach.ending[end] = prefix, ending
             reach.missing.extend(asked)
         if host is not None and host.mixed:
-            self.counters.add("host_mixed_saves", host.mixed)
+            if count:  # a look-up's walk; a may_load_async walk counts nothing
+                self.counters.add("host_mixed_saves", host.mixed)
             host.mixed = 0
         return reach
 
