@@ -44,10 +44,11 @@ class L2Settings:
     ssl_ca_certs: str | None = None
     max_capacity_gb: float = 0.0
     """Capacity for LMCache's usage-driven eviction (0: no aggregate eviction signal)."""
-    load_threads: int = 2
+    load_threads: int = 4
     """kvtier threads that serve load tasks, a task's keys split between them (each thread a
-    connection of its own)."""
-    store_threads: int = 2
+    connection of its own). On a shared 2-core box 4 kept up with LMCache's resp adapter (8 C++
+    workers) where 1 and 2 fell behind when other work took the cores."""
+    store_threads: int = 4
     """Connections a store task's keys are split over (the store thread and helpers)."""
     delete_corrupt: bool = True
 
