@@ -63,6 +63,9 @@ __all__ = [
 DEFAULT_WEIGHTS: dict[str, float] = {Medium.GPU: 1.0, Medium.CPU: 0.8, Medium.STORAGE: 0.5}
 """Tier weights when none are given: a token in GPU memory is worth most, one in Redis least."""
 
+_DEFAULT_WEIGHTS = {str(m): w for m, w in DEFAULT_WEIGHTS.items()}  # str keys: an enum hashes
+# in Python on every look-up
+
 STATE_SPEC_KINDS = frozenset({"mamba"})
 """``kv_cache_spec_kind`` values of groups that restore a state at an end, not blocks."""
 
@@ -122,7 +125,7 @@ def weights_from(given: Mapping[str, Any] | None,
     CPU). :class:`ValueError` naming ``weights.<medium>`` for a weight that is not a finite
     number >= 0, and with ``known_media`` (media announced besides the three) for a medium
     that is neither one of the three (or an alias) nor one of those."""
-    out = {str(m): w for m, w in DEFAULT_WEIGHTS.items()}  # plain str: an enum hashes slowly
+    out = dict(_DEFAULT_WEIGHTS)
     known = None if known_media is None else {*_MEDIA, *known_media}
     for name, w in (given or {}).items():
         if (isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w)
