@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=1, help="submits per round")
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds per op")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    ap.add_argument("--reps", type=int, default=2, help="passes over the three adapters")
+    ap.add_argument("--reps", type=int, default=4, help="passes over the three adapters")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--verbose", action="store_true", help="LMCache's per-round lines")
     args = ap.parse_args(argv)

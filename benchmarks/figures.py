@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/connector.md", "docs/daemon.md",
              "docs/tiers.md", "docs/benchmarks-e2e.md", "docs/native-tier.md", "docs/audit.md",
-             "docs/limits.md", "RELIABILITY.md")
+             "docs/limits.md", "RELIABILITY.md", "docs/lmcache.md")
 #: what every JSON under benchmarks/results records in ``_measured`` (``stamp`` writes them)
 STAMP_FIELDS = ("date", "command", "load_avg", "commit")
 SPAN = re.compile(r"<!-- figures:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures:(?P=name) -->",
@@ -555,6 +555,18 @@ def checkpoint(d: dict[str, Any]) -> str:
             f"{share(r['identity_warm_vs_full_read'])} of that time ({when(d)})")
 
 
+def lmcache_l2(d: dict[str, Any]) -> str:
+    """kvtier's LMCache L2 adapter beside LMCache's resp and valkey (bench_lmcache_l2.py)."""
+    a = d["adapters"]
+    kv, resp, vk = a["kvtier"], a["lmcache_resp"], a["lmcache_valkey"]
+    return (f"{d['geometry']['chunk_bytes'] >> 20} MiB chunks (256 tokens, Llama-3.1-8B), one "
+            f"Redis: kvtier stores {kv['store_gb_s']:.2f} GB/s, loads {kv['load_gb_s']:.2f} "
+            f"GB/s; LMCache's resp {resp['store_gb_s']:.2f} / {resp['load_gb_s']:.2f}, valkey "
+            f"{vk['store_gb_s']:.2f} / {vk['load_gb_s']:.2f}; kvtier vs resp: store "
+            f"{x(d['kvtier_store_vs_lmcache_resp'])}, load {x(d['kvtier_load_vs_lmcache_resp'])}"
+            f" ({when(d)})")
+
+
 #: span name -> (JSON files under benchmarks/results, renderer)
 RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "events": (("events.json",), events),
@@ -586,6 +598,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "gil": (("gil.json",), gil),
     "backfill": (("backfill.json",), backfill),
     "checkpoint-identity": (("checkpoint_identity.json",), checkpoint),
+    "lmcache-l2": (("lmcache_l2.json",), lmcache_l2),
 }
 
 
