@@ -4,7 +4,8 @@ is (plain kvtier: no LMCache import).
 Credentials never travel in that dict: LMCache logs and reports its adapter configuration, so a
 URL that carries a password, or a ``password`` key, is refused. The URL comes from
 ``redis_url`` (no password in it), or whole from the environment variable ``redis_url_env``
-names; a password from ``redis_password_file`` (with ``redis_username`` for an ACL user).
+names; a password from ``redis_password_file`` or the variable ``redis_password_env`` names
+(with ``redis_username`` for an ACL user).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class L2Settings:
     redis_username: str | None = None
     redis_password_file: str | None = None
     """A file only this user can read whose content is the password."""
+    redis_password_env: str | None = None
+    """Or: an environment variable that holds the password."""
     key_prefix: str = "kvtier-lmcache"
     """Every key's prefix; one per deployment."""
     namespace: str = ""
@@ -70,7 +73,7 @@ class L2Settings:
                              f"{', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
         for name in ("redis_url", "redis_url_env", "redis_username", "redis_password_file",
-                     "key_prefix", "namespace", "ssl_ca_certs"):
+                     "redis_password_env", "key_prefix", "namespace", "ssl_ca_certs"):
             if name in params and params[name] is not None:
                 if not isinstance(params[name], str):
                     raise ValueError(f"adapter_params.{name} must be a string")
@@ -125,6 +128,7 @@ class L2Settings:
         url, warnings = resolve_redis_url(self.redis_url, url_env=self.redis_url_env,
                                           username=self.redis_username,
                                           password_file=self.redis_password_file,
+                                          password_env=self.redis_password_env,
                                           exposure=LMCACHE_EXPOSURE)
         if url is None:  # check() makes this unreachable
             raise ValueError("adapter_params: give redis_url or redis_url_env")

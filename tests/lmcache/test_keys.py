@@ -91,3 +91,7 @@ def test_url_from_environment_and_password_from_file(tmp_path, monkeypatch) -> N
         {"redis_url": "redis://127.0.0.1:6379/0", "redis_username": "kv",
          "redis_password_file": str(secret)}).resolve_url()
     assert url == "redis://kv:p%40ss%20word@127.0.0.1:6379/0" and not warnings
+    monkeypatch.setenv("KVTIER_TEST_LMC_PW", "pw")
+    url, _ = L2Settings.from_params({"redis_url": "redis://127.0.0.1:6379/0",
+                                     "redis_password_env": "KVTIER_TEST_LMC_PW"}).resolve_url()
+    assert url == "redis://:pw@127.0.0.1:6379/0"
