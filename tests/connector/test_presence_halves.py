@@ -31,12 +31,6 @@ def engines(redis_url: str, key_prefix: str) -> Iterator[Make]:
         e.close()
 
 
-def _ready(e: Halves) -> None:
-    """One step (rank 0's layout reaches the scheduler), then the feed's walk is done."""
-    e.step()
-    assert wait_until(lambda: e.sched.presence is not None and e.sched.presence.ready())
-
-
 def _store(e: Halves, req_id: str, blocks: int = 3) -> Req:
     req = Req(req_id, 100)
     e.fill(range(1, blocks + 1), seed=len(req_id))
@@ -57,7 +51,7 @@ def test_a_new_engine_learns_what_redis_holds_and_probes_only_that(engines: Make
     first = engines(tp)
     _store(first, "a")
     second = engines(tp)
-    _ready(second)  # its walk of the key names found first's (TP rank 0's names)
+    second.presence_ready()  # its walk of the key names found first's (TP rank 0's names)
     nobody = Req("nobody", 100)
     nobody.block_hashes = [b"x0", b"x1", b"x2"]
     assert second.sched.lookup(nobody, 0) == (0, False)  # at once: nobody stored it
@@ -69,8 +63,8 @@ def test_a_new_engine_learns_what_redis_holds_and_probes_only_that(engines: Make
 
 def test_a_running_engine_learns_another_engines_stores_as_they_happen(engines: Make) -> None:
     first, second = engines(), engines()
-    _ready(first)
-    _ready(second)
+    first.presence_ready()
+    second.presence_ready()
     req = Req("b", 100)
     assert second.sched.lookup(req, 0) == (0, False)  # nothing stored yet: no probe
     _store(first, "a")

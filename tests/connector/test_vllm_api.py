@@ -21,7 +21,6 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.connector import TieredOffloadingConnector
 from tests.support.halves import BS, HYBRID, Halves
 from tests.support.sched_doubles import Blk, Req
-from tests.tiers.faults import wait_until
 
 Make = Callable[..., Halves]
 
@@ -39,12 +38,6 @@ def engines(redis_url: str, key_prefix: str) -> Iterator[Make]:
     yield make
     for e in made:
         e.close()
-
-
-def _ready(e: Halves) -> None:
-    """One step (rank 0's layout reaches the scheduler), then the feed's walk is done."""
-    e.step()
-    assert wait_until(lambda: e.sched.presence is not None and e.sched.presence.ready())
 
 
 def _store(e: Halves, req: Req, blocks: int = 3) -> None:
@@ -66,7 +59,7 @@ def test_may_load_async_follows_where_a_hit_may_be(engines: Make) -> None:
     first = engines()
     _store(first, Req("a", 100))
     second = engines()
-    _ready(second)  # its walk of the key names found the first engine's
+    second.presence_ready()  # its walk of the key names found the first engine's
     assert second.sched.presence.may_hold([second.key(Req("b", 100), 0, 32)]) == [True]
     # Redis holds it (the summary learned it from the first engine): an asynchronous load.
     assert second.sched.may_load_async(Req("b", 100), 0) is True
@@ -75,7 +68,7 @@ def test_may_load_async_follows_where_a_hit_may_be(engines: Make) -> None:
     # vLLM's own cache already holds everything a tier could add: nothing beyond it.
     assert second.sched.may_load_async(Req("b", 100), 96) is False
     # The engine that stored it holds it in its CPU tier: a synchronous load (attention-only).
-    _ready(first)
+    first.presence_ready()
     assert first.sched.may_load_async(Req("c", 100), 0) is False
     # Asking changes nothing: no probe planned, nothing held.
     assert second.sched.lookup(_other("nobody"), 0) == (0, False)

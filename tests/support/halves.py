@@ -244,6 +244,15 @@ class Halves:
                     result.finished.add(req_id)
         return result
 
+    def presence_ready(self) -> None:
+        """One step (rank 0's layout reaches the scheduler), then the presence feed's walk
+        of the key names is done."""
+        from tests.tiers.faults import wait_until
+
+        self.step()
+        assert wait_until(lambda: self.sched.presence is not None
+                          and self.sched.presence.ready())
+
     def step(self, computed_after: dict[str, int] | None = None,
              boundary: dict[str, list[tuple[int, int, int]]] | None = None,
              gone: set[str] | None = None, deadline_s: float = 60.0) -> StepResult:
