@@ -1,9 +1,11 @@
 """The scheduler half: what to load (the longest prefix the tiers supply) and what to store.
 
 It runs in vLLM's engine-core process and keeps books only: which key sits in which CPU-tier
-slot (a slot directory, no bytes), which Redis keys the workers found, which jobs are still
-out. It never touches the network or a KV tensor; the workers (one per TP rank, other
-processes) do, and report back through :class:`~connector.vllm_connector.plan.WorkerReport`.
+slot (a slot directory, no bytes), which jobs are still out, and, through the chain of
+secondary tiers after the CPU tier (:mod:`connector.vllm_connector.secondary`: the host tier,
+then Redis), where else a key may be. It never touches the network or a KV tensor; the
+workers (one per TP rank, other processes) do, and report back through
+:class:`~connector.vllm_connector.plan.WorkerReport`.
 
 Pure logic over small interfaces, so it is tested without vLLM:
 
@@ -30,27 +32,29 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from connector.events.wire import Medium
-from connector.vllm_connector.backfill import Backfill
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import SchedulerHost
 from connector.vllm_connector.jobs import JobBook, SlotJob, TierChange
 from connector.vllm_connector.plan import (
     BACKFILL_REQ,
-    HOST_SLOT,
     OVERFLOW_SLOT,
-    FetchOp,
     LoadOp,
-    ProbeOp,
     SaveOp,
     StepPlan,
     WorkerReport,
 )
-from connector.vllm_connector.presence import PresenceFactory
+from connector.vllm_connector.presence import PresenceFactory, RedisPresence
+from connector.vllm_connector.secondary import (
+    ASK,
+    Held,
+    HostTierBooks,
+    RedisBooks,
+    SecondaryTier,
+    TierLookup,
+)
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.codec import new_save_id
 from offload_tiers.cpu_tier import CpuTier
-from offload_tiers.host_tier.client import Pins
-from offload_tiers.host_tier.directory import Location
 from offload_tiers.keys import BlockKey, BlockKind, kind_for
 
 log = logging.getLogger(__name__)
@@ -68,7 +72,6 @@ class Tier(enum.StrEnum):
 
 
 _EVENT_INFO_MAX = 1 << 16
-_BAD_KEYS_MAX = 1 << 14
 
 
 class RequestLike(Protocol):
@@ -111,52 +114,32 @@ class _Need:
     key: BlockKey
 
 
+#: Where a key of a hit is: the engine's own CPU tier (None), or a tier of the chain.
+Source = SecondaryTier | None
+
+
 @dataclass(slots=True)
 class _Lookup:
     start: int
     end: int
     needs: list[_Need]
-    tiers: dict[BlockKey, str]
-    slots: dict[BlockKey, int]  # pinned CPU slots and reserved fetch slots
+    tiers: dict[BlockKey, Source]
+    where: dict[BlockKey, object]  # each secondary key's place, as its tier gave it
+    held: dict[BlockKey, Held]  # pinned CPU slots; what each secondary tier holds
     offered: int  # tokens offered to vLLM: end - start, or one less for a whole-prompt hit
     load_async: bool
-    save_ids: dict[BlockKey, int]  # the save every rank must read, for each Redis key
-    host_where: dict[BlockKey, tuple[Location, ...]]  # every rank's shard, host keys
-    host_pins: dict[BlockKey, Pins | None]  # held until the key's host fetch is back
-
-
-@dataclass(slots=True)
-class _Probe:
-    """One request's Redis question: keys asked (over one or more probe jobs), the save id
-    every rank read for each answered key (0 or :data:`MIXED_SAVES`: not a hit), and how
-    many times the lookup answered "ask again" (never reset while the request waits)."""
-
-    asked: set[BlockKey] = field(default_factory=set)
-    answers: dict[BlockKey, int] = field(default_factory=dict)
-    asks: int = 0
-    # The keys worth asking (the presence summary's "maybe"); None = every missing key.
-    worth: set[BlockKey] | None = None
 
 
 @dataclass(slots=True)
 class _Reach:
-    """One look-up's candidates: the keys of every end a hit may reach, where the local
-    tiers hold them, and the keys a Redis probe may find (in order)."""
+    """One look-up's candidates: the keys of every end a hit may reach, where the tiers
+    hold them, and the keys each tier was asked to find (in order)."""
 
     prefix: dict[int, list[_Need]] = field(default_factory=dict)
     ending: dict[int, list[_Need]] = field(default_factory=dict)
-    tiers: dict[BlockKey, str] = field(default_factory=dict)
-    host_where: dict[BlockKey, tuple[Location, ...]] = field(default_factory=dict)
-    missing: list[BlockKey] = field(default_factory=list)
-    ruled_out: int = 0  # keys the presence summary said no kvtier engine stored
-
-
-def _always(key: BlockKey) -> bool:
-    return True
-
-
-def _never(key: BlockKey) -> bool:
-    return False
+    tiers: dict[BlockKey, Source] = field(default_factory=dict)
+    where: dict[BlockKey, object] = field(default_factory=dict)
+    asked: dict[int, list[BlockKey]] = field(default_factory=dict)  # chain index -> keys
 
 
 @dataclass(slots=True)
@@ -208,17 +191,15 @@ class TieredScheduler:
         self.directory = CpuTier(num_slots * slot_bytes, slot_bytes, with_slab=False,
                                  on_evict=self._on_evict)
         self.jobs = JobBook(world_size)
-        # Redis of this engine's own, or reached through the host tier's daemon
-        self.redis_configured = bool(config.redis_url) or config.host_tier_redis
-        self.redis_up = self.redis_configured  # until a worker says otherwise
-        self._redis_up_by_rank: dict[int, int] = {}  # each rank's last word (on change only)
-        if self.redis_configured:
-            self.counters.set_gauge("redis_configured", 1)
-        self.counters.set_gauge("redis_available", int(self.redis_up))
-        # Entries saved to the CPU tier only (Redis down, or the write failed): written to
-        # Redis from their slots once it answers again (connector/vllm_connector/backfill.py).
-        self.backfill = Backfill(num_slots) if (
-            config.redis_backfill and config.redis_url and config.write_mode == "back") else None
+        # Redis: this engine's own, or reached through the host tier's daemon; its books
+        # are kept whether or not one is configured (then it holds nothing)
+        self.redis = RedisBooks(config, world_size, self.directory, self.jobs, self.counters,
+                                self.outbox, self._plan_probe, presence)
+        # The tiers after the engine's own CPU tier, in the order a hit is looked for: the
+        # host's shared CPU tier (kvtier daemon --cpu-bytes), then Redis.
+        self.host = host
+        self.chain: list[SecondaryTier] = [
+            *([HostTierBooks(host, self.counters)] if host is not None else []), self.redis]
         self.attention = [g for g in groups if g.kind == ATTENTION]
         self.mamba = [g for g in groups if g.kind == MAMBA]
         self.supported = bool(self.attention) and all(
@@ -231,41 +212,34 @@ class TieredScheduler:
                 raise ValueError(f"group {g.group} block size {g.block_size} is not a multiple "
                                  f"of the hash unit {hash_unit}")
         self._pending: dict[str, _Lookup] = {}
-        self._probes: dict[str, _Probe] = {}
-        self._probe_reqs: dict[int, str] = {}  # probe job -> request
         self._tracked: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._hit_tiers: dict[str, dict[str, int]] = {}
         self._restoring: dict[str, _Restore] = {}
-        self._in_redis: OrderedDict[BlockKey, None] = OrderedDict()
-        # Keys whose Redis value failed a fetch: not offered again until this engine rewrites
-        # them or ``bad_key_ttl_s`` passes (so a corrupt value cannot make a request retry
-        # forever, and a value rewritten by another engine is served again later).
-        self._bad: OrderedDict[BlockKey, float] = OrderedDict()
-        self.bad_key_ttl_s = 30.0
+        self._fetching: dict[int, SecondaryTier] = {}  # fetch job -> the tier it reads
         self.event_info: OrderedDict[BlockKey, EventInfo] = OrderedDict()
         # Hybrid hits are asynchronous loads: vLLM caches the restored blocks, Mamba state
         # included, before the request runs, so later turns hit vLLM's own cache. A hit that
         # needs Redis is asynchronous too: the workers fetch it in the background.
         self.hybrid = bool(self.mamba)
-        # "Ask again" answers one request may get while its Redis probe is out. Answers come
-        # back in a later step's worker report whatever the step took (no wall clock); the
-        # bound only keeps a request from waiting for ever on an answer that never comes.
-        self.max_probe_asks = config.max_probe_asks
         self._gauges_at = float("-inf")
-        # Which keys Redis may hold, known without waiting (None: every miss is probed).
-        self.presence = presence(config, world_size, self.counters) \
-            if presence is not None and self.redis_configured else None
-        # The host's shared CPU tier, between this engine's CPU tier and Redis (or None).
-        self.host = host
-        self._host_fetches: dict[int, Pins | None] = {}  # fetch job -> its shards' pins
+
+    @property
+    def presence(self) -> RedisPresence | None:
+        """Which keys Redis may hold, known without waiting (None: every miss is probed)."""
+        return self.redis.presence
+
+    @property
+    def redis_up(self) -> bool:
+        return self.redis.up
+
+    def _plan_probe(self, op: Any) -> None:
+        self._plan.probes.append(op)
 
     def close(self) -> None:
         """Stop the presence summary's feed thread and the host tier's client (idempotent)."""
-        if self.presence is not None:
-            self.presence.close()
-        if self.host is not None:
-            self.host.close()
+        for tier in self.chain:
+            tier.close()
 
     def _on_evict(self, key: BlockKey, _view: memoryview) -> None:
         self.outbox.append(TierChange(key, Medium.CPU, stored=False))
@@ -283,9 +257,8 @@ class TieredScheduler:
                             ("cpu_tier_pinned", st["pinned"]),
                             ("cpu_tier_reserved", st["reserved"])):
             self.counters.set_gauge(name, int(value))
-        if self.host is not None:
-            self.counters.set_gauge("host_tier_available", int(self.host.client.available))
-            self.counters.set_gauge("host_tier_entries", len(self.host.client.mirror))
+        for tier in self.chain:
+            tier.refresh_gauges()
 
     # ------------------------------------------------------------------ keys
     def tenant(self, request: RequestLike) -> str:
@@ -321,20 +294,18 @@ class TieredScheduler:
             return 0, False
         fp = self._fingerprint(self.tenant(request))
         ends = list(range(num_computed + self.hash_unit, max_end + 1, self.hash_unit))
-        may_redis, decided_now = self._redis_may_hold(request.request_id)
-        reach = self._reach(request, fp, ends, may_redis)
+        lookups = [tier.lookup(request.request_id) for tier in self.chain]
+        reach = self._reach(request, fp, ends, lookups)
         ends = ends[:len(reach.prefix)]
-        missing = tuple(reach.missing)
-        if decided_now:
-            self._remember_worth(request.request_id, reach)
-        save_ids: dict[BlockKey, int] = {}
-        if missing and not self._redis_answer(request.request_id, missing, reach.tiers,
-                                              save_ids):
-            return None, False
+        for index, (tier, asked) in enumerate(zip(self.chain, lookups, strict=True)):
+            found = asked.settle(reach.asked.get(index, []))
+            if found is None:
+                return None, False  # asked of the workers: ask again
+            for key, where in found.items():
+                reach.tiers[key], reach.where[key] = tier, where
         self.counters.add("lookups")
         self.counters.add("lookup_tokens", request.num_tokens - num_computed)
-        return self._choose(request, num_computed, ends, reach.prefix, reach.ending,
-                            reach.tiers, save_ids, reach.host_where)
+        return self._choose(request, num_computed, ends, reach)
 
     def may_load_async(self, request: RequestLike, num_computed: int) -> bool:
         """Whether :meth:`lookup` from ``num_computed`` may answer with an asynchronous load
@@ -347,14 +318,11 @@ class TieredScheduler:
         max_end = min(limit, len(request.block_hashes) * self.hash_unit)
         if max_end - num_computed < self.hash_unit:
             return False
-        may_redis = _never
-        if self.redis_configured and self.redis_up:
-            may_redis = self.presence.may_hold_key if self.presence is not None \
-                and self.presence.ready() else _always
         fp = self._fingerprint(self.tenant(request))
         ends = list(range(num_computed + self.hash_unit, max_end + 1, self.hash_unit))
-        reach = self._reach(request, fp, ends, may_redis, count=False)
-        if reach.missing or any(t != Tier.CPU for t in reach.tiers.values()):
+        reach = self._reach(request, fp, ends,
+                            [tier.lookup(request.request_id, dry=True) for tier in self.chain])
+        if reach.asked or any(t is not None for t in reach.tiers.values()):
             return True
         ends = ends[:len(reach.prefix)]
         return self.hybrid and self._best(ends, reach.prefix, reach.ending, reach.tiers)[0] > 0
@@ -373,110 +341,41 @@ class TieredScheduler:
         return prefix, ending
 
     def _reach(self, request: RequestLike, fp: str, ends: list[int],
-               may_redis: Callable[[BlockKey], bool], count: bool = True) -> _Reach:
-        """Where each key of each candidate end is, end by end, up to the first end with a
-        FULL block in no tier: not in the CPU tier, not in the host tier, and not worth a
-        Redis probe (``may_redis``) or known bad. No hit reaches past it, so nothing past it
-        is looked at: a miss costs the keys of its first block, not of its prompt."""
+               lookups: list[TierLookup]) -> _Reach:
+        """Where each key of each candidate end is, end by end (the CPU tier, then each tier
+        of the chain in order), up to the first end with a FULL block in no tier and worth
+        asking of none. No hit reaches past it, so nothing past it is looked at: a miss
+        costs the keys of its first block, not of its prompt."""
         reach = _Reach()
-        host = self.host if self.host is not None and self.host.ready else None
         for end in ends:
             prefix, ending = self._needs_at(request, fp, end)
             keys = [n.key for n in prefix + ending]
-            asked: list[BlockKey] = []
+            asked: dict[BlockKey, int] = {}  # key -> the chain index of the tier to ask
             for key, in_cpu in zip(keys, self.directory.contains_many(keys), strict=True):
                 if in_cpu:
-                    reach.tiers[key] = Tier.CPU
-                elif host is not None and (found := host.locate(key)) is not None:
-                    reach.tiers[key] = Tier.HOST
-                    reach.host_where[key] = found
-                elif self._is_bad(key):
+                    reach.tiers[key] = None
                     continue
-                elif may_redis(key):
-                    asked.append(key)
-                else:
-                    reach.ruled_out += 1
+                for index, lookup in enumerate(lookups):
+                    where = lookup.locate(key)
+                    if where is ASK:
+                        asked[key] = index
+                    elif where is not None:
+                        reach.tiers[key], reach.where[key] = self.chain[index], where
+                    else:
+                        continue
+                    break
             if any(n.key not in reach.tiers and n.key not in asked for n in prefix):
                 break  # a FULL block of this end is nowhere: no hit reaches it
             reach.prefix[end], reach.ending[end] = prefix, ending
-            reach.missing.extend(asked)
-        if host is not None and host.mixed:
-            if count:  # a look-up's walk; a may_load_async walk counts nothing
-                self.counters.add("host_mixed_saves", host.mixed)
-            host.mixed = 0
+            for key, index in asked.items():
+                reach.asked.setdefault(index, []).append(key)
         return reach
 
-    def _redis_may_hold(self, req_id: str) -> tuple[Callable[[BlockKey], bool], bool]:
-        """Which keys missing from the local tiers are worth a Redis probe, and whether the
-        presence summary decides it in this look-up (its first; later asks of the same
-        request keep the first answer, so a growing summary adds no probe rounds)."""
-        if not self.redis_configured:
-            return _never, False
-        if self.presence is None or not self.redis_up:
-            return _always, False  # without a summary every miss is probed
-        probe = self._probes.get(req_id)
-        if probe is not None:
-            return (_always if probe.worth is None else probe.worth.__contains__), False
-        if not self.presence.ready():
-            self.counters.add("presence_not_ready")
-            return _always, False
-        return self.presence.may_hold_key, True
-
-    def _remember_worth(self, req_id: str, reach: _Reach) -> None:
-        """The summary's first answer for a request: its keys to probe are kept for the asks
-        that follow; none answers the look-up at once (``presence_known_absent``)."""
-        if reach.ruled_out:
-            self.counters.add("presence_keys_skipped", reach.ruled_out)
-        if reach.missing:
-            self._probes[req_id] = _Probe(worth=set(reach.missing))
-        elif reach.ruled_out:
-            self.counters.add("presence_known_absent")
-
-    def _redis_answer(self, req_id: str, missing: tuple[BlockKey, ...],
-                      tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int]) -> bool:
-        """Fill ``tiers`` (and ``save_ids``) with the Redis-held keys among ``missing``;
-        False = ask again.
-
-        Keys not asked yet go to the workers as a probe job; the answer comes through a later
-        worker report, counted in engine steps, not seconds. A key is held only where every
-        rank read the same save. Redis known down at the first ask skips Redis
-        (``redis_lookup_skips``); a request that got ``max_probe_asks`` "ask again" answers
-        is answered from what is known (``probe_gave_up``).
-        """
-        if not self.redis_configured:
-            return True
-        probe = self._probes.get(req_id)
-        if probe is None:
-            if not self.redis_up:
-                self.counters.add("redis_lookup_skips")
-                return True
-            probe = self._probes[req_id] = _Probe()
-        new = tuple(k for k in missing if k not in probe.asked)
-        if new and self.redis_up:
-            job = self.jobs.open_probe(new)
-            self._probe_reqs[job] = req_id
-            probe.asked.update(new)
-            self._plan.probes.append(ProbeOp(job, new))
-        if not all(k in probe.answers for k in missing if k in probe.asked):
-            if probe.asks < self.max_probe_asks:
-                probe.asks += 1
-                self.counters.add("probe_waits")
-                return False
-            self.counters.add("probe_gave_up")
-        del self._probes[req_id]
-        for k in missing:
-            save_id = probe.answers.get(k, 0)
-            if save_id > 0:
-                tiers[k] = Tier.REDIS
-                save_ids[k] = save_id
-        return True
-
     def _choose(self, request: RequestLike, num_computed: int, ends: list[int],
-                prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
-                tiers: dict[BlockKey, str], save_ids: dict[BlockKey, int],
-                host_where: dict[BlockKey, tuple[Location, ...]]) -> tuple[int, bool]:
+                reach: _Reach) -> tuple[int, bool]:
+        tiers = reach.tiers
         for _attempt in range(3):
-            best, needs, present = self._best(ends, prefix, ending, tiers)
+            best, needs, present = self._best(ends, reach.prefix, reach.ending, tiers)
             if best == 0:
                 if present:
                     self.counters.add("rounded_down_tokens", present - num_computed)
@@ -486,23 +385,22 @@ class TieredScheduler:
                 self.counters.add("rounded_down_tokens", max(present, best) - num_computed)
                 self.counters.add("hybrid_hits_withheld", best - num_computed)
                 return 0, False
-            host_pins: dict[BlockKey, Pins | None] = {}
-            slots = self._hold_hit(needs, tiers, host_where, host_pins)
-            if slots is None:
-                continue  # a key found no slot: a miss now; choose a shorter end
+            held = self._hold_hit(needs, tiers, reach.where)
+            if held is None:
+                continue  # a key could not be held: a miss now; choose a shorter end
             if present > best:
                 self.counters.add("rounded_down_tokens", present - best)
-            load_async = self.hybrid or any(tiers[n.key] != Tier.CPU for n in needs)
+            load_async = self.hybrid or any(tiers[n.key] is not None for n in needs)
             offered = whole_prompt_offer(best, request.num_tokens) - num_computed
             self._pending[request.request_id] = _Lookup(num_computed, best, needs, tiers,
-                                                        slots, offered, load_async, save_ids,
-                                                        host_where, host_pins)
+                                                        reach.where, held, offered,
+                                                        load_async)
             return offered, load_async
         return 0, False
 
     @staticmethod
     def _best(ends: list[int], prefix: dict[int, list[_Need]], ending: dict[int, list[_Need]],
-              tiers: dict[BlockKey, str]) -> tuple[int, list[_Need], int]:
+              tiers: dict[BlockKey, Source]) -> tuple[int, list[_Need], int]:
         """The longest end every group can restore, its keys, and the longest end seen."""
         best = present = 0
         needs: list[_Need] = []
@@ -518,54 +416,46 @@ class TieredScheduler:
                 needs = chain + ending[end]
         return best, list(needs), present
 
-    def _hold_hit(self, needs: list[_Need], tiers: dict[BlockKey, str],
-                  host_where: dict[BlockKey, tuple[Location, ...]],
-                  host_pins: dict[BlockKey, Pins | None]) -> dict[BlockKey, int] | None:
-        """Pin every CPU key of a hit, reserve a slot for every Redis key and pin every
-        host key's shards in the host tier (loaded from there: no slot): all or none.
+    def _hold_hit(self, needs: list[_Need], tiers: dict[BlockKey, Source],
+                  where: dict[BlockKey, object]) -> dict[BlockKey, Held] | None:
+        """Hold every key of a hit where it is, all or none: a CPU key's slot pinned; a
+        secondary tier's key as that tier holds it (Redis: a reserved slot to fetch into;
+        the host tier: every rank's shard pinned, loaded from there).
 
         Keys are held in hit order, so holding one never evicts an earlier key of the same
         hit. On failure everything is let go, the failed key leaves ``tiers`` (the next
         attempt chooses a shorter end) and ``None`` is returned.
         """
-        held: dict[BlockKey, int] = {}
+        held: dict[BlockKey, Held] = {}
         for need in needs:
             if need.key in held:
                 continue
-            if tiers[need.key] == Tier.CPU:
+            tier = tiers[need.key]
+            if tier is None:
                 slot = self.directory.acquire(need.key)
-            elif tiers[need.key] == Tier.HOST:
-                slot = HOST_SLOT
+                got = Held(slot) if slot is not None else None
             else:
-                slot = self.directory.reserve(need.key)
-                if slot is None:
-                    self.counters.add("store_drops")  # every slot pinned or being written
-            if slot is None:
+                got = tier.hold(need.key, where[need.key])
+            if got is None:
                 tiers.pop(need.key, None)
-                self._let_go(held, tiers, host_pins)
+                self._let_go(held, tiers)
                 return None
-            held[need.key] = slot
-            if tiers[need.key] == Tier.HOST and self.host is not None:
-                host_pins[need.key] = self.host.pin(host_where[need.key])
+            held[need.key] = got
         return held
 
-    def _let_go(self, held: dict[BlockKey, int], tiers: dict[BlockKey, str],
-                host_pins: dict[BlockKey, Pins | None]) -> None:
-        for key in held:
-            tier = tiers.get(key, Tier.CPU)
-            if tier == Tier.REDIS:
-                self.directory.abort(key)
-            elif tier == Tier.CPU:
+    def _let_go(self, held: dict[BlockKey, Held], tiers: dict[BlockKey, Source]) -> None:
+        for key, h in held.items():
+            tier = tiers.get(key)
+            if tier is None:
                 self._unpin(key)
-        if self.host is not None:
-            for pins in host_pins.values():
-                self.host.unpin(pins)
-        host_pins.clear()
+            else:
+                tier.let_go(key, h)
+        held.clear()
 
     def _drop_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
-            self._let_go(pending.slots, pending.tiers, pending.host_pins)
+            self._let_go(pending.held, pending.tiers)
 
     def _unpin(self, key: BlockKey) -> None:
         try:
@@ -597,9 +487,9 @@ class TieredScheduler:
                 log.warning("kvtier: vLLM accepted %d external tokens for %s, offered %d; "
                             "not loading", num_external, req_id, pending.offered)
                 self.counters.add("refused_loads")
-            self._let_go(pending.slots, pending.tiers, pending.host_pins)
+            self._let_go(pending.held, pending.tiers)
             return
-        per_tier = {Tier.CPU: 0, Tier.REDIS: 0, Tier.HOST: 0}
+        per_source = dict.fromkeys([Tier.CPU, *(t.source for t in self.chain)], 0)
         lead = self.attention[0]
         fetched: dict[BlockKey, int] = {}
         for need in pending.needs:
@@ -611,36 +501,28 @@ class TieredScheduler:
                     f"kvtier: vLLM allocated no block for group {need.group} index "
                     f"{need.block_index} of {req_id}; refusing a partial restore")
             tier = pending.tiers[need.key]
-            slot = pending.slots[need.key]
-            if tier != Tier.CPU and need.key not in fetched:
-                job = fetched[need.key] = self.jobs.open_fetch(need.key, slot, req_id)
-                host = None
-                if tier == Tier.HOST and self.host is not None:
-                    host = tuple((w.slot, w.save_id, w.length)
-                                 for w in pending.host_where[need.key])
-                    self._host_fetches[job] = pending.host_pins.pop(need.key, None)
-                    self.host.touch(need.key)  # used: last in the daemon's LRU
-                self._plan.fetches.append(FetchOp(job, req_id, slot, need.key,
-                                                  pending.save_ids.get(need.key), host))
-            self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, slot, need.key,
-                                           after_fetch=tier != Tier.CPU,
-                                           from_host=tier == Tier.HOST))
+            held = pending.held[need.key]
+            if tier is not None and need.key not in fetched:
+                job = fetched[need.key] = self.jobs.open_fetch(need.key, held.slot, req_id)
+                self._fetching[job] = tier
+                self._plan.fetches.append(tier.fetch(job, req_id, need.key, held,
+                                                     pending.where[need.key]))
+            self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, held.slot,
+                                           need.key, after_fetch=tier is not None,
+                                           from_host=tier is not None and tier.loads_in_place))
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)
-                per_tier[tier] += max(min(need.key.num_tokens, pending.end) - start, 0)
+                per_source[Tier.CPU if tier is None else tier.source] += \
+                    max(min(need.key.num_tokens, pending.end) - start, 0)
         # A CPU slot is read by this step's loads, which every worker runs before any later
-        # save can reuse it: the pins go now. Fetch slots stay reserved until their job ends.
-        for key in pending.slots:
-            if pending.tiers[key] == Tier.CPU:
+        # save can reuse it: the pins go now. Fetches hold theirs until their job ends.
+        for key in pending.held:
+            if pending.tiers[key] is None:
                 self._unpin(key)
         if pending.load_async:
             self._plan.async_reqs.append(req_id)
-        cpu_tokens = min(per_tier[Tier.CPU], num_external)
-        host_tokens = min(per_tier[Tier.HOST], num_external - cpu_tokens)
-        split = {Tier.CPU: cpu_tokens, Tier.REDIS: num_external - cpu_tokens - host_tokens}
-        if self.host is not None:
-            split[Tier.HOST] = host_tokens
+        split = self._hit_split(per_source, num_external)
         self._hit_tiers[req_id] = split
         if fetched:
             # Counted once every fetch is back and valid (a bad value is no hit).
@@ -648,11 +530,21 @@ class TieredScheduler:
         else:
             self._count_hit(split)
 
+    def _hit_split(self, per_source: dict[str, int], num_external: int) -> dict[str, int]:
+        """The tokens vLLM took, by the tier they came from, in chain order (the last tier
+        gets the rest: a whole-prompt hit is offered one token short)."""
+        split: dict[str, int] = {}
+        left = num_external
+        for source in list(per_source)[:-1]:
+            split[source] = min(per_source[source], left)
+            left -= split[source]
+        split[list(per_source)[-1]] = left
+        return split
+
     def _count_hit(self, split: dict[str, int]) -> None:
         self.counters.add("hit_requests")
-        self.counters.add("hit_tokens_cpu", split[Tier.CPU])
-        self.counters.add("hit_tokens_redis", split[Tier.REDIS])
-        self.counters.add("hit_tokens_host", split.get(Tier.HOST, 0))
+        for source, tokens in split.items():
+            self.counters.add(f"hit_tokens_{source}", tokens)
 
     def _restore_progress(self, req_id: str, job: int, ok: bool) -> None:
         entry = self._restoring.get(req_id)
@@ -688,12 +580,7 @@ class TieredScheduler:
         ``gone``: requests finished or preempted this step (their hand-offs are dropped).
         """
         plan, self._plan = self._plan, StepPlan()
-        known: list[bool] = []
-        if self.presence is not None:
-            self.presence.refresh()
-            known.append(self.presence.layout is not None)
-        if self.host is not None:
-            known.append(self.host.layout is not None)
+        known = [k for k in (tier.begin_step() for tier in self.chain) if k is not None]
         plan.layout_known = bool(known) and all(known)
         if not self.supported:
             return plan
@@ -713,17 +600,18 @@ class TieredScheduler:
     def _plan_backfills(self, plan: StepPlan) -> None:
         """A batch of entries that never reached Redis, once it answers: each slot held
         until every rank wrote its shard from it (in its place in the LRU order)."""
-        if not self.backfill:  # off, or nothing to write (most steps)
+        backfill = self.redis.backfill
+        if not backfill:  # off, or nothing to write (most steps)
             return
-        for key in self.backfill.take(self.redis_up):
-            if key in self._in_redis or not self.directory.contains(key):
+        for key in backfill.take(self.redis.up):
+            if key in self.redis.written or not self.directory.contains(key):
                 continue  # written since, or evicted
             slot = self.directory.hold(key)
             assert slot is not None
             job = self.jobs.open_save(key, slot, BACKFILL_REQ, None, True)
             plan.backfills.append(SaveOp(job, BACKFILL_REQ, key.group, -1, slot, key, True,
                                          new_save_id()))
-        self.backfill.sent(len(plan.backfills))
+        backfill.sent(len(plan.backfills))
         self.counters.add("redis_backfills", len(plan.backfills))
 
     def _plan_attention(self, tracked: _Tracked, done: int, plan: StepPlan) -> None:
@@ -797,13 +685,14 @@ class TieredScheduler:
         every rank has written it."""
         if self.directory.contains(key):
             return
-        if self.host is not None and self.host.ready and self.host.holds(key):
-            # The host tier holds every rank's shard (restored from there, or another
-            # engine's save): one copy per host, none in this engine's own tier.
-            self.counters.add("host_held_saves_skipped")
-            return
+        for tier in self.chain:
+            if tier.holds(key):
+                # The host tier holds every rank's shard (restored from there, or another
+                # engine's save): one copy per host, none in this engine's own tier.
+                self.counters.add(f"{tier.source}_held_saves_skipped")
+                return
         slot = self.directory.reserve(key)
-        to_redis = self.redis_configured and self.redis_up
+        to_redis = self.redis.accepts_saves
         if slot is None and to_redis:
             # Every slot is pinned (loads, queued Redis writes): the block goes to Redis
             # through a buffer of the worker's own, bounded by its write queue.
@@ -821,12 +710,12 @@ class TieredScheduler:
         self.directory.commit(key)
         if to_redis:
             self.directory.hold(key)
-        elif self.redis_configured:
+        elif self.redis.configured:
             self.counters.add("redis_unavailable_saves")
-            if self.backfill is not None:
-                self.backfill.note(key)
+            if self.redis.backfill is not None:
+                self.redis.backfill.note(key)
         job = self.jobs.open_save(key, slot, request.request_id, mark, to_redis)
-        to_host = self.host is not None and self.host.ready
+        to_host = any(tier.takes_copies for tier in self.chain)
         plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, slot, key,
                                  to_redis, new_save_id() if to_redis or to_host else 0,
                                  to_host))
@@ -856,14 +745,11 @@ class TieredScheduler:
     # ------------------------------------------------------------------ worker reports
     def on_report(self, report: WorkerReport) -> None:
         """Apply what the workers finished: saves, fetches, probes, Redis health."""
-        if report.rank0_layout and self.presence is not None:
-            self.presence.set_layout(report.rank0_layout)
-        if report.rank0_layout and self.host is not None:
-            self.host.set_layout(report.rank0_layout)
+        if report.rank0_layout:
+            for tier in self.chain:
+                tier.set_layout(report.rank0_layout)
         if report.redis_up:
-            self._redis_up_by_rank.update(report.redis_up)
-            self.redis_up = all(self._redis_up_by_rank.values())
-            self.counters.set_gauge("redis_available", int(self.redis_up))
+            self.redis.set_up(report.redis_up)
         for job, (ok, n, gather_failed) in report.saves.items():
             done = self.jobs.report(job, ok, n, gather_failed)
             if done is not None:
@@ -875,13 +761,14 @@ class TieredScheduler:
         for job, (ids, n) in report.probes.items():
             done = self.jobs.report_probe(job, ids, n)
             if done is not None:
-                self._probe_done(job, *done)
+                self.redis.probe_done(job, *done)
 
     def _save_done(self, info: SlotJob, all_ok: bool) -> None:
         key = info.key
         backfilled = info.req_id == BACKFILL_REQ
-        if backfilled and self.backfill is not None:
-            self.backfill.answered()
+        backfill = self.redis.backfill
+        if backfilled and backfill is not None:
+            backfill.answered()
         if info.to_redis and info.slot != OVERFLOW_SLOT:
             self._unhold(key)
         if not all_ok:
@@ -890,65 +777,19 @@ class TieredScheduler:
                 self.counters.add("store_drops")
                 self.outbox.append(TierChange(key, Medium.CPU, stored=False))
             elif (info.to_redis and info.slot != OVERFLOW_SLOT and not backfilled
-                  and self.backfill is not None):
-                self.backfill.note(key)  # copied, but not written to Redis: later
+                  and backfill is not None):
+                backfill.note(key)  # copied, but not written to Redis: later
             tracked = self._tracked.get(info.req_id)
             if tracked is not None and info.mark is not None:
                 tracked.saved.discard(info.mark)
                 tracked.cursor.pop(info.mark[0], None)
             return
         if info.to_redis:
-            self._bad.pop(key, None)  # rewritten by this engine: valid again
-        if info.to_redis and self.presence is not None:
-            self.presence.stored(key)
-        if info.to_redis and key not in self._in_redis:
-            self._in_redis[key] = None
-            self.outbox.append(TierChange(key, Medium.STORAGE, stored=True))
-            while len(self._in_redis) > self.directory.num_slots * 4:
-                self._in_redis.popitem(last=False)
+            self.redis.wrote(key)
 
     def _fetch_done(self, job: int, info: SlotJob, all_ok: bool) -> None:
-        key = info.key
         self._restore_progress(info.req_id, job, all_ok)
-        if job in self._host_fetches:
-            # Every rank reported: each loaded its shard before reporting (or failed), so
-            # the pins go. The host tier's copy stays the only one on this host.
-            pins = self._host_fetches.pop(job)
-            if self.host is not None:
-                self.host.unpin(pins)
-            if not all_ok:  # evicted or reused since the look-up: the mirror catches up
-                self.counters.add("host_misses_at_fetch")
-            return
-        if all_ok:
-            self.directory.commit(key)
-            self.outbox.append(TierChange(key, Medium.CPU, stored=True))
-            self._bad.pop(key, None)
-            return
-        self.directory.abort(key)
-        self.counters.add("redis_misses_at_fetch")
-        self._bad[key] = time.monotonic() + self.bad_key_ttl_s
-        self._bad.move_to_end(key)
-        while len(self._bad) > _BAD_KEYS_MAX:
-            self._bad.popitem(last=False)
-
-    def _is_bad(self, key: BlockKey) -> bool:
-        until = self._bad.get(key)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._bad[key]
-        return False
-
-    def _probe_done(self, job: int, keys: tuple[BlockKey, ...], save_ids: list[int]) -> None:
-        req_id = self._probe_reqs.pop(job, None)
-        probe = self._probes.get(req_id) if req_id is not None else None
-        if probe is not None:
-            probe.answers.update(zip(keys, save_ids, strict=True))
-        if self.presence is not None:
-            for key, save_id in zip(keys, save_ids, strict=True):
-                if save_id > 0:
-                    self.presence.confirmed(key)
+        self._fetching.pop(job).fetched(job, info.key, all_ok)
 
     def register_tail(self, request: RequestLike, entries: list[tuple[int, int, int]]) -> bool:
         """A finishing request's Mamba partial tails (group, block id, tokens): save them in
@@ -970,7 +811,8 @@ class TieredScheduler:
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._drop_pending(req_id)
-        self._probes.pop(req_id, None)  # its jobs' answers, when they come, find no one
+        for tier in self.chain:
+            tier.finished(req_id)
         self._hit_tiers.pop(req_id, None)
 
     def preempted(self, req_id: str) -> None:
@@ -987,9 +829,7 @@ class TieredScheduler:
             if self.directory.remove(key):
                 removed += 1
                 self.outbox.append(TierChange(key, Medium.CPU, stored=False))
-        self._in_redis.clear()
-        if self.backfill is not None:
-            self.backfill.clear()
+        self.redis.reset()
         return removed
 
     def stats(self) -> dict[str, Any]:
