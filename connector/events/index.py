@@ -37,10 +37,10 @@ node table (:func:`lane_groups`).
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, count, islice, repeat
-from operator import and_, ne, or_
+from operator import and_, eq, ne, or_, rshift
 from typing import Any, NamedTuple
 
 from connector.events.wire import Medium
@@ -492,6 +492,11 @@ class KVIndex:
         return again
 
     def _store_one(self, key: ResidencyKey, lane: int, h: Any, packed: int) -> int:
+        if h not in self.nodes and packed <= FACTS and self.n_entries < self.max_entries:
+            self.nodes[h] = (1 << lane << SHIFT) | packed  # a new hash: its node
+            self.n_entries += 1
+            self.kinds[key][packed & 3] += 1
+            return 0
         old = self._facts(lane, h)
         if old is not None:
             self._again(key, lane, h, old, packed)
@@ -597,26 +602,51 @@ class KVIndex:
 
     def _remove_bulk(self, lane: int, hashes: Sequence[Any], kc: list[int]) -> int:
         """Drop ``lane`` from each hash (no extra references); return how many were not
-        there. C-speed when every hash is held by this lane alone (the common case)."""
+        there. C passes: the nodes read, this lane's own popped, nodes other lanes hold too
+        rewritten without its bit; a node that is not this lane's is left alone."""
         n = len(hashes)
         nodes = self.nodes
-        popped = list(map(nodes.pop, hashes, repeat(_MISS, n)))
-        lo = 1 << lane << SHIFT  # nodes of this lane alone: lo + facts
+        vals = list(map(nodes.get, hashes, repeat(_MISS, n)))
+        mine = 1 << lane
         try:
-            alone = min(popped) >= lo and max(popped) <= lo + FACTS
+            owners = list(map(rshift, vals, repeat(SHIFT, n)))  # _MISS -> -1
         except TypeError:  # a dict node
-            alone = False
-        if alone:
-            if kc[_FULL] == sum(kc):  # the key holds FULL entries only: so were these
-                kc[_FULL] -= n
-                return 0
-            bits = list(map(and_, popped, repeat(3, n)))
-            for k in range(4):
-                kc[k] -= bits.count(k)
-            return 0
-        for h, node in zip(reversed(hashes), reversed(popped), strict=True):
-            if node is not _MISS:  # put back (a hash twice: its first pop, last)
-                nodes[h] = node
+            return self._remove_each(lane, hashes, kc)
+        if n > 1 and len(set(hashes)) != n:  # a hash twice: one at a time
+            return self._remove_each(lane, hashes, kc)
+        missing = owners.count(-1)
+        alone = owners.count(mine)
+        strays = []  # not this lane's: left, counted as missing
+        if alone + missing == n:
+            deque(map(nodes.pop, hashes, repeat(None, n)), maxlen=0)
+            shared = 0
+        else:
+            deque(map(nodes.pop, compress(hashes, map(eq, owners, repeat(mine)))), maxlen=0)
+            bit = mine << SHIFT
+            shared = 0
+            for i in compress(count(), map(and_, map(ne, owners, repeat(mine)),
+                                           map(ne, owners, repeat(-1)))):
+                if owners[i] & mine:  # other lanes keep it
+                    nodes[hashes[i]] = vals[i] ^ bit
+                    shared += 1
+                else:
+                    strays.append(i)
+        if kc[_FULL] == sum(kc):  # the key holds FULL entries only: so were these
+            kc[_FULL] -= alone + shared
+        else:
+            bits = bytes(map(and_, vals, repeat(3, n)))  # _MISS & 3 == 0
+            full = bits.count(_FULL)
+            kc[_FULL] -= full
+            if full + missing != n:  # other kinds (or strays) among them
+                for k in (0, _PARTIAL, 3):
+                    kc[k] -= bits.count(k)
+                kc[0] += missing
+            for i in strays:
+                kc[vals[i] & 3] += 1
+        return missing + len(strays)
+
+    def _remove_each(self, lane: int, hashes: Sequence[Any], kc: list[int]) -> int:
+        """:meth:`_remove_bulk` one hash at a time."""
         missing = 0
         for h in hashes:
             f = self._take(lane, h)
@@ -660,9 +690,14 @@ class KVIndex:
     def _drop_lanes(self, lanes: int) -> None:
         nodes = self.nodes
         keep = ~(lanes << SHIFT)
-        for h in [h for h, node in nodes.items()
-                  if (node >> SHIFT & lanes if type(node) is int
-                      else any(1 << lane & lanes for lane in node))]:
+        try:  # int nodes only: which hold one of the lanes, in C passes
+            held = map(and_, map(rshift, nodes.values(), repeat(SHIFT)), repeat(lanes))
+            hit = list(compress(list(nodes), list(held)))
+        except TypeError:  # dict nodes too
+            hit = [h for h, node in nodes.items()
+                   if (node >> SHIFT & lanes if type(node) is int
+                       else any(1 << lane & lanes for lane in node))]
+        for h in hit:
             node = nodes[h]
             if type(node) is int:
                 node &= keep
