@@ -51,7 +51,7 @@ from connector.vllm_connector.config import (
     load_config,
 )
 from connector.vllm_connector.declared_layout import declared_block_dims, manager_block_views
-from connector.vllm_connector.host import SchedulerHost
+from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.jobs import TierChange
 from connector.vllm_connector.namespace import (
@@ -72,9 +72,9 @@ from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
     GroupSpec,
-    Tier,
     TieredScheduler,
 )
+from connector.vllm_connector.secondary import HitSource
 from connector.vllm_connector.worker import TieredWorker, worker_redis
 
 if TYPE_CHECKING:
@@ -262,7 +262,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._weights = WeightVersionSource()
         self._generation = Generation(self._weights.read())
         self._namespaces: BoundedCache[str, str] = BoundedCache(TENANT_CACHE_MAX)
-        host = SchedulerHost(host_connect(
+        host = HostTierMirror(host_connect(
             self.config.host_tier_socket, "scheduler", subscribe=True,
             presence=self.config.host_tier_redis and self.config.presence,
             group=self.config.host_tier_group),
@@ -498,10 +498,10 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             return {}
         tiers = self.scheduler.hit_tiers(request.request_id)
         out: dict[CacheHitSource, int] = {}
-        if tiers.get(Tier.CPU) or tiers.get(Tier.HOST):
-            out[CacheHitSource.HOST] = tiers.get(Tier.CPU, 0) + tiers.get(Tier.HOST, 0)
-        if tiers.get(Tier.REDIS):
-            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tiers[Tier.REDIS]
+        if tiers.get(HitSource.CPU) or tiers.get(HitSource.HOST):
+            out[CacheHitSource.HOST] = tiers.get(HitSource.CPU, 0) + tiers.get(HitSource.HOST, 0)
+        if tiers.get(HitSource.REDIS):
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tiers[HitSource.REDIS]
         if sum(out.values()) != num_external_tokens:
             return {CacheHitSource.HOST: num_external_tokens}
         return out

@@ -73,7 +73,7 @@ def connect(socket_path: str, label: str, *, subscribe: bool,
     return client
 
 
-class SchedulerHost:
+class HostTierMirror:
     """The scheduler half's view: which keys every rank holds in the host tier."""
 
     def __init__(self, client: HostTierClient, world_size: int) -> None:
@@ -120,7 +120,7 @@ class SchedulerHost:
             return None
         return tuple(where)  # type: ignore[arg-type]
 
-    def holds(self, key: BlockKey) -> bool:
+    def has(self, key: BlockKey) -> bool:
         return self.locate(key) is not None
 
     def touch(self, key: BlockKey) -> None:

@@ -23,7 +23,6 @@ until the workers' probe is back) and restored as an asynchronous load.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import OrderedDict, deque
@@ -33,7 +32,7 @@ from typing import Any, Protocol
 
 from connector.events.wire import Medium
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.host import SchedulerHost
+from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.jobs import JobBook, SlotJob, TierChange
 from connector.vllm_connector.plan import (
     BACKFILL_REQ,
@@ -47,6 +46,7 @@ from connector.vllm_connector.presence import PresenceFactory, RedisPresence
 from connector.vllm_connector.secondary import (
     ASK,
     Held,
+    HitSource,
     HostTierBooks,
     RedisBooks,
     SecondaryTier,
@@ -61,14 +61,6 @@ log = logging.getLogger(__name__)
 
 ATTENTION = "attention"
 MAMBA = "mamba"
-
-
-class Tier(enum.StrEnum):
-    """Where a hit came from (the ``hit_tokens_<tier>`` counters)."""
-
-    CPU = "cpu"
-    REDIS = "redis"
-    HOST = "host"  # the host's shared CPU tier (connector/vllm_connector/host.py)
 
 
 _EVENT_INFO_MAX = 1 << 16
@@ -177,7 +169,7 @@ class TieredScheduler:
                  blocks_of: Callable[[str], Sequence[Sequence[BlockLike]]],
                  pool_block: Callable[[int], BlockLike],
                  presence: PresenceFactory | None = None,
-                 host: SchedulerHost | None = None, events: bool = True) -> None:
+                 host: HostTierMirror | None = None, events: bool = True) -> None:
         self.config = config
         self.events = events  # BlockStored events are published (what they need is kept)
         self.groups = groups
@@ -489,7 +481,7 @@ class TieredScheduler:
                 self.counters.add("refused_loads")
             self._let_go(pending.held, pending.tiers)
             return
-        per_source = dict.fromkeys([Tier.CPU, *(t.source for t in self.chain)], 0)
+        per_source = dict.fromkeys([HitSource.CPU, *(t.source for t in self.chain)], 0)
         lead = self.attention[0]
         fetched: dict[BlockKey, int] = {}
         for need in pending.needs:
@@ -513,7 +505,7 @@ class TieredScheduler:
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)
-                per_source[Tier.CPU if tier is None else tier.source] += \
+                per_source[HitSource.CPU if tier is None else tier.source] += \
                     max(min(need.key.num_tokens, pending.end) - start, 0)
         # A CPU slot is read by this step's loads, which every worker runs before any later
         # save can reuse it: the pins go now. Fetches hold theirs until their job ends.
@@ -686,7 +678,7 @@ class TieredScheduler:
         if self.directory.contains(key):
             return
         for tier in self.chain:
-            if tier.holds(key):
+            if tier.has(key):
                 # The host tier holds every rank's shard (restored from there, or another
                 # engine's save): one copy per host, none in this engine's own tier.
                 self.counters.add(f"{tier.source}_held_saves_skipped")

@@ -12,13 +12,14 @@ answers, on books only (no I/O on the scheduler's path):
   and the fetch op that brings each back (:meth:`~SecondaryTier.fetch`,
   :meth:`~SecondaryTier.fetched`);
 * what the store planner and the step need: whether it already holds a save
-  (:meth:`~SecondaryTier.holds`), the rank-0 layout, gauges, close.
+  (:meth:`~SecondaryTier.has`), the rank-0 layout, gauges, close.
 
 Adding a tier adds a class here, never a branch in the scheduler.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 from connector.events.wire import Medium
 from connector.vllm_connector.backfill import Backfill
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.host import SchedulerHost
+from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.jobs import JobBook, TierChange
 from connector.vllm_connector.plan import HOST_SLOT, FetchOp, ProbeOp
 from connector.vllm_connector.presence import PresenceFactory, RedisPresence
@@ -39,6 +40,15 @@ from offload_tiers.host_tier.client import Pins
 from offload_tiers.keys import BlockKey
 
 log = logging.getLogger(__name__)
+
+class HitSource(enum.StrEnum):
+    """Where a hit came from (the ``hit_tokens_<source>`` counters): the engine's own CPU
+    tier, or a tier of the chain."""
+
+    CPU = "cpu"
+    HOST = "host"  # the host's shared CPU tier (connector/vllm_connector/host.py)
+    REDIS = "redis"
+
 
 #: A place :meth:`TierLookup.locate` cannot give now: the key is worth asking about (a Redis
 #: probe); :meth:`TierLookup.settle` answers once the workers did.
@@ -71,7 +81,7 @@ class SecondaryTier(Protocol):
     """One tier of the chain, as the scheduler half keeps its books."""
 
     #: ``hit_tokens_<source>``; the key of :meth:`TieredScheduler.hit_tiers`.
-    source: str
+    source: HitSource
     #: a hit's blocks are loaded from the tier's own memory (no CPU-tier slot)
     loads_in_place: bool
 
@@ -95,7 +105,7 @@ class SecondaryTier(Protocol):
         """Every rank reported job ``job`` (``ok``: all read it, valid)."""
         ...
 
-    def holds(self, key: BlockKey) -> bool:
+    def has(self, key: BlockKey) -> bool:
         """A save of ``key`` would be a second copy of what this tier holds."""
         ...
 
@@ -121,7 +131,7 @@ class SecondaryTier(Protocol):
 
 # ---------------------------------------------------------------------------- host tier
 class _HostLookup:
-    def __init__(self, host: SchedulerHost, count: Callable[[int], None] | None) -> None:
+    def __init__(self, host: HostTierMirror, count: Callable[[int], None] | None) -> None:
         self.host = host if host.ready else None
         self.count = count
 
@@ -144,10 +154,10 @@ class HostTierBooks:
     directory: a key is there when every rank's shard is, of one save; its slots are pinned
     until every rank loaded it straight from the shared segment."""
 
-    source = "host"
+    source = HitSource.HOST
     loads_in_place = True
 
-    def __init__(self, host: SchedulerHost, counters: ConnectorCounters) -> None:
+    def __init__(self, host: HostTierMirror, counters: ConnectorCounters) -> None:
         self.host = host
         self.counters = counters
         self._fetches: dict[int, Pins | None] = {}  # fetch job -> its shards' pins
@@ -181,8 +191,8 @@ class HostTierBooks:
         if not ok:  # evicted or reused since the look-up: the mirror catches up
             self.counters.add("host_misses_at_fetch")
 
-    def holds(self, key: BlockKey) -> bool:
-        return self.host.ready and self.host.holds(key)
+    def has(self, key: BlockKey) -> bool:
+        return self.host.ready and self.host.has(key)
 
     @property
     def takes_copies(self) -> bool:
@@ -263,7 +273,7 @@ class RedisBooks:
     and what it saved while Redis was down (the backfill). A hit's Redis key gets a
     reserved CPU-tier slot the workers fetch its value into."""
 
-    source = "redis"
+    source = HitSource.REDIS
     loads_in_place = False
     takes_copies = False  # saves reach Redis from the CPU tier's slots (SaveOp.to_redis)
 
@@ -301,7 +311,7 @@ class RedisBooks:
         self._bad: OrderedDict[BlockKey, float] = OrderedDict()
         self.bad_key_ttl_s = 30.0
         # Which keys Redis may hold, known without waiting (None: every miss is probed).
-        self.presence = presence(config, world_size, counters) \
+        self.presence: RedisPresence | None = presence(config, world_size, counters) \
             if presence is not None and self.configured else None
 
     # ------------------------------------------------------------------ look-ups
@@ -422,7 +432,7 @@ class RedisBooks:
             self._bad.popitem(last=False)
 
     # ------------------------------------------------------------------ saves and steps
-    def holds(self, key: BlockKey) -> bool:
+    def has(self, key: BlockKey) -> bool:
         return False  # a save goes to Redis again (this engine's save id)
 
     @property
@@ -475,5 +485,5 @@ class RedisBooks:
             self.presence.close()
 
 
-__all__ = ["ASK", "Held", "HostTierBooks", "RedisBooks", "RedisPresence", "SecondaryTier",
+__all__ = ["ASK", "Held", "HitSource", "HostTierBooks", "RedisBooks", "SecondaryTier",
            "TierLookup"]

@@ -172,7 +172,7 @@ class TieredWorker:
         self.slab: Any = None
         self._slab_owner: Any = None
         self._segment_pins = PinnedMapping(False)
-        self.holds: list[BlockKey | None] = [None] * num_slots
+        self.slot_keys: list[BlockKey | None] = [None] * num_slots
         self._rank_fps: BoundedCache[str, str] = BoundedCache(RANK_FP_CACHE_MAX)
         self._cores = SpareCores()  # on a CPU engine: the cores vLLM left free
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-io",
@@ -321,7 +321,7 @@ class TieredWorker:
         for op in plan.fetches:
             by_req.setdefault(op.req_id, []).append(op)
             if op.slot >= 0:
-                self.holds[op.slot] = None
+                self.slot_keys[op.slot] = None
         for req_id, ops in by_req.items():
             self._fetching[req_id] = self._fetching.get(req_id, 0) + 1
             self._io.submit(self._fetch, req_id, ops, plan.idle)
@@ -336,9 +336,9 @@ class TieredWorker:
         ops = [op for op in ops if op.slot != HOST_SLOT]
         corrupt = self.config.debug_corrupt_loads
         for group, group_ops in _by_group(ops).items():
-            good = [op for op in group_ops if self.holds[op.slot] == op.key]
+            good = [op for op in group_ops if self.slot_keys[op.slot] == op.key]
             for op in group_ops:
-                if self.holds[op.slot] != op.key:
+                if self.slot_keys[op.slot] != op.key:
                     self._fail_load(op, "slot does not hold the key")
             if not good:
                 continue
@@ -554,7 +554,7 @@ class TieredWorker:
     def _fetched(self, req_id: str, ops: list[FetchOp], oks: list[bool]) -> None:
         for op, ok in zip(ops, oks, strict=True):
             if op.slot >= 0:
-                self.holds[op.slot] = op.key if ok else None
+                self.slot_keys[op.slot] = op.key if ok else None
             self._report.fetches[op.job] = [int(ok), 1]
             if not ok:
                 self._fetch_failed.add(req_id)
@@ -656,11 +656,11 @@ class TieredWorker:
                 # so no reader can ever assemble it (shards are served only as one save).
                 self.counters.add("saves_skipped_after_failed_load")
                 if op.slot != OVERFLOW_SLOT:
-                    self.holds[op.slot] = None
+                    self.slot_keys[op.slot] = None
                 self._report_save(op.job, ok=False, gathered=False)
             else:
                 if op.slot != OVERFLOW_SLOT:
-                    self.holds[op.slot] = None
+                    self.slot_keys[op.slot] = None
                 keep.append(op)
         return keep
 
@@ -673,7 +673,7 @@ class TieredWorker:
             slotted = [op for op in ops if op.slot != OVERFLOW_SLOT]
             if slotted and self._gather(group, slotted, None):
                 for op in slotted:
-                    self.holds[op.slot] = op.key
+                    self.slot_keys[op.slot] = op.key
                     if not op.to_redis:  # in this engine's tier now: nothing else to wait for
                         self._report_save(op.job, ok=True, gathered=True)
                 # on CUDA the host tier's copy reads the KV blocks themselves
@@ -820,7 +820,7 @@ class TieredWorker:
             return
         saves = []
         for op in ops:
-            if self.transfer is None or op.slot < 0 or self.holds[op.slot] != op.key:
+            if self.transfer is None or op.slot < 0 or self.slot_keys[op.slot] != op.key:
                 self._report_save(op.job, ok=False, gathered=False)
                 self.counters.add("redis_backfill_failures")
                 continue

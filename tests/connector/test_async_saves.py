@@ -51,14 +51,14 @@ def test_the_step_returns_before_its_saves_are_copied_and_the_next_one_waits() -
         entered.wait()
         assert threads[0] is not threading.main_thread()  # copied off the step
         assert not worker.take_report().saves  # nothing copied yet, nothing reported
-        assert all(worker.holds[op.slot] is None for op in plan.saves)
+        assert all(worker.slot_keys[op.slot] is None for op in plan.saves)
         gate.set()
         worker.start_step(StepPlan())  # the next step: its loads run after the copies
         report = worker.take_report()
         assert {job: counts[0] for job, counts in report.saves.items()} == \
             {op.job: 1 for op in plan.saves}
         for op in plan.saves:
-            assert worker.holds[op.slot] == op.key
+            assert worker.slot_keys[op.slot] == op.key
             block = as_bytes(e.ranks[0].kv["attn0"][op.block_id])
             assert bytes(np.asarray(worker.slab[op.slot, :len(block)])) == block
     finally:
@@ -77,7 +77,7 @@ def test_inside_the_step_when_async_saves_is_off() -> None:
         worker.save(plan)
         report = worker.take_report()  # reported at once: the copy ran inside save()
         assert [counts[0] for counts in report.saves.values()] == [1]
-        assert worker.holds[plan.saves[0].slot] == plan.saves[0].key
+        assert worker.slot_keys[plan.saves[0].slot] == plan.saves[0].key
     finally:
         e.close()
 
@@ -98,7 +98,7 @@ def test_a_failed_copy_off_the_step_is_reported_and_untrusted() -> None:
         [op] = result.plan.saves
         assert result.report.saves[op.job] == [0, 1, 1]  # not copied: its slot is not trusted
         assert not e.sched.directory.contains(op.key)
-        assert worker.holds[op.slot] is None
+        assert worker.slot_keys[op.slot] is None
     finally:
         e.close()
 

@@ -326,7 +326,7 @@ def test_a_failed_load_skips_that_steps_saves_which_are_planned_again(engines: M
     assert [op.key.num_tokens for op in plan.saves] == [96, 128]
     # The last rank's slot no longer holds the first block (a copy it never made).
     victim = e.ranks[-1].worker
-    victim.holds[plan.loads[0].slot] = None
+    victim.slot_keys[plan.loads[0].slot] = None
     # That rank already holds a valid shard of the 96-token key from an older save: the
     # other ranks' shards of this step must never be served beside it.
     older = victim.storage_key(plan.saves[0].key)
@@ -503,7 +503,7 @@ def test_a_backfill_whose_slot_moved_on_one_rank_drops_the_entry(
         assert not op.to_redis
         redis_server.start()
         _until_redis_up(e)
-        e.ranks[1].worker.holds[op.slot] = None  # as after a copy into it that failed
+        e.ranks[1].worker.slot_keys[op.slot] = None  # as after a copy into it that failed
         result = e.step()
         assert [b.key for b in result.plan.backfills if b.key == op.key] == [op.key]
         assert e.counter("redis_backfill_failures")[1] >= 1

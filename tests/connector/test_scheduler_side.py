@@ -17,9 +17,9 @@ from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
     GroupSpec,
-    Tier,
     TieredScheduler,
 )
+from connector.vllm_connector.secondary import HitSource
 from offload_tiers.keys import BlockKey, BlockKind
 from tests.support.sched_doubles import Blk, Req
 
@@ -90,7 +90,7 @@ def test_whole_prompt_hit_loads_the_last_block_whole_and_counts_what_vllm_took()
     assert [(op.block_id, op.key) for op in plan.loads] == [(8, keys[1]), (9, keys[2])]
     assert not any(op.after_fetch for op in plan.loads) and plan.fetches == []
     assert plan.async_reqs == []  # attention-only CPU hit: a synchronous load
-    assert s.hit_tiers("r") == {Tier.CPU: 63, Tier.REDIS: 0}
+    assert s.hit_tiers("r") == {HitSource.CPU: 63, HitSource.REDIS: 0}
     assert _pinned(s) == 0  # the loads run in this step, before any later save: pins go
 
 
@@ -296,7 +296,7 @@ def test_lookup_asks_again_while_a_probe_is_out_then_uses_its_answer() -> None:
     assert [(op.key.num_tokens, op.save_id) for op in plan.fetches] == [(64, 7)]
     assert [(op.block_id, op.after_fetch) for op in plan.loads] == [(5, False), (6, True)]
     assert plan.loads[1].slot == plan.fetches[0].slot and plan.async_reqs == ["r"]
-    assert s.hit_tiers("r") == {Tier.CPU: 32, Tier.REDIS: 32}
+    assert s.hit_tiers("r") == {HitSource.CPU: 32, HitSource.REDIS: 32}
     assert s.directory.stats()["reserved"] == 1  # the fetch's slot, until the job ends
     s.on_report(WorkerReport(fetches={plan.fetches[0].job: [2, 2]}))
     assert s.directory.stats()["reserved"] == 0

@@ -123,7 +123,7 @@ def test_saves_and_loads_in_flight_cross_a_sleep_without_a_stale_view(engines: A
     assert plan.saves and plan.fetches
     sleeper.run(plan)
     assert fetching.wait(30)
-    assert worker.holds[plan.saves[0].slot] is None  # the saves have not read their blocks
+    assert worker.slot_keys[plan.saves[0].slot] is None  # the saves have not read their blocks
 
     says = _Says("waiting for the saves in flight", saver_go)
     log = logging.getLogger("connector.vllm_connector.worker")
@@ -135,7 +135,7 @@ def test_saves_and_loads_in_flight_cross_a_sleep_without_a_stale_view(engines: A
         log.removeHandler(says)
     assert says.seen
     assert not worker.kv_registered
-    assert all(worker.holds[op.slot] == op.key for op in plan.saves)  # read before it returned
+    assert all(worker.slot_keys[op.slot] == op.key for op in plan.saves)  # read before it returned
     worker.unregister()  # idempotent
 
     old = _remap(rank.kv)

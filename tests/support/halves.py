@@ -32,7 +32,7 @@ import torch
 from connector.identity.engine import EngineIdentity
 from connector.identity.generation import Generation
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.host import SchedulerHost
+from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.layout import build_layout
 from connector.vllm_connector.namespace import slot_count
@@ -122,7 +122,7 @@ class Halves:
             self.ranks.append(Rank(worker, kv))
         host_view = None
         if config.host_tier_socket:  # rank 0's layout as vLLM's handshake brings it
-            host_view = SchedulerHost(host_connect(
+            host_view = HostTierMirror(host_connect(
                 config.host_tier_socket, "scheduler", subscribe=True,
                 presence=config.host_tier_redis and presence), tp_size)
             layout = self.ranks[0].worker.layout
