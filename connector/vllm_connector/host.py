@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
-from offload_tiers.host_tier.client import HostTierClient, Pins
+from offload_tiers.host_tier.client import HostTierClient, Pins, SlotLease
 from offload_tiers.host_tier.directory import Location
 from offload_tiers.keys import BlockKey
 from offload_tiers.shared_segment import digest
@@ -71,6 +72,47 @@ def connect(socket_path: str, label: str, *, subscribe: bool,
         log.warning("kvtier: the host tier at %s is not answering (%s); serving without it "
                     "until it does", socket_path, client.last_error or "no welcome yet")
     return client
+
+
+class WorkerHostTier(Protocol):
+    """What a worker uses of the host tier: a client
+    (:class:`~offload_tiers.host_tier.client.HostTierClient`), or :class:`NoHostTier`."""
+
+    @property
+    def available(self) -> bool: ...
+
+    @property
+    def segment(self) -> Any: ...
+
+    def take_slots(self, n: int) -> SlotLease: ...
+
+    def commit(self, lease: SlotLease, saves: list[tuple[bytes, int, int, int]],
+               redis: list[Any] | None = None) -> None: ...
+
+    def abandon(self, lease: SlotLease) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoHostTier:
+    """A worker without the host tier: never available, no segment, no slot to lease (the
+    scheduler then plans no host save, fetch or load for it)."""
+
+    available = False
+    segment = None
+
+    def take_slots(self, n: int) -> SlotLease:
+        return SlotLease("", -1, None, ())
+
+    def commit(self, lease: SlotLease, saves: list[tuple[bytes, int, int, int]],
+               redis: list[Any] | None = None) -> None:
+        """Nothing leased: nothing to commit."""
+
+    def abandon(self, lease: SlotLease) -> None:
+        """Nothing leased: nothing to give back."""
+
+    def close(self) -> None:
+        """Nothing of its own."""
 
 
 class HostTierMirror:

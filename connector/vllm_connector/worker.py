@@ -35,7 +35,7 @@ from connector.vllm_connector.affinity import SpareCores
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis
 from connector.vllm_connector.gil import short_switch_interval
-from connector.vllm_connector.host import host_digest
+from connector.vllm_connector.host import NoHostTier, WorkerHostTier, host_digest
 from connector.vllm_connector.layout import KVLayout, LayoutError, build_layout
 from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
 from connector.vllm_connector.pinned import PinnedMapping
@@ -161,7 +161,10 @@ class TieredWorker:
         self.num_slots = num_slots
         self.counters = ConnectorCounters()
         self.redis = redis  # its own or the daemon's (connector/vllm_connector/remote_store.py)
-        self.host = host  # the host's shared CPU tier (connector/vllm_connector/host.py)
+        # the host's shared CPU tier (connector/vllm_connector/host.py), or none
+        self.host: WorkerHostTier = host if host is not None else NoHostTier()
+        # with a host tier a step's saves are copied into it inside the step (no saver)
+        self._host_tier_configured = host is not None
         self._host_commits: set[futures.Future[None]] = set()
         # req -> key -> (segment, slot, seq) of each host shard checked for that request
         self._host_shards: dict[str, dict[BlockKey, tuple[Any, int, int]]] = {}
@@ -220,7 +223,8 @@ class TieredWorker:
         self._groups = groups
         self.slab, self._slab_owner = allocate_slab(self.num_slots, layout.slot_bytes)
         self.transfer = BlockTransfer(kv_caches, layout, self.slab)
-        if self.config.async_saves and self.transfer.gathers_in_numpy and self.host is None:
+        if self.config.async_saves and self.transfer.gathers_in_numpy \
+                and not self._host_tier_configured:
             self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-saver",
                                              initializer=name_current_thread)
         # on CUDA the host tier's segment is page-locked once, so loads from it are one DMA
@@ -482,7 +486,7 @@ class TieredWorker:
         if not ops:
             return {}
         oks = dict.fromkeys((op.job for op in ops), False)
-        segment = self.host.segment if self.host is not None else None
+        segment = self.host.segment
         if segment is None:
             return oks
         fit = []
@@ -727,7 +731,7 @@ class TieredWorker:
         step: the slot may be reused by a later step); the checksums and the commit run on
         an I/O thread. A save with no leased slot at hand is not offered (counted). The
         jobs of the saves offered."""
-        if not ops or self.host is None:
+        if not ops:
             return set()
         nbytes = self._nbytes(group)
         known = self.host.segment
@@ -774,7 +778,7 @@ class TieredWorker:
         under its save's id (every TP rank's shard of one save carries the same); a slot
         whose commit failed is given back. A lease of an earlier daemon run is dropped
         by the client (its slots may be someone else's in the new run)."""
-        assert self.host is not None and lease.segment is not None
+        assert lease.segment is not None
         segment = lease.segment
         saves = []
         behind: list[Any] = []  # where the daemon writes each behind to Redis
@@ -851,7 +855,7 @@ class TieredWorker:
         report = self._report  # kept (empty) for the next step when nothing is in it
         if self._send_layout and self.layout is not None:
             report.rank0_layout = self.layout.descriptor()
-        if self.host is not None:
+        if self._host_tier_configured:
             self.counters.set_gauge("host_tier_available", int(self.host.available))
         if self.redis is not None:
             up = int(bool(self.redis.available))
@@ -898,8 +902,7 @@ class TieredWorker:
         if self.redis is not None:
             self.redis.close(timeout=self.config.redis_shutdown_flush_s)
         self._segment_pins.close()
-        if self.host is not None:
-            self.host.close()
+        self.host.close()
         self.transfer = None
         self.slab = self._slab_owner = None
 
