@@ -37,10 +37,10 @@ node table (:func:`lane_groups`).
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, count, islice, repeat
-from operator import and_, eq, ne, or_, rshift
+from operator import and_, ne, or_, rshift
 from typing import Any, NamedTuple
 
 from connector.events.wire import Medium
@@ -602,39 +602,28 @@ class KVIndex:
 
     def _remove_bulk(self, lane: int, hashes: Sequence[Any], kc: list[int]) -> int:
         """Drop ``lane`` from each hash (no extra references); return how many were not
-        there. C passes: the nodes read, this lane's own popped, nodes other lanes hold too
-        rewritten without its bit; a node that is not this lane's is left alone."""
+        there. C passes when every hash is absent or held by this lane alone (the common
+        case); a node other lanes hold is put back (without this lane's bit)."""
         n = len(hashes)
         nodes = self.nodes
-        vals = list(map(nodes.get, hashes, repeat(_MISS, n)))
+        popped = list(map(nodes.pop, hashes, repeat(_MISS, n)))
         mine = 1 << lane
         try:
-            owners = list(map(rshift, vals, repeat(SHIFT, n)))  # _MISS -> -1
+            owners = list(map(rshift, popped, repeat(SHIFT, n)))  # _MISS -> -1
         except TypeError:  # a dict node
-            return self._remove_each(lane, hashes, kc)
-        if n > 1 and len(set(hashes)) != n:  # a hash twice: one at a time
-            return self._remove_each(lane, hashes, kc)
+            return self._remove_each(lane, hashes, popped, kc)
         missing = owners.count(-1)
         alone = owners.count(mine)
-        strays = []  # not this lane's: left, counted as missing
-        if alone + missing == n:
-            deque(map(nodes.pop, hashes, repeat(None, n)), maxlen=0)
-            shared = 0
-        else:
-            deque(map(nodes.pop, compress(hashes, map(eq, owners, repeat(mine)))), maxlen=0)
-            bit = mine << SHIFT
-            shared = 0
+        shared: list[int] = []  # held by other lanes too: put back without this lane's bit
+        strays: list[int] = []  # not this lane's at all: put back, counted as missing
+        if alone + missing != n:
             for i in compress(count(), map(and_, map(ne, owners, repeat(mine)),
                                            map(ne, owners, repeat(-1)))):
-                if owners[i] & mine:  # other lanes keep it
-                    nodes[hashes[i]] = vals[i] ^ bit
-                    shared += 1
-                else:
-                    strays.append(i)
+                (shared if owners[i] & mine else strays).append(i)
         if kc[_FULL] == sum(kc):  # the key holds FULL entries only: so were these
-            kc[_FULL] -= alone + shared
+            kc[_FULL] -= alone + len(shared)
         else:
-            bits = bytes(map(and_, vals, repeat(3, n)))  # _MISS & 3 == 0
+            bits = bytes(map(and_, popped, repeat(3, n)))  # _MISS & 3 == 0
             full = bits.count(_FULL)
             kc[_FULL] -= full
             if full + missing != n:  # other kinds (or strays) among them
@@ -642,11 +631,21 @@ class KVIndex:
                     kc[k] -= bits.count(k)
                 kc[0] += missing
             for i in strays:
-                kc[vals[i] & 3] += 1
+                kc[popped[i] & 3] += 1
+        bit = mine << SHIFT
+        for i in shared:
+            nodes[hashes[i]] = popped[i] ^ bit
+        for i in strays:
+            nodes[hashes[i]] = popped[i]
         return missing + len(strays)
 
-    def _remove_each(self, lane: int, hashes: Sequence[Any], kc: list[int]) -> int:
-        """:meth:`_remove_bulk` one hash at a time."""
+    def _remove_each(self, lane: int, hashes: Sequence[Any], popped: list[Any],
+                     kc: list[int]) -> int:
+        """:meth:`_remove_bulk` hash by hash, after putting back what it popped."""
+        nodes = self.nodes
+        for h, node in zip(reversed(hashes), reversed(popped), strict=True):
+            if node is not _MISS:  # put back (a hash twice: its first pop, last)
+                nodes[h] = node
         missing = 0
         for h in hashes:
             f = self._take(lane, h)
