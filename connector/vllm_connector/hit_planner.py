@@ -31,7 +31,7 @@ from connector.vllm_connector.secondary import (
 from connector.vllm_connector.slot_book import BlockLike, RequestLike, SlotBook, _Tracked
 from offload_tiers.keys import BlockKey
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("connector.vllm_connector.scheduler")  # the scheduler half's log
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKey, BlockKind, kind_for
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("connector.vllm_connector.scheduler")  # the scheduler half's log
 
 
 ATTENTION = "attention"
