@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start from the live stream only")
     p.add_argument("--log-level", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    _add_redis_flags(p)
+    _add_host_tier_flags(p)
+    return p
+
+
+def _add_redis_flags(p: argparse.ArgumentParser) -> None:
+    """The Redis connection and the janitor."""
     j = p.add_argument_group("Redis: the janitor, and with --cpu-bytes the host tier's "
                              "write-behind and restores (off unless --redis-url or redis_url)")
     j.add_argument("--redis-url", help="the Redis tier's URL (redis://, rediss://, unix://, "
@@ -130,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a pass after this many keys, resume there next time (0 = all)")
     j.add_argument("--janitor-dry-run", action="store_true", default=None,
                    dest="janitor_dry_run", help="count what would be deleted, delete nothing")
+
+
+def _add_host_tier_flags(p: argparse.ArgumentParser) -> None:
+    """The host's shared CPU tier."""
     h = p.add_argument_group("host tier (off unless --cpu-bytes or cpu_bytes is given)")
     h.add_argument("--cpu-bytes", type=_size, dest="cpu_bytes",
                    help="bytes of shared memory for the host's CPU tier (e.g. 8G)")
@@ -147,7 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "this user (0600)")
     h.add_argument("--host-tier-max-clients", type=int,
                    help="engine processes attached at once (default 256)")
-    return p
 
 
 def default_socket_here() -> str:
