@@ -44,7 +44,7 @@ class MPServer:
     def http(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, timeout: float = 120.0) -> MPServer:
+    def start(self, timeout: float = 600.0) -> MPServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -105,7 +105,7 @@ def _checksums(out: str, phase: str) -> dict[str, set[str]]:
     return found
 
 
-def _wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
+def _wait_for(condition: Any, what: str, timeout: float = 600.0) -> None:
     """Wait for a condition another process makes true (LMCache writes to L2 after its
     client's STORE returned): checked with a deadline, never a fixed sleep."""
     deadline = time.monotonic() + timeout
