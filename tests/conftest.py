@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support import engine_starts
-from tests.support.redis_server import RedisServer, SecretRedis
+from rigs import engine_starts
+from rigs.redis_server import RedisServer, SecretRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

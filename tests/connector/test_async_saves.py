@@ -12,8 +12,8 @@ import pytest
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.plan import StepPlan
 from connector.vllm_connector.remote_store import OwnRedis
-from tests.support.halves import BS, Halves, as_bytes
-from tests.support.sched_doubles import Blk, Req
+from rigs.halves import BS, Halves, as_bytes
+from rigs.sched_doubles import Blk, Req
 
 
 def _gated(e: Halves) -> tuple[threading.Event, threading.Event, list[threading.Thread]]:

@@ -1,4 +1,4 @@
-"""Scheduler and worker halves together (tests/support/halves.py), with the real Redis.
+"""Scheduler and worker halves together (rigs/halves.py), with the real Redis.
 
 One scheduler and one or two workers (TP ranks, each with its own KV tensors and its own
 Redis tier), wired as vLLM wires them: plan -> start_step -> save -> merged reports. "Engines"
@@ -21,9 +21,9 @@ from connector.vllm_connector.plan import OVERFLOW_SLOT
 from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.scheduler import ATTENTION, GroupSpec
 from offload_tiers.keys import BlockKey, BlockKind
-from tests.support.halves import BS, HYBRID, Halves, as_bytes, identity
-from tests.support.redis_server import RedisServer
-from tests.support.sched_doubles import Blk, Req
+from rigs.halves import BS, HYBRID, Halves, as_bytes, identity
+from rigs.redis_server import RedisServer
+from rigs.sched_doubles import Blk, Req
 
 Make = Callable[..., Halves]
 

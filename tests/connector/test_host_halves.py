@@ -19,8 +19,8 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DaemonRedis
 from connector.vllm_connector.host import host_digest
 from connector.vllm_connector.presence import DaemonFeed
-from tests.support.daemon_proc import HostTierDaemon
-from tests.support.halves import BS, Blk, Halves, Req
+from rigs.daemon_proc import HostTierDaemon
+from rigs.halves import BS, Blk, Halves, Req
 
 Make = Callable[[int], Halves]
 WAIT_S = 60.0

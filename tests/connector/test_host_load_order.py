@@ -24,8 +24,8 @@ import torch
 from connector.vllm_connector.plan import FetchOp
 from offload_tiers import shared_segment
 from offload_tiers.shared_segment import SEQLOCK_ENV
+from rigs.halves import BS, Blk, Halves, Req
 from tests.connector.test_host_halves import WAIT_S, Make, daemon, engines
-from tests.support.halves import BS, Blk, Halves, Req
 
 __all__ = ["daemon", "engines"]  # the fixtures this module shares with its neighbour
 LATER = 0x5A  # the bytes a write lands in a checked shard's slot

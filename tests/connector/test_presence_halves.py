@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from connector.vllm_connector.config import TieredConfig
-from tests.support.halves import BS, Halves
-from tests.support.sched_doubles import Blk, Req
+from rigs.halves import BS, Halves
+from rigs.sched_doubles import Blk, Req
 from tests.tiers.faults import wait_until
 
 Make = Callable[..., Halves]

@@ -14,7 +14,7 @@ from connector.vllm_connector.presence import RedisPresence
 from connector.vllm_connector.scheduler import ATTENTION, GroupSpec, TieredScheduler
 from offload_tiers.keys import BlockKey
 from offload_tiers.presence import name_digest
-from tests.support.sched_doubles import Req
+from rigs.sched_doubles import Req
 
 UNIT = 32
 FP = "ab" * 16

@@ -18,7 +18,7 @@ from connector.vllm_connector.presence import DaemonFeed, RedisPresence
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.presence import name_digest, pack_digests
 from offload_tiers.redis.presence_feed import announce_stream
-from tests.support.redis_server import RedisServer
+from rigs.redis_server import RedisServer
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import key
 

@@ -18,9 +18,9 @@ import pytest
 from connector.vllm_connector.config import TieredConfig, load_config
 from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.worker import TieredWorker, make_redis_tier
-from tests.support.halves import BS, Halves
+from rigs.halves import BS, Halves
+from rigs.sched_doubles import Blk, Req
 from tests.support.redis_tls import start_tls_acl_server, tls_url
-from tests.support.sched_doubles import Blk, Req
 from tests.support.tls_certs import TlsFiles, make_tls_files
 
 USER, PASSWORD = "kvt", "Rt-Pw-5e1d0c"

@@ -21,7 +21,7 @@ from connector.vllm_connector.scheduler import (
 )
 from connector.vllm_connector.secondary import HitSource
 from offload_tiers.keys import BlockKey, BlockKind
-from tests.support.sched_doubles import Blk, Req
+from rigs.sched_doubles import Blk, Req
 
 UNIT = 32
 BS = 64

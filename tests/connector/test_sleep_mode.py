@@ -26,8 +26,8 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.connector import TieredOffloadingConnector
 from connector.vllm_connector.layout import LayoutError
 from connector.vllm_connector.worker import TieredWorker
-from tests.support.halves import BS, Halves, as_bytes
-from tests.support.sched_doubles import Blk, Req
+from rigs.halves import BS, Halves, as_bytes
+from rigs.sched_doubles import Blk, Req
 
 SENTINEL = 7.0  # what the old memory holds once the sleep gave it to someone else
 

@@ -13,7 +13,7 @@ from connector.vllm_connector.plan import FetchOp, WorkerReport
 from connector.vllm_connector.scheduler import ATTENTION, GroupSpec, TieredScheduler
 from connector.vllm_connector.secondary import Held, HitSource, TierLookup
 from offload_tiers.keys import BlockKey
-from tests.support.sched_doubles import Blk, Req
+from rigs.sched_doubles import Blk, Req
 
 UNIT = 32
 FP = "cd" * 16

@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from connector.vllm_connector import vllm_api
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.connector import TieredOffloadingConnector
-from tests.support.halves import BS, HYBRID, Halves
-from tests.support.sched_doubles import Blk, Req
+from rigs.halves import BS, HYBRID, Halves
+from rigs.sched_doubles import Blk, Req
 
 Make = Callable[..., Halves]
 

@@ -8,7 +8,7 @@ and restores KV of the old weights.
 
 The connector's scheduler side (the adapter's own ``get_num_new_matched_tokens``,
 ``build_connector_meta``, ``_fingerprint``) runs here over a real scheduler half and a worker
-with CPU tensors (``tests/support/halves.py``); vLLM's weight version is a stand-in read as
+with CPU tensors (``rigs/halves.py``); vLLM's weight version is a stand-in read as
 the adapter reads it. No engine.
 """
 
@@ -27,8 +27,8 @@ from connector.vllm_connector.connector import (
     TieredOffloadingConnector,
 )
 from connector.vllm_connector.namespace import BoundedCache
-from tests.support.halves import BS, Halves
-from tests.support.sched_doubles import Blk, Req
+from rigs.halves import BS, Halves
+from rigs.sched_doubles import Blk, Req
 
 
 class WeightVersion:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 from tests.daemon.vllm_required import import_vllm
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.ports import free_port
 
 kv_events = import_vllm("vllm.distributed.kv_events")
 

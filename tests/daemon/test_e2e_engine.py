@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import engine_starts
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.ports import free_port
+from rigs import engine_starts
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,

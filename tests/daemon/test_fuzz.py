@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector.events import wire as ev
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.ports import free_port
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 
 MAX_ENTRIES = 5000
 

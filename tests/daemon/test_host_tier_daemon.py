@@ -24,7 +24,7 @@ import pytest
 
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.shared_segment import digest
-from tests.support.daemon_proc import REPO, HostTierDaemon
+from rigs.daemon_proc import REPO, HostTierDaemon
 
 SLOT = 4096
 WAIT_S = 60  # bounds a hung wait only; nothing is ordered by it

@@ -16,7 +16,7 @@ import pytest
 
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.shared_segment import default_path, digest
-from tests.support.daemon_proc import REPO, HostTierDaemon
+from rigs.daemon_proc import REPO, HostTierDaemon
 
 SLOT = 4096
 WAIT_S = 60

@@ -28,8 +28,8 @@ from offload_tiers.redis.presence_feed import PresenceFeed, announce_stream
 from offload_tiers.redis.tier import RedisTier
 from offload_tiers.redis.url import parse_redis_url
 from offload_tiers.shared_segment import digest
-from tests.support.daemon_proc import HostTierDaemon
-from tests.support.redis_server import RedisServer
+from rigs.daemon_proc import HostTierDaemon
+from rigs.redis_server import RedisServer
 
 SLOT = 4096
 WAIT_S = 60  # bounds a hung wait only; nothing is ordered by it

@@ -39,8 +39,8 @@ from offload_tiers.host_tier.protocol import (
 )
 from offload_tiers.host_tier.server import HostTierServer
 from offload_tiers.shared_segment import digest
+from rigs.daemon_proc import HostTierDaemon
 from tests.daemon.test_host_tier_daemon import SLOT, WAIT_S, client, daemon, sock_path
-from tests.support.daemon_proc import HostTierDaemon
 
 __all__ = ["daemon", "sock_path"]  # the fixtures this module shares with its neighbour
 

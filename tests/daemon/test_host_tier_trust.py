@@ -31,8 +31,8 @@ from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.host_tier.pins import PinTable
 from offload_tiers.host_tier.server import HostTierServer
 from offload_tiers.shared_segment import SharedSegment, default_path, digest
+from rigs.daemon_proc import REPO
 from tests.support.as_user import NOBODY, OTHER_UID, THIRD_UID, Say, as_user
-from tests.support.daemon_proc import REPO
 
 SLOT = 4096
 WAIT_S = 30

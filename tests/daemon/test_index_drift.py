@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 from tests.daemon.test_daemon_zmq import Rig, kv_events, removed, stored
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.ports import free_port
 
 B = 16
 

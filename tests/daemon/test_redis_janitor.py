@@ -27,9 +27,9 @@ from offload_tiers import codec
 from offload_tiers.keys import BlockKey, BlockKind, Namespace, parse_key_name
 from offload_tiers.redis.janitor import REASONS, Pacer, RedisJanitor, judge
 from offload_tiers.redis.tier import RedisTier
-from tests.support.daemon_proc import REPO, DaemonProcess
-from tests.support.ports import free_port
-from tests.support.redis_server import RedisServer, SecretRedis
+from rigs.daemon_proc import REPO, DaemonProcess
+from rigs.ports import free_port
+from rigs.redis_server import RedisServer, SecretRedis
 
 NS_A = Namespace("model-a", "float32", "nhd", 16)
 NS_B = Namespace("model-b", "bfloat16", "nhd", 16, tenant="t1")

@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from connector.events import wire as ev
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 from tests.daemon.test_daemon_zmq import DroppingSocket, Rig, stored
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.ports import free_port
 
 B = 16
 

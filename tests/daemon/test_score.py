@@ -17,9 +17,9 @@ import msgspec
 import pytest
 
 from connector.events import wire
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 from tests.daemon.vllm_required import import_vllm
-from tests.support.daemon_proc import DaemonProcess
-from tests.support.ports import free_port
 
 kv = import_vllm("vllm.distributed.kv_events")
 kcu = import_vllm("vllm.v1.core.kv_cache_utils")

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from rigs.redis_keys import scratch_prefix
 from tests.support import no_faults
 from tests.support.batches import HIT, WARM, toks
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.redis_keys import scratch_prefix
 
 pytestmark = pytest.mark.e2e
 

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from rigs.redis_server import RedisServer
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.redis_server import RedisServer
 from tests.support.redis_tls import start_tls_acl_server, tls_url
 from tests.support.tls_certs import TlsFiles, make_tls_files
 

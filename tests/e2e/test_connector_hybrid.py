@@ -18,7 +18,10 @@ import pytest
 
 from connector.demo.tiny_models import prompt_words
 from connector.events.wire import BlockStored
-from tests.support import engine_starts, no_faults, worker_probe
+from rigs import engine_starts
+from rigs.redis_keys import scratch_prefix
+from rigs.redis_server import RedisServer
+from tests.support import no_faults, worker_probe
 from tests.support.batches import HIT, WARM
 from tests.support.connector_runner import (
     counters,
@@ -26,8 +29,6 @@ from tests.support.connector_runner import (
     multi_turn,
     run_in_subprocess,
 )
-from tests.support.redis_keys import scratch_prefix
-from tests.support.redis_server import RedisServer
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from rigs.redis_keys import scratch_prefix
 from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.redis_keys import scratch_prefix
 
 # On one pytest worker with the other llama-baseline file (tests/conftest.py SHARED_WORKER):
 # vLLM's default llama engine, the baseline, is started once for both.

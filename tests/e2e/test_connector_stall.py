@@ -29,9 +29,9 @@ import pytest
 
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
-from tests.support.openai_server import OpenAIServer
-from tests.support.redis_keys import scratch_prefix, wait_for_keys
-from tests.support.tcp_proxy import TcpProxy
+from rigs.openai_server import OpenAIServer
+from rigs.redis_keys import scratch_prefix, wait_for_keys
+from rigs.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.e2e
 

@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from rigs.redis_keys import scratch_prefix
 from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.redis_keys import scratch_prefix
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support import engine_starts
-from tests.support.redis_server import SecretRedis
+from rigs import engine_starts
+from rigs.redis_server import SecretRedis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

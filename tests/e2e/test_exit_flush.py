@@ -28,13 +28,13 @@ import pytest
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
 from offload_tiers.redis.presence_feed import ANNOUNCE_SUFFIX
+from rigs.daemon_proc import REPO
+from rigs.openai_server import OpenAIServer, complete
+from rigs.redis_server import RedisServer
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.daemon_proc import REPO
 from tests.support.engine_host import run_native_engine
 from tests.support.exit_store import SLOW_MACHINE_TIMEOUT_S
-from tests.support.openai_server import OpenAIServer, complete
 from tests.support.redis_cluster import RedisClusterProcs
-from tests.support.redis_server import RedisServer
 from tests.support.redis_tls import start_tls_acl_server, tls_url
 from tests.support.tls_certs import make_tls_files
 
@@ -80,13 +80,24 @@ def store_and_exit(cluster: RedisClusterProcs, prefix: str, seeds: list[int],
 
 def serve_then_sigterm(cluster: RedisClusterProcs, prefix: str, logs: Path) -> dict[str, Any]:
     """The OpenAI server (kvtier on the Cluster) answers OPENAI's prompts, then is stopped
-    by SIGTERM as an operator stops it; its log."""
+    by SIGTERM as an operator who keeps its writes stops it; its log.
+
+    vLLM's SIGTERM with its default ``--shutdown-timeout 0`` SIGKILLs the engine core and
+    its workers at once (``kill_process_tree``): no connector code runs then, and saves
+    still queued for Redis are not written (docs/connector.md, "Stopping an engine"). With
+    a shutdown timeout the workers are shut down and kvtier's flush runs. vLLM's windows
+    (the timeout, ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``) and the flush's bound are set so
+    that only a hang reaches them on a loaded machine."""
     from connector.demo.tiny_models import tiny_llama
 
-    server = OpenAIServer(tiny_llama(), logs / "server.log", kv_transfer_config=(
-        kvtier_transfer_config({"cpu_bytes": 16 << 20, "redis_url": cluster.url,
-                                "redis_prefix": prefix,
-                                "redis_timeout_s": SLOW_MACHINE_TIMEOUT_S})))
+    server = OpenAIServer(
+        tiny_llama(), logs / "server.log",
+        kv_transfer_config=kvtier_transfer_config({
+            "cpu_bytes": 16 << 20, "redis_url": cluster.url, "redis_prefix": prefix,
+            "redis_timeout_s": SLOW_MACHINE_TIMEOUT_S,
+            "redis_shutdown_flush_s": SLOW_MACHINE_TIMEOUT_S}),
+        extra_args=["--shutdown-timeout", "600"],
+        env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "600"})
     server.start()
     try:
         for seed in OPENAI:
@@ -200,6 +211,7 @@ def test_an_engine_that_exits_leaves_every_block_on_the_cluster(
     for run in ("in_process", "default_executors", "openai"):
         assert "cannot schedule new futures" not in stored[run]["log"]
         assert "not made before closing" not in stored[run]["log"]
+    assert "force killing" not in stored["openai"]["log"]  # its workers shut down, unkilled
     for run in ("in_process", "default_executors"):
         assert all(n >= PREFIX_TOKENS + 1 for n in stored[run]["prompt_tokens"])
     assert stored["keys"] == len(STORED) * PREFIX_TOKENS // 32

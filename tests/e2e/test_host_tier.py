@@ -22,10 +22,10 @@ import pytest
 import redis as redis_py
 
 from connector.demo.tiny_models import prompt_words
+from rigs.daemon_proc import HostTierDaemon
+from rigs.tcp_proxy import TcpProxy
 from tests.support import no_faults
 from tests.support.connector_runner import run_in_subprocess
-from tests.support.daemon_proc import HostTierDaemon
-from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.e2e
 

@@ -34,12 +34,12 @@ import pytest
 
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.tiny_models import prompt_words
+from rigs.daemon_proc import HostTierDaemon
+from rigs.openai_server import OpenAIServer, complete
+from rigs.redis_keys import scratch_prefix, wait_for_keys
+from rigs.redis_server import SecretRedis
+from rigs.tcp_proxy import TcpProxy
 from tests.support import no_faults
-from tests.support.daemon_proc import HostTierDaemon
-from tests.support.openai_server import OpenAIServer, complete
-from tests.support.redis_keys import scratch_prefix, wait_for_keys
-from tests.support.redis_server import SecretRedis
-from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.e2e
 

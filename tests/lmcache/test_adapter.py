@@ -12,6 +12,8 @@ import redis
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
 from connector.lmcache_l2.adapter import KvtierL2Adapter
+from rigs.ports import free_port
+from rigs.redis_server import RedisServer
 from tests.lmcache.helpers import (
     key,
     load,
@@ -23,8 +25,6 @@ from tests.lmcache.helpers import (
     store,
     wait_fd,
 )
-from tests.support.ports import free_port
-from tests.support.redis_server import RedisServer
 
 CHUNK = 64 << 10  # bytes per chunk here (the benchmark uses LMCache's real 256-token chunk)
 

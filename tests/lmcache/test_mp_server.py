@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support.ports import free_port
+from rigs.ports import free_port
 
 LMCACHE = str(Path(sys.executable).parent / "lmcache")
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from rigs.redis_server import RedisServer
 from tests.mutants.table import MUTANTS
-from tests.support.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 0  # hypothesis tests draw the same examples on every run

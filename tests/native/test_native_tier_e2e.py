@@ -36,12 +36,13 @@ import pytest
 import redis
 
 from connector.demo.tiny_models import prompt_words
-from tests.support import engine_starts, no_faults
+from rigs import engine_starts
+from rigs.ports import free_port
+from rigs.redis_keys import scratch_prefix
+from rigs.redis_server import SecretRedis
+from tests.support import no_faults
 from tests.support.connector_runner import corrupt_redis
 from tests.support.engine_host import run_native_engine as run_in_subprocess
-from tests.support.ports import free_port
-from tests.support.redis_keys import scratch_prefix
-from tests.support.redis_server import SecretRedis
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

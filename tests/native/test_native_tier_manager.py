@@ -540,7 +540,7 @@ def test_paused_redis_bounds_drain_and_lookups(engines: Any, redis_server: Any) 
 
 def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any,
                                        base_config: Any) -> None:
-    from tests.support.redis_server import RedisServer
+    from rigs.redis_server import RedisServer
 
     right = "r1ght-pw-" + uuid.uuid4().hex[:6]
     wrong = "wr0ng-pw-" + uuid.uuid4().hex[:6]
@@ -568,7 +568,7 @@ def test_no_password_in_logs_or_errors(engines: Any, caplog: Any, tmp_path: Any,
 
 def test_password_from_the_environment(engines: Any, caplog: Any, tmp_path: Any, base_config: Any,
                                        monkeypatch: Any) -> None:
-    from tests.support.redis_server import RedisServer
+    from rigs.redis_server import RedisServer
 
     secret = "env-pw-" + uuid.uuid4().hex[:6]
     server = RedisServer(tmp_path / "env", password=secret).start()

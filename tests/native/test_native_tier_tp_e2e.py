@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from connector.demo.tiny_models import prompt_words
+from rigs.redis_keys import scratch_prefix
 from tests.support import no_faults
 from tests.support.engine_host import run_native_engine as run_in_subprocess
-from tests.support.redis_keys import scratch_prefix
 
 pytestmark = pytest.mark.e2e
 

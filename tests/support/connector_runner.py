@@ -41,8 +41,8 @@ import time
 from typing import Any
 
 from connector.demo.presets import TP2_ENV
+from rigs.redis_keys import block_names
 from tests.support import engine_host, worker_probe
-from tests.support.redis_keys import block_names
 from tests.support.vllm_engine import (
     apply_cpu_engine_env,
     hybrid_engine_kwargs,
@@ -193,7 +193,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     extra = spec.get("extra")
     proxy = None
     if spec.get("proxy_to"):  # a loopback TCP proxy in this process, between engine and Redis
-        from tests.support.tcp_proxy import TcpProxy
+        from rigs.tcp_proxy import TcpProxy
 
         proxy = TcpProxy("127.0.0.1", int(spec["proxy_to"])).start()
         extra = dict(extra or {}, redis_url=f"redis://127.0.0.1:{proxy.port}/0")

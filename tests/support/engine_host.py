@@ -44,7 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tests.support import engine_starts, fast_start
+from rigs import engine_starts
+from tests.support import fast_start
 
 REPO = Path(__file__).resolve().parents[2]
 #: What a spec's ``run`` hands over to be shut down once the result is sent.

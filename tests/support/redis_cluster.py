@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from tests.support.redis_server import RedisServer
+from rigs.redis_server import RedisServer
 
 
 def _port_free(port: int) -> bool:

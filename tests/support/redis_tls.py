@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.ports import free_port
-from tests.support.redis_server import RedisServer
+from rigs.ports import free_port
+from rigs.redis_server import RedisServer
 from tests.support.tls_certs import TlsFiles
 
 

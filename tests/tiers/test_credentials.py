@@ -17,7 +17,7 @@ from offload_tiers.redis.credentials import (
     with_credentials,
 )
 from offload_tiers.redis.tier import RedisTier
-from tests.support.redis_server import SecretRedis
+from rigs.redis_server import SecretRedis
 
 PLAIN = "redis://127.0.0.1:6379/0"
 

@@ -20,8 +20,8 @@ from offload_tiers.redis.janitor import RedisJanitor
 from offload_tiers.redis.presence_feed import PresenceFeed, announce_stream
 from offload_tiers.redis.tier import RedisTier
 from offload_tiers.redis.url import parse_redis_url
-from tests.support.redis_server import RedisServer
-from tests.support.tcp_proxy import TcpProxy
+from rigs.redis_server import RedisServer
+from rigs.tcp_proxy import TcpProxy
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import key, payload
 

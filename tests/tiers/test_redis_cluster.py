@@ -16,9 +16,9 @@ from redis.cluster import RedisCluster
 
 from offload_tiers import codec
 from offload_tiers.redis.tier import RedisTier
-from tests.support.daemon_proc import REPO
+from rigs.daemon_proc import REPO
+from rigs.tcp_proxy import TcpProxy
 from tests.support.redis_cluster import RedisClusterProcs
-from tests.support.tcp_proxy import TcpProxy
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import key, payload
 

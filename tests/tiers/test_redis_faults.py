@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from offload_tiers.redis.tier import RedisTier
-from tests.support.redis_server import RedisServer
-from tests.support.tcp_proxy import TcpProxy
+from rigs.redis_server import RedisServer
+from rigs.tcp_proxy import TcpProxy
 from tests.tiers.faults import Traffic, wait_until
 from tests.tiers.helpers import key, payload
 

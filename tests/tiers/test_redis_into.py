@@ -19,7 +19,7 @@ from offload_tiers.cpu_tier import CpuTier
 from offload_tiers.keys import BlockKind
 from offload_tiers.redis import tier as tier_module
 from offload_tiers.redis.tier import RedisTier
-from tests.support.redis_server import RedisServer
+from rigs.redis_server import RedisServer
 from tests.tiers.faults import wait_until
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload
 

@@ -14,7 +14,7 @@ import redis
 from offload_tiers import codec
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.redis.tier import RedisTier
-from tests.support.redis_server import RedisServer
+from rigs.redis_server import RedisServer
 from tests.tiers.helpers import key, payload
 
 SIZE = 2048

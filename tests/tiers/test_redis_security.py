@@ -12,7 +12,7 @@ import pytest
 
 from offload_tiers.redis.tier import RedisTier, RedisTierError
 from offload_tiers.redis.url import parse_redis_url, redact_url
-from tests.support.redis_server import RedisServer
+from rigs.redis_server import RedisServer
 from tests.support.redis_tls import start_tls_acl_server, start_tls_server
 from tests.support.tls_certs import make_tls_files
 from tests.tiers.helpers import key, payload

@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 from offload_tiers import codec
 from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.redis.tier import RedisTier
-from tests.support.tcp_proxy import TcpProxy
+from rigs.tcp_proxy import TcpProxy
 from tests.tiers.helpers import key, payload, run_threads
 
 SLOT = 512

@@ -13,7 +13,7 @@ import redis
 from offload_tiers import codec
 from offload_tiers.keys import BlockKind
 from offload_tiers.redis.tier import EVENT_COUNTS, RedisTier
-from tests.support.redis_server import RedisServer
+from rigs.redis_server import RedisServer
 from tests.tiers.helpers import NS_A_TENANT2, NS_B, key, payload, run_threads
 
 

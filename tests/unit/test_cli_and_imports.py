@@ -79,7 +79,7 @@ def test_bench_without_benchmarks_says_where_to_look(tmp_path, monkeypatch, caps
 
 
 def test_the_daemon_s_status_lines_go_out_in_one_write(monkeypatch) -> None:  # noqa: ANN001
-    """Supervisors (and tests/support/daemon_proc.py) read "listening on ...:PORT" from the
+    """Supervisors (and rigs/daemon_proc.py) read "listening on ...:PORT" from the
     daemon's output, where log lines of other threads land too: the text and its newline in
     one write, so nothing can come between them (print writes them separately)."""
     from connector.daemon.cli import say_line

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.support.ports import _ephemeral_low, free_port
+from rigs.ports import _ephemeral_low, free_port
 
 
 def test_picks_lie_below_the_ephemeral_range_and_can_be_bound() -> None:

@@ -7,7 +7,7 @@ import struct
 import threading
 import time
 
-from tests.support.ports import free_port
+from rigs.ports import free_port
 
 
 def _reset(sock: socket.socket) -> None:

@@ -42,7 +42,7 @@ from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
 from connector.vllm_connector.worker import TieredWorker, worker_redis
 from offload_tiers.keys import BlockKey
-from tests.support.sched_doubles import Blk, Req
+from rigs.sched_doubles import Blk, Req
 
 BS = 32
 LLAMA = [GroupSpec(0, ATTENTION, BS)]

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 
 from connector.demo.presets import CPU_ENGINE_ENV, TP2_ENV
-from tests.support import engine_starts
-from tests.support.ports import free_port
+from rigs import engine_starts
+from rigs.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

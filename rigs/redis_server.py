@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from tests.support.ports import free_port
+from rigs.ports import free_port
 
 
 class RedisServer:
