@@ -1,7 +1,7 @@
 """How fast the backfill drains an outage's saves into Redis, side by side with the link.
 
 kvtier's two halves (real scheduler and worker, real Redis through a loopback proxy; the
-wiring of ``tests/support/halves.py``, no vLLM) on one TP rank, ``--blocks`` KV blocks of
+wiring of ``rigs/halves.py``, no vLLM) on one TP rank, ``--blocks`` KV blocks of
 ``--block-kib`` each. Engine steps are simulated: each step plans, runs the worker's side,
 waits ``--step-ms`` (the forward) and hands the worker's report so far to the scheduler, as
 vLLM does; nothing waits for Redis. Three paths write the same blocks:
@@ -42,10 +42,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from connector.vllm_connector.config import TieredConfig  # noqa: E402
 from connector.vllm_connector.plan import WorkerReport  # noqa: E402
-from tests.support.halves import BS, Halves  # noqa: E402
-from tests.support.redis_keys import delete_prefix  # noqa: E402
-from tests.support.sched_doubles import Blk, Req  # noqa: E402
-from tests.support.tcp_proxy import TcpProxy  # noqa: E402
+from rigs.halves import BS, Halves  # noqa: E402
+from rigs.redis_keys import delete_prefix  # noqa: E402
+from rigs.sched_doubles import Blk, Req  # noqa: E402
+from rigs.tcp_proxy import TcpProxy  # noqa: E402
 
 PER_STEP = 32  # blocks computed (and saved) per step: one backfill batch
 

@@ -58,8 +58,8 @@ from connector.demo.presets import kvtier_transfer_config  # noqa: E402
 from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
 from offload_tiers.host_tier.client import HostTierClient  # noqa: E402
 from offload_tiers.shared_segment import digest  # noqa: E402
-from tests.support.daemon_proc import HostTierDaemon  # noqa: E402
-from tests.support.openai_server import OpenAIServer, complete  # noqa: E402
+from rigs.daemon_proc import HostTierDaemon  # noqa: E402
+from rigs.openai_server import OpenAIServer, complete  # noqa: E402
 
 MiB = 1 << 20
 

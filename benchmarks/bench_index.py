@@ -435,8 +435,8 @@ def http_under_ingest(rate: int, seconds: float) -> dict[str, Any]:
     import queue
 
     sys.path.insert(0, str(ROOT))
-    from tests.support.daemon_proc import DaemonProcess
-    from tests.support.ports import free_port
+    from rigs.daemon_proc import DaemonProcess
+    from rigs.ports import free_port
 
     port = free_port()
     daemon = DaemonProcess("--endpoint", f"tcp://*:{port}", "--no-replay-on-start",

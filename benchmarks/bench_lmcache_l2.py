@@ -46,7 +46,7 @@ from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
     parse_args_to_l2_adapters_config,
 )
 
-from tests.support.redis_server import RedisServer  # noqa: E402
+from rigs.redis_server import RedisServer  # noqa: E402
 
 #: Llama-3.1-8B: layers, KV heads, head dim; bf16; LMCache's default chunk of 256 tokens.
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, CHUNK_TOKENS = 32, 8, 128, 2, 256

@@ -12,7 +12,7 @@ streaming completions (``httpx`` async). Side by side in one run:
            ``connector/native_tier/cpu_offload.py``: warm, reset, measure (its CPU tier
            serves the prefixes)
   kvtier   TieredOffloadingConnector with ``redis_url`` pointing at a loopback latency
-           proxy (its own process, ``tests/support/tcp_proxy.py``, +``--rtt-ms`` per round
+           proxy (its own process, ``rigs/tcp_proxy.py``, +``--rtt-ms`` per round
            trip; ``--rtt-ms 0``: no proxy) in front of Redis, write_mode "back" (the
            default): warm the prefixes in one server, wait until Redis holds them, stop it,
            start a new server process and
@@ -96,8 +96,8 @@ from connector.demo.cli import delete_redis_prefix  # noqa: E402
 from connector.demo.presets import kvtier_transfer_config  # noqa: E402
 from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
 from offload_tiers.redis.presence_feed import is_announce_stream  # noqa: E402
-from tests.support.openai_server import OpenAIServer  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from rigs.openai_server import OpenAIServer  # noqa: E402
+from rigs.ports import free_port  # noqa: E402
 
 BLOCK = 32
 CPU_BYTES = 512 << 20
@@ -369,7 +369,7 @@ def run_round(server: OpenAIServer, rnd: int, shape: Shape) -> RoundResult:
 class Proxy:
     """``TcpProxy`` in its own process (its threads must not share the client's GIL)."""
 
-    CODE = ("import sys, time; from tests.support.tcp_proxy import TcpProxy; "
+    CODE = ("import sys, time; from rigs.tcp_proxy import TcpProxy; "
             "p = TcpProxy('127.0.0.1', int(sys.argv[1]), port=int(sys.argv[2])); "
             "p.latency_s = float(sys.argv[3]); p.start(); print('ready', flush=True); "
             "time.sleep(1e9)")

@@ -119,7 +119,7 @@ def record(model: str, out: Path) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from connector.demo.presets import apply_cpu_engine_env, engine_kwargs
     from connector.demo.tiny_models import tiny_hybrid, tiny_llama
-    from tests.support.ports import free_port
+    from rigs.ports import free_port
 
     apply_cpu_engine_env()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # this process is only the recorder

@@ -44,9 +44,9 @@ if str(REPO_ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
-from tests.support.daemon_proc import DaemonProcess  # noqa: E402
-from tests.support.openai_server import OpenAIServer  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from rigs.daemon_proc import DaemonProcess  # noqa: E402
+from rigs.openai_server import OpenAIServer  # noqa: E402
+from rigs.ports import free_port  # noqa: E402
 
 BLOCK = 32
 ENGINES = ("A", "B")

@@ -31,8 +31,8 @@ from connector.events.wire import (  # noqa: E402
     KVEventBatch,
     encode_batch,
 )
-from tests.support.daemon_proc import DaemonProcess  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from rigs.daemon_proc import DaemonProcess  # noqa: E402
+from rigs.ports import free_port  # noqa: E402
 
 B = 16
 

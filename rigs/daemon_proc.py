@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 _LISTENING = re.compile(rb"kvtier daemon listening on http://[^:\s]+:(\d+)")
 
 

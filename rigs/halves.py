@@ -247,11 +247,11 @@ class Halves:
     def presence_ready(self) -> None:
         """One step (rank 0's layout reaches the scheduler), then the presence feed's walk
         of the key names is done."""
-        from tests.tiers.faults import wait_until
-
         self.step()
-        assert wait_until(lambda: self.sched.presence is not None
-                          and self.sched.presence.ready())
+        deadline = time.monotonic() + 60.0
+        while not (self.sched.presence is not None and self.sched.presence.ready()):
+            assert time.monotonic() < deadline, "the presence feed's walk never finished"
+            time.sleep(0.05)
 
     def step(self, computed_after: dict[str, int] | None = None,
              boundary: dict[str, list[tuple[int, int, int]]] | None = None,

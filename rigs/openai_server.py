@@ -23,7 +23,7 @@ from connector.demo.presets import CPU_ENGINE_ENV, TP2_ENV
 from rigs import engine_starts
 from rigs.ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 class OpenAIServer:

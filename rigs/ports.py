@@ -1,4 +1,4 @@
-"""Free loopback ports for servers the tests start themselves.
+"""Free loopback ports for servers the tests and benchmarks start themselves.
 
 A port the test picks is bound later by another process (a publisher, a server), so it
 must not be one the kernel may hand out meanwhile: ports from the ephemeral range (what

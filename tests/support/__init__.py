@@ -1,1 +1,1 @@
-"""Helpers shared by kvtier's tests: real servers on loopback ports, free ports."""
+"""Helpers shared by kvtier's tests only (servers and processes benchmarks use too: rigs/)."""

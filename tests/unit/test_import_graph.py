@@ -111,3 +111,15 @@ def test_no_import_cycles_between_modules() -> None:
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles: " + " | ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(("importer", "forbidden"), [
+    ("rigs", ("tests", "benchmarks")), ("benchmarks", ("tests",))])
+def test_rigs_and_benchmarks_never_import_tests(importer: str, forbidden: tuple[str, ...]) -> None:
+    """rigs/ (the servers and processes tests and benchmarks share) sits between them and the
+    product: tests and benchmarks -> rigs -> connector, offload_tiers."""
+    paths = sorted((REPO / importer).rglob("*.py"))
+    bad = sorted(f"{_module_name(path)} imports {dep}" for path in paths
+                 for dep in _imports(path) if dep.split(".")[0] in forbidden)
+    assert paths
+    assert not bad, "; ".join(bad)
