@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.vllm_connector.jobs import SlotJob
-from connector.vllm_connector.plan import (
-    LoadOp,
-)
+from connector.vllm_connector.plan import LoadFrom, LoadOp
 from connector.vllm_connector.secondary import (
     ASK,
     Held,
@@ -317,8 +315,8 @@ class HitPlanner(SlotBook):
                 self._plan.fetches.append(tier.fetch(job, req_id, need.key, held,
                                                      pending.where[need.key]))
             self._plan.loads.append(LoadOp(req_id, need.group, block.block_id, held.slot,
-                                           need.key, after_fetch=tier is not None,
-                                           from_host=tier is not None and tier.loads_in_place))
+                                           need.key,
+                                           LoadFrom.SLOT if tier is None else tier.load_from))
             self._remember(request, need.key, self._group(need.group))
             if need.group == lead.group:
                 start = max(need.block_index * lead.block_size, pending.start)

@@ -23,10 +23,11 @@ class TierChange:
 
 @dataclass(slots=True)
 class SlotJob:
-    """A save or fetch of ``key`` through CPU-tier ``slot``, with the ranks' answers so far."""
+    """A save or fetch of ``key`` through CPU-tier ``slot`` (None: none, an overflow save or
+    a host-tier fetch), with the ranks' answers so far."""
 
     key: BlockKey
-    slot: int
+    slot: int | None
     req_id: str
     mark: tuple[int, int, int] | None = None  # the save's (group, index, tokens)
     to_redis: bool = False
@@ -58,13 +59,13 @@ class JobBook:
         job, self._next = self._next, self._next + 1
         return job
 
-    def open_save(self, key: BlockKey, slot: int, req_id: str,
+    def open_save(self, key: BlockKey, slot: int | None, req_id: str,
                   mark: tuple[int, int, int] | None, to_redis: bool) -> int:
         job = self._id()
         self._slots[job] = SlotJob(key, slot, req_id, mark, to_redis)
         return job
 
-    def open_fetch(self, key: BlockKey, slot: int, req_id: str) -> int:
+    def open_fetch(self, key: BlockKey, slot: int | None, req_id: str) -> int:
         job = self._id()
         self._slots[job] = SlotJob(key, slot, req_id)
         return job

@@ -6,7 +6,11 @@ Rules this module keeps:
 * The halves run in different processes and share nothing else. vLLM pickles what they
   exchange every step; the plan and the report go inside as msgpack (:func:`to_wire`,
   :func:`plan_from_wire`, :func:`report_from_wire`), typed and validated on decoding, and
-  several times cheaper than pickling the dataclasses.
+  several times cheaper than pickling the dataclasses. Each op is an array-like Struct (a
+  short msgpack array, no field names).
+* Where a load or a fetch reads is a type (:class:`LoadFrom`, :class:`FetchFrom`), never a
+  made-up slot number; an op with no CPU-tier slot (a host-tier restore, an overflow save)
+  says so with ``slot`` None.
 * Keys carry the engine's *base* fingerprint; each rank derives the fingerprint it stores
   under (:func:`connector.vllm_connector.namespace.rank_fingerprint`).
 * Slots are chosen by the scheduler (it owns the CPU tier's bookkeeping); the bytes live in
@@ -16,81 +20,102 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
 from offload_tiers.keys import BlockKey
 
 
-@dataclass(frozen=True, slots=True)
-class LoadOp:
-    """Write CPU-tier ``slot`` (holding ``key``) into block ``block_id`` of ``group``.
+class LoadFrom(enum.IntEnum):
+    """Where a load reads its block (one small int on the wire)."""
 
-    ``after_fetch``: the slot is being filled from Redis by a fetch of the same request;
-    the worker writes the block once that fetch has validated. ``slot`` is
-    :data:`HOST_SLOT` for a host-tier restore: the block is written straight from the
-    shared segment once the fetch (a check in place) has validated it.
+    SLOT = 0  # a CPU-tier slot that holds the key now
+    FETCHED_SLOT = 1  # a CPU-tier slot a fetch of the same request fills from Redis first
+    HOST = 2  # the host tier's shared segment, where the fetch checked this rank's shard
+
+
+class FetchFrom(enum.IntEnum):
+    """Where a fetch reads its value (one small int on the wire)."""
+
+    REDIS = 0  # the remote store, read into a CPU-tier slot and validated there
+    HOST = 1  # the host tier: this rank's shard checked where it lies, for its load
+
+
+class HostShard(NamedTuple):
+    """One rank's shard of a host-tier save: its slot in the shared segment, the save's
+    id and its length in bytes."""
+
+    slot: int
+    save_id: int
+    length: int
+
+
+class LoadOp(msgspec.Struct, frozen=True, array_like=True):
+    """Write ``key`` into block ``block_id`` of ``group``, from where ``source`` says.
+
+    ``slot``: the CPU-tier slot it reads (None: no CPU-tier slot, a host-tier load). A load
+    from a :attr:`LoadFrom.FETCHED_SLOT` or the :attr:`LoadFrom.HOST` tier waits for the
+    fetch of the same request to validate its value; the host tier's block is then written
+    straight from the shared segment.
     """
 
     req_id: str
     group: int
     block_id: int
-    slot: int
+    slot: int | None
     key: BlockKey
-    after_fetch: bool = False
-    from_host: bool = False  # the fetch reads the host tier (else Redis)
+    source: LoadFrom = LoadFrom.SLOT
+
+    @property
+    def after_fetch(self) -> bool:
+        """The load waits for a fetch of its request (its value is not in a slot yet)."""
+        return self.source is not LoadFrom.SLOT
 
 
-@dataclass(frozen=True, slots=True)
-class FetchOp:
-    """Read ``key`` from Redis into CPU-tier ``slot`` (in the background), then validate;
-    with ``host`` (``slot`` is :data:`HOST_SLOT`), check this rank's shard in place in the
-    host tier's shared segment, for the load to copy from there."""
+class FetchOp(msgspec.Struct, frozen=True, array_like=True):
+    """Read ``key`` from where ``source`` says, in the background, and validate it: from
+    Redis into CPU-tier ``slot``; from the host tier (``slot`` None), this rank's shard of
+    ``shards`` checked in place in the shared segment, for the load to copy from there."""
 
     job: int
     req_id: str
-    slot: int
+    slot: int | None
     key: BlockKey
+    source: FetchFrom = FetchFrom.REDIS
     # The save every rank must read (the probe's answer): with TP, shards of other saves
     # (another engine's, or one a failed load left half-written) fail the fetch.
     save_id: int | None = None
-    # From the host tier: (slot, save id, length) of every rank's shard, by rank.
-    host: tuple[tuple[int, int, int], ...] | None = None
+    # From the host tier: every rank's shard of the save, by rank.
+    shards: tuple[HostShard, ...] = ()
 
 
-#: The slot of a save that found no CPU-tier slot: the worker copies the block into a buffer
-#: of its own, which only the Redis writer reads.
-OVERFLOW_SLOT = -1
 #: The request id of a backfill's save: no request, an entry of the CPU tier written to
 #: Redis after it came back.
 BACKFILL_REQ = ""
-#: The "slot" of a host-tier restore: no CPU-tier slot; the worker checks the shard where it
-#: lies in the shared segment and loads it from there into vLLM's KV cache.
-HOST_SLOT = -2
 
 
-@dataclass(frozen=True, slots=True)
-class SaveOp:
+class SaveOp(msgspec.Struct, frozen=True, array_like=True):
     """Copy block ``block_id`` of ``group`` into ``slot``; then to Redis when ``to_redis``.
 
-    ``slot`` is :data:`OVERFLOW_SLOT` when the CPU tier had no slot to give: the block then
-    goes to Redis only.
+    ``slot`` is None when the CPU tier had no slot to give (an overflow save): the worker
+    copies the block into a buffer of its own, which only the Redis writer reads.
     """
 
     job: int
     req_id: str
     group: int
     block_id: int
-    slot: int
+    slot: int | None
     key: BlockKey
     to_redis: bool
     save_id: int = 0  # written into every rank's value header (one save, one id)
     to_host: bool = False  # also into a slot of the host tier (connector/vllm_connector/host.py)
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeOp:
+class ProbeOp(msgspec.Struct, frozen=True, array_like=True):
     """Ask Redis which save of each of ``keys`` every rank holds (answered through the
     worker report)."""
 

@@ -32,7 +32,7 @@ from connector.vllm_connector.backfill import Backfill
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.jobs import JobBook, TierChange
-from connector.vllm_connector.plan import HOST_SLOT, FetchOp, ProbeOp
+from connector.vllm_connector.plan import FetchFrom, FetchOp, HostShard, LoadFrom, ProbeOp
 from connector.vllm_connector.presence import PresenceFactory, RedisPresence
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.cpu_tier import CpuTier
@@ -58,10 +58,10 @@ _BAD_KEYS_MAX = 1 << 14
 
 @dataclass(slots=True)
 class Held:
-    """A hit's key held until it is loaded: the slot its load reads (a CPU-tier slot, or
-    :data:`~connector.vllm_connector.plan.HOST_SLOT`), and the host-tier pins if any."""
+    """A hit's key held until it is loaded: the CPU-tier slot its load reads (None: the
+    tier's own memory, the host tier's segment), and the host-tier pins if any."""
 
-    slot: int
+    slot: int | None
     pins: Pins | None = None
 
 
@@ -82,8 +82,8 @@ class SecondaryTier(Protocol):
 
     #: ``hit_tokens_<source>``; the key of :meth:`TieredScheduler.hit_tiers`.
     source: HitSource
-    #: a hit's blocks are loaded from the tier's own memory (no CPU-tier slot)
-    loads_in_place: bool
+    #: where a hit's loads read: a CPU-tier slot its fetch fills, or the tier's own memory
+    load_from: LoadFrom
 
     def lookup(self, req_id: str, dry: bool = False) -> TierLookup:
         """The questions of one look-up (``dry``: vLLM's ``may_load_async``: nothing asked
@@ -155,7 +155,7 @@ class HostTierBooks:
     until every rank loaded it straight from the shared segment."""
 
     source = HitSource.HOST
-    loads_in_place = True
+    load_from = LoadFrom.HOST  # straight from the shared segment: no CPU-tier slot
 
     def __init__(self, host: HostTierMirror, counters: ConnectorCounters) -> None:
         self.host = host
@@ -170,7 +170,7 @@ class HostTierBooks:
 
     def hold(self, key: BlockKey, where: object) -> Held | None:
         assert isinstance(where, tuple)
-        return Held(HOST_SLOT, self.host.pin(where))
+        return Held(None, self.host.pin(where))
 
     def let_go(self, key: BlockKey, held: Held) -> None:
         self.host.unpin(held.pins)
@@ -181,8 +181,8 @@ class HostTierBooks:
         self._fetches[job] = held.pins
         held.pins = None  # the job's now: let go when every rank reported
         self.host.touch(key)  # used: last in the daemon's LRU
-        return FetchOp(job, req_id, held.slot, key, None,
-                       tuple((w.slot, w.save_id, w.length) for w in where))
+        return FetchOp(job, req_id, None, key, FetchFrom.HOST, None,
+                       tuple(HostShard(w.slot, w.save_id, w.length) for w in where))
 
     def fetched(self, job: int, key: BlockKey, ok: bool) -> None:
         # Every rank loaded its shard before reporting (or failed): the pins go. The host
@@ -274,7 +274,7 @@ class RedisBooks:
     reserved CPU-tier slot the workers fetch its value into."""
 
     source = HitSource.REDIS
-    loads_in_place = False
+    load_from = LoadFrom.FETCHED_SLOT
     takes_copies = False  # saves reach Redis from the CPU tier's slots (SaveOp.to_redis)
 
     def __init__(self, config: TieredConfig, world_size: int, directory: CpuTier,
@@ -416,7 +416,7 @@ class RedisBooks:
     def fetch(self, job: int, req_id: str, key: BlockKey, held: Held, where: object
               ) -> FetchOp:
         assert isinstance(where, int)
-        return FetchOp(job, req_id, held.slot, key, where)
+        return FetchOp(job, req_id, held.slot, key, FetchFrom.REDIS, where)
 
     def fetched(self, job: int, key: BlockKey, ok: bool) -> None:
         if ok:

@@ -9,12 +9,7 @@ from collections.abc import Sequence
 
 from connector.events.wire import Medium
 from connector.vllm_connector.jobs import SlotJob, TierChange
-from connector.vllm_connector.plan import (
-    BACKFILL_REQ,
-    OVERFLOW_SLOT,
-    SaveOp,
-    StepPlan,
-)
+from connector.vllm_connector.plan import BACKFILL_REQ, SaveOp, StepPlan
 from connector.vllm_connector.slot_book import (
     MAMBA,
     BlockLike,
@@ -155,11 +150,11 @@ class StorePlanner(SlotBook):
         to_redis = self.redis.accepts_saves
         if slot is None and to_redis:
             # Every slot is pinned (loads, queued Redis writes): the block goes to Redis
-            # through a buffer of the worker's own, bounded by its write queue.
+            # through a buffer of the worker's own (no slot), bounded by its write queue.
             self.counters.add("overflow_saves")
-            job = self.jobs.open_save(key, OVERFLOW_SLOT, request.request_id, mark, True)
-            plan.saves.append(SaveOp(job, request.request_id, g.group, block_id,
-                                     OVERFLOW_SLOT, key, True, new_save_id()))
+            job = self.jobs.open_save(key, None, request.request_id, mark, True)
+            plan.saves.append(SaveOp(job, request.request_id, g.group, block_id, None, key,
+                                     True, new_save_id()))
             self._remember(request, key, g)
             return
         if slot is None:
@@ -188,14 +183,14 @@ class StorePlanner(SlotBook):
         backfill = self.redis.backfill
         if backfilled and backfill is not None:
             backfill.answered()
-        if info.to_redis and info.slot != OVERFLOW_SLOT:
+        if info.to_redis and info.slot is not None:
             self._unhold(key)
         if not all_ok:
             # A rank could not copy the block: its slot is not trusted.
             if info.gather_failed and self.directory.remove(key):
                 self.counters.add("store_drops")
                 self.outbox.append(TierChange(key, Medium.CPU, stored=False))
-            elif (info.to_redis and info.slot != OVERFLOW_SLOT and not backfilled
+            elif (info.to_redis and info.slot is not None and not backfilled
                   and backfill is not None):
                 backfill.note(key)  # copied, but not written to Redis: later
             tracked = self._tracked.get(info.req_id)

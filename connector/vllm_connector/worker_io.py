@@ -13,11 +13,7 @@ import numpy as np
 
 from connector.vllm_connector.gil import short_switch_interval
 from connector.vllm_connector.host import host_digest
-from connector.vllm_connector.plan import (
-    FetchOp,
-    ProbeOp,
-    WorkerReport,
-)
+from connector.vllm_connector.plan import FetchFrom, FetchOp, ProbeOp, WorkerReport
 from connector.vllm_connector.worker_state import (
     FetchDone,
     ProbeDone,
@@ -52,7 +48,8 @@ class WorkerIO(WorkerState):
         """Read values from Redis or the host tier straight into their slots, validated (I/O
         thread). ``idle``: planned in a step without a forward (the rank's compute cores
         are free: see :meth:`SpareCores.fetching`)."""
-        from_redis = [op for op in ops if op.host is None]
+        from_redis = [op for op in ops if op.source is FetchFrom.REDIS]
+        from_host = [op for op in ops if op.source is FetchFrom.HOST]
         oks = dict.fromkeys((op.job for op in ops), False)
         if idle and from_redis:
             self.counters.add("fetches_without_forward")
@@ -69,10 +66,9 @@ class WorkerIO(WorkerState):
         except Exception:
             log.exception("kvtier: fetching from Redis failed")
         t1 = time.perf_counter_ns()
-        oks.update(self._read_host([op for op in ops if op.host is not None]))
+        oks.update(self._read_host(from_host))
         self._count_fetched(from_redis, oks, "redis", t1 - t0)
-        self._count_fetched([op for op in ops if op.host is not None], oks, "host",
-                            time.perf_counter_ns() - t1)
+        self._count_fetched(from_host, oks, "host", time.perf_counter_ns() - t1)
         self._done.append(FetchDone(req_id, ops, [oks[op.job] for op in ops]))
 
     def _count_fetched(self, ops: list[FetchOp], oks: dict[int, bool], tier: str,
@@ -97,32 +93,28 @@ class WorkerIO(WorkerState):
         segment = self.host.segment
         if segment is None:
             return oks
-        fit = []
-        for op in ops:
-            assert op.host is not None
-            if op.host[self.tp_rank][2] == self._nbytes(op.key.group):
-                fit.append(op)
+        fit = [op for op in ops if op.shards[self.tp_rank].length == self._nbytes(op.key.group)]
         try:
-            where = [op.host[self.tp_rank] for op in fit]  # type: ignore[index]
-            slots = [w[0] for w in where]
+            where = [op.shards[self.tp_rank] for op in fit]
+            slots = [w.slot for w in where]
             digests = [host_digest(self.storage_key(op.key)) for op in fit]
-            save_ids = [w[1] for w in where]
+            save_ids = [w.save_id for w in where]
             checked: list[tuple[Any, int, int] | None]
             if seqlock_sound():
-                seqs = segment.verify_many(slots, digests, save_ids, [w[2] for w in where])
-                checked = [None if seq is None else (segment, w[0], seq)
+                seqs = segment.verify_many(slots, digests, save_ids, [w.length for w in where])
+                checked = [None if seq is None else (segment, w.slot, seq)
                            for w, seq in zip(where, seqs, strict=True)]
             else:  # copy-then-checksum, into one private buffer per shard size
                 rows: list[int] = []
                 counts: dict[int, int] = {}
                 for w in where:
-                    rows.append(counts.get(w[2], 0))
-                    counts[w[2]] = rows[-1] + 1
+                    rows.append(counts.get(w.length, 0))
+                    counts[w.length] = rows[-1] + 1
                 copies = {n: np.empty((k, n), dtype=np.uint8) for n, k in counts.items()}
                 got = segment.read_many_into(
                     slots, digests, save_ids, next(iter(copies.values())) if len(copies) == 1
-                    else [copies[w[2]][row] for w, row in zip(where, rows, strict=True)])
-                checked = [(copies[w[2]], row, 0) if ok else None
+                    else [copies[w.length][row] for w, row in zip(where, rows, strict=True)])
+                checked = [(copies[w.length], row, 0) if ok else None
                            for w, row, ok in zip(where, rows, got, strict=True)]
         except Exception:
             log.exception("kvtier: checking the host tier failed")

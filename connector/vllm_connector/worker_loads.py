@@ -11,12 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.vllm_connector.plan import (
-    HOST_SLOT,
-    FetchOp,
-    LoadOp,
-    StepPlan,
-)
+from connector.vllm_connector.plan import FetchOp, LoadFrom, LoadOp, StepPlan
 from connector.vllm_connector.worker_state import WorkerState, _by_group
 
 log = logging.getLogger("connector.vllm_connector.worker")  # the worker half's log
@@ -50,7 +45,7 @@ class WorkerLoads(WorkerState):
         by_req: dict[str, list[FetchOp]] = {}
         for op in plan.fetches:
             by_req.setdefault(op.req_id, []).append(op)
-            if op.slot >= 0:
+            if op.slot is not None:  # a slot the fetch refills: no key until it validated
                 self.slot_keys[op.slot] = None
         for req_id, ops in by_req.items():
             self._fetching[req_id] = self._fetching.get(req_id, 0) + 1
@@ -62,8 +57,8 @@ class WorkerLoads(WorkerState):
     def _scatter(self, ops: list[LoadOp]) -> None:
         """Write blocks from their slots; a slot that does not hold its key fails its load."""
         assert self.transfer is not None
-        self._scatter_host([op for op in ops if op.slot == HOST_SLOT])
-        ops = [op for op in ops if op.slot != HOST_SLOT]
+        self._scatter_host([op for op in ops if op.source is LoadFrom.HOST])
+        ops = [op for op in ops if op.source is not LoadFrom.HOST]
         corrupt = self.config.debug_corrupt_loads
         for group, group_ops in _by_group(ops).items():
             good = [op for op in group_ops if self.slot_keys[op.slot] == op.key]
@@ -83,8 +78,9 @@ class WorkerLoads(WorkerState):
                 continue
             self.counters.add("bytes_loaded", moved)
             self.counters.add("load_us", (time.perf_counter_ns() - t0) // 1000)
-            self.counters.add("blocks_loaded_cpu", sum(not o.after_fetch for o in good))
-            self.counters.add("blocks_loaded_redis", sum(o.after_fetch for o in good))
+            self.counters.add("blocks_loaded_cpu", sum(o.source is LoadFrom.SLOT for o in good))
+            self.counters.add("blocks_loaded_redis",
+                              sum(o.source is LoadFrom.FETCHED_SLOT for o in good))
 
     def _scatter_host(self, ops: list[LoadOp]) -> None:
         """Write blocks straight from the host tier's segment, where their fetch checked
@@ -153,7 +149,7 @@ class WorkerLoads(WorkerState):
 
     def _fetched(self, req_id: str, ops: list[FetchOp], oks: list[bool]) -> None:
         for op, ok in zip(ops, oks, strict=True):
-            if op.slot >= 0:
+            if op.slot is not None:
                 self.slot_keys[op.slot] = op.key if ok else None
             self._report.fetches[op.job] = [int(ok), 1]
             if not ok:

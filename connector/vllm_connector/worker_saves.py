@@ -14,11 +14,7 @@ import numpy as np
 import torch
 
 from connector.vllm_connector.host import host_digest
-from connector.vllm_connector.plan import (
-    OVERFLOW_SLOT,
-    SaveOp,
-    StepPlan,
-)
+from connector.vllm_connector.plan import SaveOp, StepPlan
 from connector.vllm_connector.remote_store import (
     PendingSave,
 )
@@ -106,21 +102,21 @@ class WorkerSaves(WorkerState):
             return []
         # A slot given twice in one plan (a small tier evicting this step's own saves) keeps
         # the scheduler's last choice; the earlier save is gone from its books already.
-        last = {op.slot: op for op in plan.saves if op.slot != OVERFLOW_SLOT}
+        last = {op.slot: op for op in plan.saves if op.slot is not None}
         keep: list[SaveOp] = []
         for op in plan.saves:
-            if op.slot != OVERFLOW_SLOT and last[op.slot] is not op:
+            if op.slot is not None and last[op.slot] is not op:
                 self._report_save(op.job, ok=True, gathered=True)
             elif op.req_id in self._failed_now:
                 # Computed over a context that failed to load here. Other ranks may not know
                 # (with TP their shards are bad too): this rank writes no shard of this save,
                 # so no reader can ever assemble it (shards are served only as one save).
                 self.counters.add("saves_skipped_after_failed_load")
-                if op.slot != OVERFLOW_SLOT:
+                if op.slot is not None:
                     self.slot_keys[op.slot] = None
                 self._report_save(op.job, ok=False, gathered=False)
             else:
-                if op.slot != OVERFLOW_SLOT:
+                if op.slot is not None:
                     self.slot_keys[op.slot] = None
                 keep.append(op)
         return keep
@@ -131,7 +127,7 @@ class WorkerSaves(WorkerState):
         ``blocks_read()``: no KV block is read after it), then hand them to Redis."""
         handed: list[tuple[int, list[SaveOp], np.ndarray | None, set[int]]] = []
         for group, ops in _by_group(keep).items():
-            slotted = [op for op in ops if op.slot != OVERFLOW_SLOT]
+            slotted = [op for op in ops if op.slot is not None]
             if slotted and self._gather(group, slotted, None):
                 for op in slotted:
                     self.slot_keys[op.slot] = op.key
@@ -140,7 +136,7 @@ class WorkerSaves(WorkerState):
                 # on CUDA the host tier's copy reads the KV blocks themselves
                 hosted = self._to_host(group, [op for op in slotted if op.to_host])
                 handed.append((group, slotted, None, hosted))
-            overflow = [op for op in ops if op.slot == OVERFLOW_SLOT]
+            overflow = [op for op in ops if op.slot is None]  # no CPU-tier slot
             if overflow:
                 # Rows of a buffer of this step's own; the Redis writer keeps it alive.
                 try:
@@ -281,7 +277,7 @@ class WorkerSaves(WorkerState):
             return
         saves = []
         for op in ops:
-            if self.transfer is None or op.slot < 0 or self.slot_keys[op.slot] != op.key:
+            if self.transfer is None or op.slot is None or self.slot_keys[op.slot] != op.key:
                 self._report_save(op.job, ok=False, gathered=False)
                 self.counters.add("redis_backfill_failures")
                 continue

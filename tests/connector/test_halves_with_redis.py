@@ -17,7 +17,6 @@ import redis
 import torch
 
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.plan import OVERFLOW_SLOT
 from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.scheduler import ATTENTION, GroupSpec
 from offload_tiers.keys import BlockKey, BlockKind
@@ -628,7 +627,7 @@ def test_a_step_saving_more_blocks_than_cpu_slots_writes_the_rest_to_redis_direc
     e.admit(req, [[Blk(i, (i + 1) * BS) for i in range(20)]], 0)
     first = e.step({"a": 20 * BS + 5})
     assert len(first.plan.saves) == 20
-    overflow = [op for op in first.plan.saves if op.slot == OVERFLOW_SLOT]
+    overflow = [op for op in first.plan.saves if op.slot is None]
     assert [op.key.num_tokens for op in overflow] == [17 * BS, 18 * BS, 19 * BS, 20 * BS]
     snap = e.sched.counters.snapshot()
     assert snap["store_drops"] == 0 and snap["overflow_saves"] == 4

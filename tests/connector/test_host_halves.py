@@ -18,6 +18,7 @@ import torch
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.daemon_redis import DaemonRedis
 from connector.vllm_connector.host import host_digest
+from connector.vllm_connector.plan import FetchFrom
 from connector.vllm_connector.presence import DaemonFeed
 from rigs.daemon_proc import HostTierDaemon
 from rigs.halves import BS, Blk, Halves, Req
@@ -79,7 +80,7 @@ def test_a_new_engine_restores_every_rank_byte_exact(engines: Make, tp: int,
     assert _pins_held(second) == 3 * tp  # every rank's shard pinned until its fetch is back
     second.admit(req, [[Blk(7), Blk(8), Blk(9), Blk(10)]], 96)
     result = second.step()
-    assert [op.host is not None for op in result.plan.fetches] == [True] * 3
+    assert [op.source for op in result.plan.fetches] == [FetchFrom.HOST] * 3
     assert result.finished == {"b"} and result.failed == set()
     for r1, r2 in zip(first.ranks, second.ranks, strict=True):
         assert torch.equal(r1.kv["attn0"][[1, 2, 3]], r2.kv["attn0"][[7, 8, 9]])

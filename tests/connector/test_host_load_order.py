@@ -64,8 +64,7 @@ def _later_write_after_the_check(second: Halves, monkeypatch: pytest.MonkeyPatch
                               tp_rank: int = worker.tp_rank) -> dict[int, bool]:
             oks = checked(ops)
             for op in ops:
-                assert op.host is not None
-                slot, _, length = op.host[tp_rank]
+                slot, _, length = op.shards[tp_rank]
                 segment.payloads[slot, :length] = LATER
             return oks
 

@@ -11,7 +11,9 @@ from connector.vllm_connector.connector import TieredConnectorMetadata, TieredWo
 from connector.vllm_connector.jobs import JobBook
 from connector.vllm_connector.plan import (
     MIXED_SAVES,
+    FetchFrom,
     FetchOp,
+    LoadFrom,
     LoadOp,
     ProbeOp,
     SaveOp,
@@ -72,7 +74,8 @@ def test_empty_report_is_false_and_health_alone_is_true() -> None:
 
 def test_plan_and_report_pickle() -> None:
     """The halves run in different processes: vLLM serialises both."""
-    plan = StepPlan(loads=[LoadOp("r", 0, 3, 1, K1), LoadOp("r", 1, 4, 2, K2, after_fetch=True)],
+    plan = StepPlan(loads=[LoadOp("r", 0, 3, 1, K1),
+                           LoadOp("r", 1, 4, 2, K2, LoadFrom.FETCHED_SLOT)],
                     fetches=[FetchOp(7, "r", 2, K2)],
                     saves=[SaveOp(8, "r", 0, 5, 3, K1, to_redis=True)],
                     probes=[ProbeOp(9, (K1, K2))], async_reqs=["r"])
@@ -96,8 +99,9 @@ def test_a_quiet_steps_metadata_pickles_small_and_keeps_layout_known_and_idle() 
 
 
 def test_busy_metadata_and_reports_cross_processes_as_typed_msgpack() -> None:
-    plan = StepPlan(loads=[LoadOp("r", 0, 3, 1, K1), LoadOp("r", 1, 4, 2, K2, after_fetch=True)],
-                    fetches=[FetchOp(7, "r", 2, K2, 5, ((1, 2, 3), (4, 5, 6)))],
+    plan = StepPlan(loads=[LoadOp("r", 0, 3, 1, K1),
+                           LoadOp("r", 1, 4, 2, K2, LoadFrom.FETCHED_SLOT)],
+                    fetches=[FetchOp(7, "r", None, K2, FetchFrom.HOST, 5, ((1, 2, 3), (4, 5, 6)))],
                     saves=[SaveOp(8, "r", 0, 5, 3, K1, to_redis=True, save_id=9)],
                     probes=[ProbeOp(9, (K1, K2))], async_reqs=["r"], tail_reqs=["t"],
                     layout_known=True, idle=True)
@@ -108,6 +112,18 @@ def test_busy_metadata_and_reports_cross_processes_as_typed_msgpack() -> None:
                           redis_up={1: 0}, rank0_layout="L")
     back = pickle.loads(pickle.dumps(TieredWorkerMetadata(report)))  # noqa: S301
     assert back.report == report
+
+
+def test_ops_cross_as_arrays_without_field_names() -> None:
+    """Plans travel every step: each op is a short array, where it reads a small int."""
+    wire = to_wire(StepPlan(loads=[LoadOp("r", 0, 3, None, K1, LoadFrom.HOST)],
+                            fetches=[FetchOp(7, "r", 2, K2, FetchFrom.REDIS, 5)],
+                            saves=[SaveOp(8, "r", 0, 5, None, K1, to_redis=True)],
+                            probes=[ProbeOp(9, (K1,))]))
+    for name in (b"req_id", b"block_id", b"slot", b"source", b"save_id", b"to_redis", b"job"):
+        assert name not in wire
+    again = plan_from_wire(wire)
+    assert again.loads[0].source is LoadFrom.HOST and again.saves[0].slot is None
 
 
 def test_a_plan_off_the_wire_is_validated() -> None:

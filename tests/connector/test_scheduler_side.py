@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.plan import OVERFLOW_SLOT, WorkerReport
+from connector.vllm_connector.plan import WorkerReport
 from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
@@ -384,12 +384,12 @@ def test_a_full_tier_of_pins_sends_the_rest_to_redis_and_replans_failed_ones() -
     s = _sched(LLAMA, blocks, num_slots=4, redis_url=DEAD_REDIS)
     s.on_alloc(Req("r", 6 * UNIT + 1), blocks["r"], 0)
     first = s.plan({"r": 6 * UNIT}, {}, set()).saves
-    overflow = [op for op in first if op.slot == OVERFLOW_SLOT]
+    overflow = [op for op in first if op.slot is None]
     assert len(first) == 6 and [op.key.num_tokens for op in overflow] == [5 * UNIT, 6 * UNIT]
     snap = s.counters.snapshot()
     assert snap["store_drops"] == 0 and snap["overflow_saves"] == 2
     # The slotted writes landed; the overflow writes failed on the worker: re-planned.
-    s.on_report(WorkerReport(saves={op.job: [int(op.slot != OVERFLOW_SLOT), 1, 0]
+    s.on_report(WorkerReport(saves={op.job: [int(op.slot is not None), 1, 0]
                                     for op in first}))
     second = s.plan({"r": 6 * UNIT}, {}, set()).saves
     assert [op.key.num_tokens for op in second] == [5 * UNIT, 6 * UNIT]

@@ -9,7 +9,7 @@ knows this tier.
 from __future__ import annotations
 
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.plan import FetchOp, WorkerReport
+from connector.vllm_connector.plan import FetchOp, LoadFrom, WorkerReport
 from connector.vllm_connector.scheduler import ATTENTION, GroupSpec, TieredScheduler
 from connector.vllm_connector.secondary import Held, HitSource, TierLookup
 from offload_tiers.keys import BlockKey
@@ -34,7 +34,7 @@ class DictTier:
     """Keys at made-up places; a hit's key gets a reserved CPU-tier slot to fetch into."""
 
     source = HitSource.HOST  # its tokens count as the host tier's here
-    loads_in_place = False
+    load_from = LoadFrom.FETCHED_SLOT
     takes_copies = False
 
     def __init__(self, directory) -> None:
@@ -106,8 +106,8 @@ def test_a_tier_of_its_own_serves_a_hit_through_the_interface_only() -> None:
     s.on_alloc(req, [[Blk(5), Blk(6), Blk(7)]], 64)
     plan = s.plan({}, {}, set())
     assert [(op.key, op.save_id) for op in plan.fetches] == [(keys[0], 11), (keys[1], 12)]
-    assert [(op.block_id, op.after_fetch, op.from_host) for op in plan.loads] == \
-        [(5, True, False), (6, True, False)]
+    assert [(op.block_id, op.after_fetch, op.source) for op in plan.loads] == \
+        [(5, True, LoadFrom.FETCHED_SLOT), (6, True, LoadFrom.FETCHED_SLOT)]
     assert s.hit_tiers("r") == {HitSource.CPU: 0, HitSource.HOST: 64, HitSource.REDIS: 0}
     assert s.counters.snapshot()["hit_tokens_host"] == 0  # counted once the fetches are back
     s.on_report(WorkerReport(fetches={op.job: [1, 1] for op in plan.fetches}))
