@@ -153,13 +153,8 @@ class Classifier:
         n = len(hashes)
         group = ev.group_idx or 0
         x = ev.block_size
-        tok = ev.token_ids
-        try:
-            ntok = len(tok) if type(tok) is list else raw_array_len(tok)
-        except ValueError:
-            self.invalid_events += 1
-            return None
-        if n == 0 or x < 0 or group < 0:
+        ntok = _token_count(ev.token_ids)
+        if ntok < 0 or n == 0 or x < 0 or group < 0:
             self.invalid_events += 1
             return None
         medium = self._medium_cache.get(ev.medium) or self._medium(ev.medium)
@@ -176,14 +171,10 @@ class Classifier:
         if b is None:
             b = self._learn(pg, x, n)
 
-        if parent is None:
-            parent_nt = 0
-            known = contiguous
-        else:
-            # never announced: placed by the skipped span, if the event has one
-            parent_nt = self.index.position_of(pg, parent) or self._skipped_end(pg, ev)
-            known = contiguous and parent_nt > 0
-
+        # where the parent ends (never announced: placed by the skipped span, if any)
+        parent_nt = 0 if parent is None else (self.index.position_of(pg, parent)
+                                              or self._skipped_end(pg, ev))
+        known = contiguous and (parent is None or parent_nt > 0)
         if b is None:  # single hash, size not decidable yet
             self._add_pending(pg, hashes[0], x)
             if not known:
@@ -318,3 +309,10 @@ class Classifier:
         if updates:
             self.index.rewrite_hashes(pg, updates)
 
+
+def _token_count(tokens: Any) -> int:
+    """How many token ids an event carries (a list, or a raw array); -1 if unreadable."""
+    try:
+        return len(tokens) if type(tokens) is list else raw_array_len(tokens)
+    except ValueError:
+        return -1
