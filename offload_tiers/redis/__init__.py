@@ -1,4 +1,5 @@
 """The Redis tier's one home.
 
-URL parsing, client construction and health, the tier, RESP packing, write-behind, the janitor.
+URL parsing, client construction and health, the tier (block semantics) and its channel (the
+transport), RESP packing, write-behind, the janitor.
 """

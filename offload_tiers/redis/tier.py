@@ -3,22 +3,15 @@
 Key names are ``{prefix}:{fingerprint}:{group}:{hash hex}``; values are
 :mod:`offload_tiers.codec` (header + payload). Works with one server (``redis://``,
 ``rediss://``, ``unix://``, credentials in the URL) and with Redis Cluster
-(``redis+cluster://`` / ``rediss+cluster://`` or ``cluster=True``), where batches are
-split per node and the nodes are served at once (a thread per node share).
+(``redis+cluster://`` / ``rediss+cluster://`` or ``cluster=True``). The batches travel on a
+:class:`~offload_tiers.redis.channel.RedisChannel` (pipelining, the Cluster fan-out, endpoint
+health and the failure model live there); this module says what the commands and replies
+mean for blocks. ``get_many_into`` receives each GET reply straight into the caller's buffer
+(a CPU-tier slot) and checks header and checksum there; a SET's header is built as the
+pipeline window reaches it, so encoding overlaps the server.
 
-Transport: redis-py makes and pools the connections (TLS, AUTH/ACL, HELLO, Cluster
-topology); the commands and replies of a batch travel as hand-packed RESP on the
-connection's socket (:mod:`offload_tiers.redis.resp`), pipelined in a sliding window of at most
-``max_inflight`` commands and ``max_inflight_bytes``. ``get_many_into`` receives each GET
-reply straight into the caller's buffer (a CPU-tier slot) and checks header and checksum
-there; a SET's header is built as the window reaches it, so encoding overlaps the server.
-
-Failure model: every network operation is bounded by ``redis_timeout_s``; any failure
-marks the endpoint unavailable, after which calls touching it return at once (reads miss,
-writes are counted as failed) until a background probe (exponential backoff with jitter)
-finds it answering again (:mod:`offload_tiers.redis.client`). Nothing raises into the
-caller, except ``from_url(strict=True)`` at start-up. Error texts and logs never contain
-the password.
+Nothing raises into the caller for Redis trouble (reads miss, writes are counted as failed),
+except ``from_url(strict=True)`` at start-up. Error texts and logs never contain the password.
 
 Save ids: a store may carry the writer's save id in the header (:mod:`offload_tiers.codec`);
 a read that asks for one treats a valid value of another save as a miss (``stale_saves``),
@@ -36,10 +29,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import threading
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,22 +39,23 @@ from redis.exceptions import ResponseError
 from offload_tiers import codec
 from offload_tiers._types import BytesLike
 from offload_tiers.keys import BlockKey
-from offload_tiers.redis.client import ClientFactory, Health, close_quietly
-from offload_tiers.redis.node_pool import NodePool
-from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all, set_parts
+from offload_tiers.redis.channel import LazyCommands, RedisChannel
+from offload_tiers.redis.client import ClientFactory
+from offload_tiers.redis.counters import Counters
+from offload_tiers.redis.resp import Reader, command, set_parts
 from offload_tiers.redis.settings import WRITE_LINGER_S, RedisConnectionSettings
 from offload_tiers.redis.url import RedisTarget, parse_redis_url
 from offload_tiers.redis.write_behind import DoneCallback, Item, WriteBehind
 
 log = logging.getLogger(__name__)
 
-_MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
-_NODE_THREADS = 8  # Cluster nodes exchanged with at once
 #: The event counts that move :attr:`RedisTier.events_serial` (outages, bad values).
 EVENT_COUNTS = ("unavailable_events", "recoveries", "corrupt", "corrupt_deleted", "stale_saves")
-
-#: Reads the reply to command ``i`` of a batch from the reader.
-ReadReply = Callable[[Reader, int], Any]
+#: Every count :meth:`RedisTier.counts` reports, in its order.
+COUNT_NAMES = ("puts", "put_bytes", "put_failures", "gets", "hits", "misses", "corrupt",
+               "exists_checks", "deletes", "errors", "unavailable_events", "recoveries",
+               "dropped_unavailable", "skipped_unavailable", "stale_saves", "corrupt_deleted",
+               "corrupt_changed", "corrupt_delete_failures")
 
 # Unlink KEYS[1] only while its first 64 bytes are ARGV[1] and its length ARGV[2]: what was
 # judged corrupt (a short value's GETRANGE is the short bytes, so those compare as read).
@@ -90,45 +82,8 @@ class _Refused(NamedTuple):
     stale: bool = False
 
 
-class _Lazy(Sequence[list]):
-    """``n`` commands, each built when the pipeline first asks for it."""
-
-    __slots__ = ("_n", "_build")
-
-    def __init__(self, n: int, build: Callable[[int], list]) -> None:
-        self._n = n
-        self._build = build
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i: int) -> list:  # type: ignore[override]
-        if not 0 <= i < self._n:
-            raise IndexError(i)
-        return self._build(i)
-
-
-def _whole_reply(reader: Reader, _i: int) -> Any:
-    return reader.reply()
-
-
-def _reindexed(read: ReadReply, idx: list[int]) -> ReadReply:
-    """``read`` for a per-node sub-batch: its i-th command is the batch's ``idx[i]``-th."""
-    return lambda reader, i: read(reader, idx[i])
-
-
 class RedisTierError(RuntimeError):
     """Start-up failure reported by ``from_url(strict=True)`` (never contains the password)."""
-
-
-class _Endpoint(Health):
-    """A server (``main``) or Cluster node, and whether its memory policy was read."""
-
-    __slots__ = ("policy_checked",)
-
-    def __init__(self, label: str, initial_s: float, max_s: float) -> None:
-        super().__init__(label, initial_s, max_s)
-        self.policy_checked = False
 
 
 class RedisTier:
@@ -144,39 +99,21 @@ class RedisTier:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not 0 <= ttl_jitter <= 1:
             raise ValueError(f"ttl_jitter must be within [0, 1], got {ttl_jitter}")
-        if max_inflight < 1:
-            raise ValueError("max_inflight must be at least 1")
         self.target: RedisTarget = client.target
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.ttl_jitter = ttl_jitter
-        self.max_inflight = max_inflight
-        self.max_inflight_bytes = max_inflight_bytes
         self.delete_corrupt = delete_corrupt
         self._scripts_refused = False  # the server refuses EVAL (ACL): no corrupt deletes
-        self._backoff = (backoff_initial_s, backoff_max_s)
         self._factory = client
-        self._client: Any = None
-        # Cluster: nodes served at once, on threads that outlive interpreter shutdown's
-        # refusal of new futures (the last flush runs then: node_pool.py)
-        self._nodes_pool: NodePool | None = NodePool(_NODE_THREADS) if self.target.cluster \
-            else None
-        self._lock = threading.Lock()
-        self._init_ep = _Endpoint(self.target.redacted, *self._backoff)
-        self._eps: dict[str, _Endpoint] = {}
-        self._topology_stale = False
         self._closed = False
-        self._last_error = ""
-        self._warned_policy = False
-        self.noeviction = False
-        self._n = dict.fromkeys(
-            ("puts", "put_bytes", "put_failures", "gets", "hits", "misses", "corrupt",
-             "exists_checks", "deletes", "errors", "unavailable_events", "recoveries",
-             "dropped_unavailable", "skipped_unavailable", "stale_saves", "corrupt_deleted",
-             "corrupt_changed", "corrupt_delete_failures"), 0)
-        self._events_serial = 0  # moves with every count in EVENT_COUNTS (read per step)
+        self._counts = Counters(COUNT_NAMES, EVENT_COUNTS)
+        self._channel = RedisChannel(client, self._counts, max_inflight=max_inflight,
+                                     max_inflight_bytes=max_inflight_bytes,
+                                     backoff_initial_s=backoff_initial_s,
+                                     backoff_max_s=backoff_max_s)
         self._writer = WriteBehind(self._sink, max_items=write_queue_max,
-                                   max_bytes=write_queue_max_bytes, tick=self._probe,
+                                   max_bytes=write_queue_max_bytes, tick=self._channel.probe,
                                    linger_s=write_linger_s, settle_s=write_settle_s,
                                    name="kvtier-redis-writer")
 
@@ -215,7 +152,7 @@ class RedisTier:
                    backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                    delete_corrupt=delete_corrupt, write_linger_s=write_linger_s,
                    write_settle_s=write_settle_s)
-        tier._probe(force=True)
+        tier._channel.probe(force=True)
         if strict and not tier.available:
             error = tier.last_error
             tier.close()
@@ -232,247 +169,32 @@ class RedisTier:
                             ttl_s=settings.redis_ttl_s, redis_timeout_s=settings.redis_timeout_s,
                             ssl_ca_certs=settings.redis_ssl_ca_certs, **tuning)
 
-    def _get_client(self) -> Any:
-        if self._client is None and not self._closed:
-            if self._init_ep.waiting(time.monotonic()):
-                return None
-            try:
-                client = self._factory.make()
-            except Exception as exc:
-                self._mark_failed(self._init_ep, exc)
-                return None
-            with self._lock:
-                if self._client is None:
-                    self._client = client
-            self._mark_ok(self._init_ep)  # after a failed start: a recovery, counted
-        return self._client
-
-    # ------------------------------------------------------------------ health
+    # ------------------------------------------------------------------ the channel's state
     @property
     def available(self) -> bool:
         """True when the last contact with every known endpoint succeeded."""
-        return (self._client is not None and self._init_ep.available
-                and all(ep.available for ep in self._eps.values()))
+        return self._channel.available
 
     @property
     def last_error(self) -> str:
-        return self._last_error
+        return self._channel.last_error
 
-    def _endpoint(self, label: str) -> _Endpoint:
-        ep = self._eps.get(label)
-        if ep is None:
-            with self._lock:
-                ep = self._eps.setdefault(label, _Endpoint(label, *self._backoff))
-        return ep
+    @property
+    def noeviction(self) -> bool:
+        """True once a server said its ``maxmemory-policy`` is ``noeviction``."""
+        return self._channel.noeviction
 
-    def _mark_failed(self, ep: _Endpoint, exc: BaseException) -> None:
-        text = self._factory.describe(exc)
-        with self._lock:
-            was_up = ep.failed(time.monotonic())
-            self._last_error = text
-            self._n["errors"] += 1
-            if was_up:
-                self._n["unavailable_events"] += 1
-                self._events_serial += 1
-        if was_up:
-            log.warning("Redis tier %s (%s) unavailable: %s; reads miss and writes drop "
-                        "until it answers again", ep.label, self.target.redacted, text)
+    @property
+    def max_inflight(self) -> int:
+        return self._channel.max_inflight
 
-    def _mark_ok(self, ep: _Endpoint) -> None:
-        if ep.available:
-            return
-        with self._lock:
-            recovered = ep.recovered()
-            self._n["recoveries"] += recovered
-            self._events_serial += recovered
-        if recovered:
-            log.warning("Redis tier %s (%s) answers again", ep.label, self.target.redacted)
+    @property
+    def max_inflight_bytes(self) -> int:
+        return self._channel.max_inflight_bytes
 
-    def _probe(self, force: bool = False) -> None:
-        """Background health check: reconnect endpoints whose backoff expired."""
-        client = self._get_client()
-        if client is None:
-            return
-        now = time.monotonic()
-        try:
-            pools = self._pools(client)
-        except Exception as exc:  # cluster topology unavailable
-            self._mark_failed(self._init_ep, exc)
-            return
-        for label, pool in pools:
-            ep = self._endpoint(label)
-            if force or ep.due(now):
-                self._ping(ep, pool)
-            if ep.available and not ep.policy_checked:
-                ep.policy_checked = True
-                self._check_policy(pool, ep)
-        if self.target.cluster:  # forget nodes that left the cluster
-            current = {label for label, _ in pools}
-            with self._lock:
-                for label in [x for x in self._eps if x not in current]:
-                    del self._eps[label]
-
-    def _ping(self, ep: _Endpoint, pool: Any) -> None:
-        responses = self._exchange(ep, pool, [[command(b"PING")]], probe=True)
-        if responses is not None:
-            self._mark_ok(ep)
-
-    def _check_policy(self, pool: Any, ep: _Endpoint) -> None:
-        responses = self._exchange(ep, pool, [[command(b"CONFIG", b"GET", b"maxmemory-policy")]])
-        reply = responses[0] if responses else None
-        if isinstance(reply, dict):  # RESP3 map
-            policy = reply.get(b"maxmemory-policy")
-        elif isinstance(reply, list) and len(reply) >= 2:  # RESP2 pair
-            policy = reply[1]
-        else:
-            return  # CONFIG not permitted (ACL, managed Redis): nothing to say
-        if policy == b"noeviction":
-            self.noeviction = True
-            if not self._warned_policy:
-                self._warned_policy = True
-                log.warning("Redis %s has maxmemory-policy noeviction: once full, every store "
-                            "fails; use allkeys-lru (or volatile-lru with ttl_s)", ep.label)
-
-    def _pools(self, client: Any) -> list[tuple[str, Any]]:
-        if not self.target.cluster:
-            return [("main", client.connection_pool)]
-        return [(node.name, client.get_redis_connection(node).connection_pool)
-                for node in client.get_primaries()]
-
-    # ------------------------------------------------------------------ transport
+    # ------------------------------------------------------------------ blocks
     def _name(self, key: BlockKey) -> bytes:
         return f"{self.prefix}:{key.name}".encode()
-
-    def _exchange(self, ep: _Endpoint, pool: Any, cmds: Sequence[list], *,
-                  sizes: Sequence[int] | None = None, read: ReadReply | None = None,
-                  probe: bool = False) -> list[Any] | None:
-        """Send ``cmds`` pipelined (bounded in flight); their replies, or None on failure.
-
-        redis-py connects (TLS, AUTH/ACL, HELLO); the commands and replies travel as hand-
-        packed RESP on its socket. ``read(reader, i)`` reads reply ``i`` (default: the whole
-        reply as a value). Replies are values or ResponseError instances (a per-command
-        error, not a failure). ``sizes`` are the bytes each command moves (default: its size).
-        """
-        if not probe and not ep.available:
-            with self._lock:
-                self._n["skipped_unavailable"] += len(cmds)
-            return None
-        conn = None
-        try:
-            conn = pool.get_connection()
-            sock = conn._sock
-            if sock is None:
-                raise ConnectionError("redis-py returned an unconnected connection")
-            reader = Reader(sock)
-            if sizes is None:
-                sizes = [sum(memoryview(part).nbytes for part in c) for c in cmds]
-            out = self._pipeline(sock, reader, cmds, sizes, read or _whole_reply)
-            if not reader.drained():
-                raise ProtocolError("bytes beyond the last reply")
-            return out
-        except Exception as exc:  # timeouts, resets, refused, auth, protocol: all the same
-            if conn is not None:
-                conn.disconnect()
-            try:
-                pool.disconnect(inuse_connections=False)
-            except Exception:
-                log.debug("pool disconnect failed", exc_info=True)
-            self._mark_failed(ep, exc)
-            return None
-        finally:
-            if conn is not None:
-                pool.release(conn)
-
-    def _pipeline(self, sock: Any, reader: Reader, cmds: Sequence[list], sizes: Sequence[int],
-                  read: ReadReply) -> list[Any]:
-        """A sliding window: at most ``max_inflight`` commands and ``max_inflight_bytes``
-        (one command may exceed it alone) in flight; topped up once half of it is answered,
-        so the server always has queued work while replies are read."""
-        n = len(cmds)
-        out: list[Any] = [None] * n
-        cap_n, cap_b = self.max_inflight, self.max_inflight_bytes
-        sent = done = inflight = 0
-        while done < n:
-            if sent < n and (sent == done or (sent - done <= cap_n // 2
-                                              and inflight <= cap_b // 2)):
-                packer = Packer()
-                while sent < n and sent - done < cap_n and (
-                        sent == done or inflight + sizes[sent] <= cap_b):
-                    packer.add(cmds[sent])
-                    inflight += sizes[sent]
-                    sent += 1
-                send_all(sock, packer.finish())
-            out[done] = read(reader, done)
-            inflight -= sizes[done]
-            done += 1
-        return out
-
-    def _run(self, names: list[bytes], cmds: Sequence[list], *, sizes: Sequence[int] | None = None,
-             read: ReadReply | None = None) -> list[Any]:
-        """One reply per command (None where its endpoint failed), batched per node."""
-        replies: list[Any] = [None] * len(cmds)
-        client = self._get_client()
-        if client is None or not cmds:
-            return replies
-        if not self.target.cluster:
-            got = self._exchange(self._endpoint("main"), client.connection_pool, cmds,
-                                 sizes=sizes, read=read)
-            return got if got is not None else replies
-        if self._topology_stale or not self._init_ep.available:
-            if self._init_ep.waiting(time.monotonic()):
-                return replies
-            try:
-                client.nodes_manager.initialize()
-            except Exception as exc:
-                self._topology_stale = True
-                self._mark_failed(self._init_ep, exc)
-                return replies
-            self._topology_stale = False
-            self._mark_ok(self._init_ep)
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        try:
-            for i, name in enumerate(names):
-                node = client.nodes_manager.get_node_from_slot(client.keyslot(name))
-                groups.setdefault(node.name, (node, []))[1].append(i)
-        except Exception as exc:  # slots not covered (cluster down)
-            self._topology_stale = True
-            self._mark_failed(self._init_ep, exc)
-            return replies
-        jobs = list(groups.items())
-        if len(jobs) == 1:
-            results = [self._node_exchange(client, jobs[0], cmds, sizes, read)]
-        else:  # every node at once: each serves its share while the others do
-            results = list(self._node_pool().map(
-                lambda job: self._node_exchange(client, job, cmds, sizes, read), jobs))
-        for (_label, (_node, idx)), got in zip(jobs, results, strict=True):
-            if got is None:
-                continue
-            for i, reply in zip(idx, got, strict=True):
-                if isinstance(reply, ResponseError) and str(reply).startswith(_MOVED):
-                    self._topology_stale = True
-                replies[i] = reply
-        return replies
-
-    def _node_exchange(self, client: Any, job: tuple[str, tuple[Any, list[int]]],
-                       cmds: Sequence[list], sizes: Sequence[int] | None,
-                       read: ReadReply | None) -> list[Any] | None:
-        """One Cluster node's share of a batch (``job`` = (label, (node, indices)))."""
-        label, (node, idx) = job
-        ep = self._endpoint(label)
-        try:
-            pool = client.get_redis_connection(node).connection_pool
-        except Exception as exc:
-            self._mark_failed(ep, exc)
-            return None
-        return self._exchange(ep, pool, _Lazy(len(idx), lambda j: cmds[idx[j]]),
-                              sizes=None if sizes is None else [sizes[i] for i in idx],
-                              read=None if read is None else _reindexed(read, idx))
-
-    def _node_pool(self) -> NodePool:
-        with self._lock:
-            if self._nodes_pool is None:
-                self._nodes_pool = NodePool(_NODE_THREADS)
-            return self._nodes_pool
 
     def _px(self) -> int | None:
         if self.ttl_s is None:
@@ -509,14 +231,12 @@ class RedisTier:
             return set_parts(names[i], header, views[i], self._px())
 
         sizes = [len(v) + codec.HEADER_SIZE for v in views]
-        replies = self._run(names, _Lazy(len(items), build), sizes=sizes)
+        replies = self._channel.run(names, LazyCommands(len(items), build), sizes=sizes)
         flags = [r == b"OK" or r is True for r in replies]
         stored = sum(flags)
-        with self._lock:
-            self._n["puts"] += stored
-            self._n["put_failures"] += len(flags) - stored
-            self._n["put_bytes"] += sum(n - codec.HEADER_SIZE
-                                        for n, ok in zip(sizes, flags, strict=True) if ok)
+        self._counts.add(puts=stored, put_failures=len(flags) - stored,
+                         put_bytes=sum(n - codec.HEADER_SIZE
+                                       for n, ok in zip(sizes, flags, strict=True) if ok))
         for reply in replies:
             if isinstance(reply, ResponseError):
                 log.debug("Redis refused a store: %s", self._factory.scrub(str(reply)))
@@ -546,8 +266,7 @@ class RedisTier:
             codec.validate_key(key)  # a bad key is the caller's error: say so now, not later
             codec.validate_save_id(save_id)
         if not self._accepting():
-            with self._lock:
-                self._n["dropped_unavailable"] += len(puts)
+            self._counts.add(dropped_unavailable=len(puts))
             for _, _, on_done, _ in puts:
                 if on_done is not None:
                     on_done(False)
@@ -561,13 +280,7 @@ class RedisTier:
 
     def _accepting(self) -> bool:
         """Worth queueing a store? (A Cluster with one node down still takes the others'.)"""
-        if self._closed or self._client is None:
-            return False
-        if not self._init_ep.available:  # a topology refresh failed: retry once it is due
-            return self._init_ep.due(time.monotonic())
-        if self.target.cluster:
-            return any(ep.available for ep in self._eps.values())
-        return self.available
+        return not self._closed and self._channel.accepting()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued stores to be written (or fail); False on timeout."""
@@ -578,7 +291,7 @@ class RedisTier:
         if not keys:
             return []
         names = [self._name(k) for k in keys]
-        replies = self._run(names, [[command(b"GET", n)] for n in names])
+        replies = self._channel.run(names, [[command(b"GET", n)] for n in names])
         out: list[memoryview | None] = []
         corrupt = hits = 0
         doomed: list[Doomed] = []
@@ -605,13 +318,7 @@ class RedisTier:
         return out
 
     def _count_reads(self, n: int, hits: int, corrupt: int, stale: int = 0) -> None:
-        with self._lock:
-            self._n["gets"] += n
-            self._n["hits"] += hits
-            self._n["misses"] += n - hits
-            self._n["corrupt"] += corrupt
-            self._n["stale_saves"] += stale
-            self._events_serial += corrupt + stale
+        self._counts.add(gets=n, hits=hits, misses=n - hits, corrupt=corrupt, stale_saves=stale)
 
     def get(self, key: BlockKey) -> memoryview | None:
         return self.get_many([key])[0]
@@ -642,7 +349,7 @@ class RedisTier:
         def read(reader: Reader, i: int) -> bool | _Refused | ResponseError:
             return _read_into(reader, keys[i], views[i], digests[i], wanted[i])
 
-        replies = self._run(names, [[command(b"GET", n)] for n in names],
+        replies = self._channel.run(names, [[command(b"GET", n)] for n in names],
                             sizes=[v.nbytes + codec.HEADER_SIZE for v in views], read=read)
         out = [r is True for r in replies]
         corrupt = stale = 0
@@ -679,7 +386,7 @@ class RedisTier:
             name = self._name(key)
             names += [name, name]
             cmds += [[command(b"GETRANGE", name, b"0", end)], [command(b"STRLEN", name)]]
-        replies = self._run(names, cmds)
+        replies = self._channel.run(names, cmds)
         out: list[int | None] = []
         corrupt = 0
         doomed: list[Doomed] = []
@@ -697,10 +404,7 @@ class RedisTier:
             elif isinstance(header, ResponseError):
                 corrupt += 1
             out.append(save_id)
-        with self._lock:
-            self._n["exists_checks"] += len(keys)
-            self._n["corrupt"] += corrupt
-            self._events_serial += corrupt
+        self._counts.add(exists_checks=len(keys), corrupt=corrupt)
         self._delete_corrupt(doomed)
         return out
 
@@ -714,12 +418,13 @@ class RedisTier:
             return
         names = [name for name, _, _ in doomed]
         args = [(name, judged, b"%d" % total) for name, judged, total in doomed]
-        replies = self._run(names, [[command(b"EVALSHA", _LUA_SHA, b"1", *a)] for a in args])
+        replies = self._channel.run(names,
+                                    [[command(b"EVALSHA", _LUA_SHA, b"1", *a)] for a in args])
         again = [i for i, r in enumerate(replies)
                  if isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT")]
         if again:  # not cached on that server yet: send the script itself (it caches it)
             script = _LUA_UNLINK_IF_SAME.encode()
-            retried = self._run([names[i] for i in again],
+            retried = self._channel.run([names[i] for i in again],
                                 [[command(b"EVAL", script, b"1", *args[i])] for i in again])
             for i, reply in zip(again, retried, strict=True):
                 replies[i] = reply
@@ -734,11 +439,8 @@ class RedisTier:
                       self._factory.scrub(str(reply)) if reply is not None else "Redis trouble")
             if isinstance(reply, ResponseError) and _refuses_scripts(reply):
                 self._scripts_refused = True
-        with self._lock:
-            self._n["corrupt_deleted"] += deleted
-            self._events_serial += deleted
-            self._n["corrupt_changed"] += changed
-            self._n["corrupt_delete_failures"] += failed
+        self._counts.add(corrupt_deleted=deleted, corrupt_changed=changed,
+                         corrupt_delete_failures=failed)
         if self._scripts_refused and failed:
             log.warning("Redis %s refuses scripts: corrupt values found by reads are left "
                         "for the janitor", self.target.redacted)
@@ -748,32 +450,26 @@ class RedisTier:
         if not keys:
             return 0
         names = [self._name(k) for k in keys]
-        replies = self._run(names, [[command(b"UNLINK", n)] for n in names])
+        replies = self._channel.run(names, [[command(b"UNLINK", n)] for n in names])
         deleted = sum(r for r in replies if isinstance(r, int))
-        with self._lock:
-            self._n["deletes"] += deleted
+        self._counts.add(deletes=deleted)
         return deleted
 
     def counts(self) -> dict[str, int]:
         """The event counters alone (cheap enough to read every engine step)."""
-        with self._lock:
-            return dict(self._n)
+        return self._counts.snapshot()
 
     @property
     def events_serial(self) -> int:
         """Moves whenever one of :data:`EVENT_COUNTS` does: a caller mirroring them reads
         :meth:`counts` only when it moved (one int read per engine step otherwise)."""
-        return self._events_serial
+        return self._counts.serial
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            out: dict[str, Any] = dict(self._n)
-            out.update(
-                available=self.available, last_error=self._last_error,
-                noeviction=self.noeviction, cluster=self.target.cluster,
-                url=self.target.redacted,
-                endpoints={ep.label: ep.available for ep in self._eps.values()},
-            )
+        out: dict[str, Any] = self._counts.snapshot()
+        out.update(available=self.available, last_error=self.last_error,
+                   noeviction=self.noeviction, cluster=self.target.cluster,
+                   url=self.target.redacted, endpoints=self._channel.endpoints())
         out.update(queue_depth=self._writer.depth, queue_bytes=self._writer.queued_bytes,
                    queued=self._writer.submitted, dropped=self._writer.dropped,
                    written=self._writer.written, write_failed=self._writer.failed,
@@ -792,10 +488,7 @@ class RedisTier:
             log.warning("Redis tier %s: %d queued writes not made before closing (the flush's "
                         "bound of %.1f s passed); those blocks are not in Redis",
                         self.target.redacted, unwritten, timeout)
-        if self._nodes_pool is not None:
-            self._nodes_pool.close()
-        client, self._client = self._client, None
-        close_quietly(client)
+        self._channel.close()
 
     def __enter__(self) -> RedisTier:
         return self

@@ -161,7 +161,7 @@ def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -
         paused = {f"127.0.0.1:{s.port}" for s in cluster.servers[:2]}
         rendezvous = threading.Barrier(len(paused), timeout=120)
         met: list[str] = []
-        exchange = t._node_exchange
+        exchange = t._channel._node_exchange
 
         def side_by_side(client: Any, job: Any, *rest: Any) -> Any:
             if job[0] in paused:
@@ -169,7 +169,7 @@ def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -
                 met.append(job[0])
             return exchange(client, job, *rest)
 
-        t._node_exchange = side_by_side  # type: ignore[method-assign]
+        t._channel._node_exchange = side_by_side  # type: ignore[method-assign]
         for server in cluster.servers[:2]:
             server.pause()
         try:
@@ -179,7 +179,7 @@ def test_nodes_are_served_at_once(cluster: RedisClusterProcs, key_prefix: str) -
         finally:
             for server in cluster.servers[:2]:
                 server.resume()
-        t._node_exchange = exchange  # type: ignore[method-assign]
+        t._channel._node_exchange = exchange  # type: ignore[method-assign]
         assert sorted(met) == sorted(paused)  # both paused nodes' shares were in flight at once
         assert 0 < got.count(True) < 60  # the running master's share
         assert all(dests[i].tobytes() == payload(k, 1000) for i, k in enumerate(keys) if got[i])

@@ -164,7 +164,7 @@ def test_get_many_into_over_tls_with_an_acl_user(tmp_path: Path, key_prefix: str
         assert t.get_many_into(keys + [key(3), key(4)], dests) == [True] * 3 + [False] * 2
         assert [d.tobytes() for d in dests[:3]] == [payload(k, n)
                                                     for k, n in zip(keys, sizes, strict=True)]
-        with caplog.at_level(logging.DEBUG, logger="offload_tiers.redis.tier"):
+        with caplog.at_level(logging.DEBUG, logger="offload_tiers.redis"):
             server.kill()
             assert t.get_many_into(keys, dests[:3]) == [False] * 3 and not t.available
         _no_secret(t.last_error, str(t.stats()), caplog.text)

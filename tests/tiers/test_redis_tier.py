@@ -147,7 +147,7 @@ def test_invalid_settings_are_clear_errors() -> None:
 def test_noeviction_policy_warns_once(redis_server: RedisServer, key_prefix: str,
                                       caplog: pytest.LogCaptureFixture) -> None:
     redis_server.client().config_set("maxmemory-policy", "noeviction")
-    with caplog.at_level(logging.WARNING, logger="offload_tiers.redis.tier"):
+    with caplog.at_level(logging.WARNING, logger="offload_tiers.redis.channel"):
         with RedisTier.from_url(redis_server.url, prefix=key_prefix) as t:
             t.put_many([(key(0), b"x")])
             assert t.stats()["noeviction"]
