@@ -60,18 +60,7 @@ class Purpose:
             return MEMBER
         outer = stack[depth - 1] if depth >= 1 else None
         if isinstance(consumer, ast.comprehension):
-            comp = outer
-            call = call_name(stack[depth - 2]) if depth >= 2 else ""
-            if call in {"sum", "len"}:
-                return COUNT
-            if call in {"any", "all"}:
-                return DECIDE
-            if call == "next":
-                return INDEX
-            elt = getattr(comp, "elt", None) or getattr(comp, "value", None)
-            if elt is not None and self._is_hash_only(elt, scope):
-                return MEMBER
-            return SELECT
+            return self._in_comprehension(outer, depth, scope)
         if isinstance(consumer, ast.GeneratorExp | ast.ListComp | ast.SetComp):
             call = call_name(outer) if outer is not None else ""
             return {"sum": COUNT, "len": COUNT, "any": DECIDE, "all": DECIDE,
@@ -109,6 +98,21 @@ class Purpose:
         if isinstance(consumer, ast.If | ast.While):
             return self._classify_region(cand, consumer, region, func_name, scope)
         return UNCLEAR
+
+    def _in_comprehension(self, comp: ast.AST | None, depth: int, scope: Resolver) -> str:
+        """A test in a comprehension's ``if``: by the call that consumes the comprehension,
+        else by what it yields (only hashes: membership)."""
+        call = call_name(self._stack[depth - 2]) if depth >= 2 else ""
+        if call in {"sum", "len"}:
+            return COUNT
+        if call in {"any", "all"}:
+            return DECIDE
+        if call == "next":
+            return INDEX
+        elt = getattr(comp, "elt", None) or getattr(comp, "value", None)
+        if elt is not None and self._is_hash_only(elt, scope):
+            return MEMBER
+        return SELECT
 
     def _region(self, consumer: ast.AST, child: ast.AST, depth: int) -> list[ast.AST]:
         """Statements (or expressions) whose execution the test decides."""
