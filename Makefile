@@ -47,19 +47,19 @@ R := benchmarks/results
 FIG := $(VENV)/python -m benchmarks.figures
 bench: bootstrap
 	mkdir -p $(R)
-	$(VENV)/python benchmarks/bench_events.py --json $(R)/events.json && $(FIG) stamp $(R)/events.json -- bench_events.py
-	$(VENV)/python benchmarks/bench_tiers.py --json $(R)/tiers.json && $(FIG) stamp $(R)/tiers.json -- bench_tiers.py
-	$(VENV)/python benchmarks/bench_audit.py --json $(R)/audit.json && $(FIG) stamp $(R)/audit.json -- bench_audit.py
-	$(VENV)/python benchmarks/bench_janitor.py --value-bytes 65536 --json $(R)/janitor-64k.json && $(FIG) stamp $(R)/janitor-64k.json -- bench_janitor.py --value-bytes 65536
-	$(VENV)/python benchmarks/bench_janitor.py --value-bytes 2097152 --keys 2000 --json $(R)/janitor-2m.json && $(FIG) stamp $(R)/janitor-2m.json -- bench_janitor.py --value-bytes 2097152 --keys 2000
-	$(VENV)/python benchmarks/bench_backfill.py --json $(R)/backfill.json && $(FIG) stamp $(R)/backfill.json -- bench_backfill.py
-	$(VENV)/python benchmarks/bench_native_tier.py --json $(R)/native.json && $(FIG) stamp $(R)/native.json -- bench_native_tier.py
-	$(VENV)/python benchmarks/bench_stall.py --quick --json $(R)/stall.json && $(FIG) stamp $(R)/stall.json -- bench_stall.py --quick
-	$(VENV)/python benchmarks/bench_e2e.py --json $(R)/e2e.json && $(FIG) stamp $(R)/e2e.json -- bench_e2e.py
-	$(VENV)/python benchmarks/bench_ttft.py --quick --json $(R)/ttft.json && $(FIG) stamp $(R)/ttft.json -- bench_ttft.py --quick
-	$(VENV)/python benchmarks/bench_index.py --json $(R)/index.json && $(FIG) stamp $(R)/index.json -- bench_index.py
-	$(VENV)/python benchmarks/route_demo.py --json $(R)/route.json && $(FIG) stamp $(R)/route.json -- route_demo.py
-	$(VENV)/python benchmarks/bench_host_tier.py --quick --json $(R)/host_tier.json && $(FIG) stamp $(R)/host_tier.json -- bench_host_tier.py --quick
-	$(VENV)/python benchmarks/bench_checkpoint_identity.py --gib 16 --shards 4 --json $(R)/checkpoint_identity.json && $(FIG) stamp $(R)/checkpoint_identity.json -- bench_checkpoint_identity.py --gib 16 --shards 4
-	LMCACHE_VENV_ONLY=1 bash scripts/lmcache.sh && .venv-lmcache/bin/python benchmarks/bench_lmcache_l2.py --json $(R)/lmcache_l2.json && $(FIG) stamp $(R)/lmcache_l2.json -- bench_lmcache_l2.py
+	$(VENV)/python -m benchmarks.bench_events --json $(R)/events.json && $(FIG) stamp $(R)/events.json -- python -m benchmarks.bench_events
+	$(VENV)/python -m benchmarks.bench_tiers --json $(R)/tiers.json && $(FIG) stamp $(R)/tiers.json -- python -m benchmarks.bench_tiers
+	$(VENV)/python -m benchmarks.bench_audit --json $(R)/audit.json && $(FIG) stamp $(R)/audit.json -- python -m benchmarks.bench_audit
+	$(VENV)/python -m benchmarks.bench_janitor --value-bytes 65536 --json $(R)/janitor-64k.json && $(FIG) stamp $(R)/janitor-64k.json -- python -m benchmarks.bench_janitor --value-bytes 65536
+	$(VENV)/python -m benchmarks.bench_janitor --value-bytes 2097152 --keys 2000 --json $(R)/janitor-2m.json && $(FIG) stamp $(R)/janitor-2m.json -- python -m benchmarks.bench_janitor --value-bytes 2097152 --keys 2000
+	$(VENV)/python -m benchmarks.bench_backfill --json $(R)/backfill.json && $(FIG) stamp $(R)/backfill.json -- python -m benchmarks.bench_backfill
+	$(VENV)/python -m benchmarks.bench_native_tier --json $(R)/native.json && $(FIG) stamp $(R)/native.json -- python -m benchmarks.bench_native_tier
+	$(VENV)/python -m benchmarks.bench_stall --quick --json $(R)/stall.json && $(FIG) stamp $(R)/stall.json -- python -m benchmarks.bench_stall --quick
+	$(VENV)/python -m benchmarks.bench_e2e --json $(R)/e2e.json && $(FIG) stamp $(R)/e2e.json -- python -m benchmarks.bench_e2e
+	$(VENV)/python -m benchmarks.bench_ttft --quick --json $(R)/ttft.json && $(FIG) stamp $(R)/ttft.json -- python -m benchmarks.bench_ttft --quick
+	$(VENV)/python -m benchmarks.bench_index --json $(R)/index.json && $(FIG) stamp $(R)/index.json -- python -m benchmarks.bench_index
+	$(VENV)/python -m benchmarks.route_demo --json $(R)/route.json && $(FIG) stamp $(R)/route.json -- python -m benchmarks.route_demo
+	$(VENV)/python -m benchmarks.bench_host_tier --quick --json $(R)/host_tier.json && $(FIG) stamp $(R)/host_tier.json -- python -m benchmarks.bench_host_tier --quick
+	$(VENV)/python -m benchmarks.bench_checkpoint_identity --gib 16 --shards 4 --json $(R)/checkpoint_identity.json && $(FIG) stamp $(R)/checkpoint_identity.json -- python -m benchmarks.bench_checkpoint_identity --gib 16 --shards 4
+	LMCACHE_VENV_ONLY=1 bash scripts/lmcache.sh && .venv-lmcache/bin/python -m benchmarks.bench_lmcache_l2 --json $(R)/lmcache_l2.json && $(FIG) stamp $(R)/lmcache_l2.json -- python -m benchmarks.bench_lmcache_l2
 	$(FIG) render

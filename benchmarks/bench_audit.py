@@ -1,6 +1,6 @@
 """kvtier audit vs ruff vs grep on the whole installed vLLM tree, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_audit.py [--json PATH] [--repeat 5]
+    .venv/bin/python -m benchmarks.bench_audit [--json PATH] [--repeat 5]
 
 Each tool runs as a subprocess (interpreter start included) on the same tree, ``--repeat``
 times, interleaved so that machine noise hits all three alike; best and median are
@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.harness import write_result
 
 VENV_BIN = Path(sys.executable).parent
 GREP_PATTERN = (r"block_hash[A-Za-z0-9_]*\)?\s*(is not|is|!=|==)\s*None"
@@ -115,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                  "times": times["grep"]},
         "cpus": os.cpu_count(), "repeat": args.repeat,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_result(args.json, result)
     return 0
 
 

@@ -18,34 +18,28 @@ vLLM does; nothing waits for Redis. Three paths write the same blocks:
 Steps are at least ``--step-ms`` apart: a loop of empty steps in this one process would hold
 the GIL against the writer threads (an engine's scheduler and workers are processes).
 
-    python benchmarks/bench_backfill.py [--blocks 1024] [--block-kib 64]
+    python -m benchmarks.bench_backfill [--blocks 1024] [--block-kib 64]
         [--step-ms 2 10 30] [--redis-url redis://127.0.0.1:6379/0] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import redis
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from connector.vllm_connector.config import TieredConfig  # noqa: E402
-from connector.vllm_connector.plan import WorkerReport  # noqa: E402
-from rigs.halves import BS, Halves  # noqa: E402
-from rigs.redis_keys import delete_prefix  # noqa: E402
-from rigs.sched_doubles import Blk, Req  # noqa: E402
-from rigs.tcp_proxy import TcpProxy  # noqa: E402
+from benchmarks.harness import load_1m, write_result
+from connector.vllm_connector.config import TieredConfig
+from connector.vllm_connector.plan import WorkerReport
+from rigs.halves import BS, Halves
+from rigs.redis_keys import delete_prefix
+from rigs.sched_doubles import Blk, Req
+from rigs.tcp_proxy import TcpProxy
 
 PER_STEP = 32  # blocks computed (and saved) per step: one backfill batch
 
@@ -185,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({**run, "step_ms": step_ms})
     link = rows[0]["bytes"] / rows[0]["seconds"]
     print(f"{args.blocks} blocks of {args.block_kib} KiB, {PER_STEP} per step / batch; "
-          f"load {os.getloadavg()[0]:.1f}")
+          f"load {load_1m():.1f}")
     print(f"{'path':<18}{'step ms':>8}{'saved':>7}{'written':>8}{'MB':>8}{'seconds':>9}"
           f"{'MB/s':>9}{'steps':>7}{'vs SET':>8}")
     for r in rows:
@@ -198,11 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['path']:<18}{step:>8}{saved:>7}{r['blocks']:>8}{r['bytes'] / 1e6:>8.1f}"
               f"{r['seconds']:>9.3f}{r['mb_per_s']:>9.1f}{steps:>7}"
               f"{r['vs_pipelined_set']:>7.2f}×")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"blocks": args.blocks, "block_kib": args.block_kib,
-                       "per_step": PER_STEP, "load": os.getloadavg()[0], "rows": rows},
-                      fh, indent=2)
+    write_result(args.json, {"blocks": args.blocks, "block_kib": args.block_kib,
+                             "per_step": PER_STEP, "load": load_1m(), "rows": rows})
     return 0
 
 

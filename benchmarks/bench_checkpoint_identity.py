@@ -15,7 +15,7 @@ safetensors header per shard. Then times, in the same run:
 
 Prints a table and writes JSON (``--json``) with ``ratios.identity_{cold,warm}_vs_full_read``.
 
-    python benchmarks/bench_checkpoint_identity.py --gib 16 --shards 4 --dir /tmp --json out.json
+    python -m benchmarks.bench_checkpoint_identity --gib 16 --shards 4 --dir /tmp --json out.json
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import write_result
 from connector.identity.checkpoint import checkpoint_files, checkpoint_identity, sample_windows
 
 CHUNK = 64 << 20
@@ -206,8 +207,7 @@ def main() -> None:
     r = result["ratios"]
     print(f"{'identity / full read (median)':<32}{r['identity_cold_vs_full_read']:>12.6f}"
           f"{r['identity_warm_vs_full_read']:>12.6f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ ratios (``nohit_paired_spread``) and their median per engine instance
 (``nohit_paired_by_instance``): a connector that does nothing (n) gives this machine's
 noise floor.
 
-Usage: python benchmarks/bench_e2e.py [--quick] [--json PATH] [--redis-url URL]
+Usage: python -m benchmarks.bench_e2e [--quick] [--json PATH] [--redis-url URL]
        [--models llama,hybrid] [--reps N] [--instances N] [--with-cpu-only]
        [--reserved-cpus N|vllm]
        [--gap-s S] [--lmcache-path DIR] [--log-dir DIR]
@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -86,17 +85,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.e2e_engine import SMALL_KV_OVERRIDES, EngineProc  # noqa: E402
-from connector.demo.cli import choose_redis, delete_redis_prefix, model_path  # noqa: E402
-from connector.demo.engine import EngineRunError  # noqa: E402
-from connector.demo.presets import kvtier_transfer_config  # noqa: E402
-from connector.demo.report import Row, render_table, summarize  # noqa: E402
-from connector.demo.tiny_models import PROMPT_SEED_PERIOD  # noqa: E402
-from connector.demo.workload import Workload  # noqa: E402
+from benchmarks.e2e_engine import SMALL_KV_OVERRIDES, EngineProc
+from benchmarks.harness import load_1m, ratio, say, write_result
+from connector.demo.cli import choose_redis, delete_redis_prefix, model_path
+from connector.demo.engine import EngineRunError
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.report import Row, render_table, summarize
+from connector.demo.tiny_models import PROMPT_SEED_PERIOD
+from connector.demo.workload import Workload
 
 CPU_BYTES = 256 << 20
 NATIVE_EXTRA = {
@@ -127,22 +123,18 @@ NOHIT_TIMES = ("wall_s", "tree_cpu_s")
 # The no-hit passes' system-prompt seeds: NOHIT_FIRST_SEED up to below PROMPT_SEED_PERIOD,
 # so all distinct modulo it (the shared workload's is 7).
 NOHIT_FIRST_SEED = 16
-# Passes (warm-up included) whose prompts are all distinct (see ``_nohit_phase``).
+# Passes (warm-up included) whose prompts are all distinct (see ``nohit_phase``).
 MAX_NOHIT_PASSES = (PROMPT_SEED_PERIOD - NOHIT_FIRST_SEED) // NOHIT.conversations
 # vLLM's own cost of a connector: every hook a no-op.
 NULL = {"kv_connector": "NullConnector", "kv_role": "kv_both",
         "kv_connector_module_path": "benchmarks.peers.null_connector"}
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _model_dir(model: str) -> str:
     return str(model_path(model))
 
 
-def _nohit_phase(name: str, index: int) -> dict[str, Any]:
+def nohit_phase(name: str, index: int) -> dict[str, Any]:
     """No-hit pass ``index`` (0: the warm-up): prompts that share no prefix with each other,
     with any other pass of the run, or with the shared workload.
 
@@ -177,7 +169,7 @@ class Bench:
                 "workload": asdict(workload), "kv_transfer_config": ktc,
                 "engine_overrides": dict(SMALL_KV_OVERRIDES)}
         engine = EngineProc(spec, self.log_dir, extra_paths=extra_paths, env=self.env).start()
-        _say(f"  {label}: engine started in {engine.startup_s:.1f} s")
+        say(f"  {label}: engine started in {engine.startup_s:.1f} s")
         return engine
 
     def kvtier(self, redis: bool, prefix: str | None = None) -> dict[str, Any]:
@@ -189,6 +181,20 @@ class Bench:
             self.prefixes.append(prefix)
         return kvtier_transfer_config({"cpu_bytes": CPU_BYTES, "redis_url": self.redis_url,
                                        "redis_prefix": prefix})
+
+    def transfer_config(self, config: str) -> dict[str, Any] | None:
+        """The kv_transfer_config of ``config``: none, null (every hook a no-op), native,
+        kvtier (CPU + Redis, a Redis prefix of its own) or kvtier-cpu (CPU only)."""
+        if config == "none":
+            return None
+        if config == "null":
+            return dict(NULL)
+        if config == "native":
+            return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": dict(NATIVE_EXTRA)}
+        if config in ("kvtier", "kvtier-cpu"):
+            return self.kvtier(redis=config == "kvtier")
+        raise ValueError(f"unknown config {config!r}: none, null, native, kvtier, kvtier-cpu")
 
     def cleanup(self) -> None:
         if self.redis_url is not None:
@@ -218,31 +224,26 @@ def _interleaved(engines: dict[str, EngineProc], passes: list[int], reps: int, g
     names = list(engines)
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
     for rep in [-1, *passes]:  # -1: one unmeasured warm-up pass each
-        phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
+        phase = nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
         order = names[rep % len(names):] + names[:rep % len(names)] if rep >= 0 else names
         for name in order:
             time.sleep(gap_s)
             result = engines[name].run(phase)
-            result["load_1m"] = os.getloadavg()[0]
+            result["load_1m"] = load_1m()
             result["instance"] = instance
             if rep >= 0:
                 out[name][phase["name"]] = result
         if rep >= 0:
-            _say(f"  no-hit pass {rep + 1}/{reps} (engines #{instance + 1}): " + ", ".join(
+            say(f"  no-hit pass {rep + 1}/{reps} (engines #{instance + 1}): " + ", ".join(
                 f"{n} {out[n][phase['name']]['wall_s']:.3f} s" for n in names)
-                + f" (load {os.getloadavg()[0]:.1f})")
+                + f" (load {load_1m():.1f})")
     return out
 
 
 def _configs(bench: Bench, with_cpu_only: bool) -> dict[str, Any]:
     """Each config's kv_transfer_config (kvtier's with a Redis namespace of its own)."""
-    native = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": dict(NATIVE_EXTRA)}
-    configs: dict[str, Any] = {"none": None, "null": NULL, "native": native,
-                               "kvtier": bench.kvtier(redis=True)}
-    if with_cpu_only:
-        configs["kvtier-cpu"] = bench.kvtier(redis=False)
-    return configs
+    names = ("none", "null", "native", "kvtier") + (("kvtier-cpu",) if with_cpu_only else ())
+    return {name: bench.transfer_config(name) for name in names}
 
 
 def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
@@ -263,7 +264,7 @@ def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
     engines: dict[str, EngineProc] = {}
     try:
         for config, ktc in configs.items():
-            _say(f"[bench] {model}: {config}: start, cold and reset passes")
+            say(f"[bench] {model}: {config}: start, cold and reset passes")
             engines[config] = bench.engine(f"{model}-{config}", model, ktc, workload)
             runs[config] = {p["name"]: engines[config].run(p) for p in main_phases}
         for instance, passes in enumerate(split_passes(reps, instances)):
@@ -274,7 +275,7 @@ def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
                 for config, ktc in _configs(bench, with_cpu_only).items():
                     engines[config] = bench.engine(f"{model}-{config}-{instance + 1}", model,
                                                    ktc, workload)
-            _say(f"[bench] {model}: no-hit passes {passes[0] + 1}-{passes[-1] + 1} of {reps} "
+            say(f"[bench] {model}: no-hit passes {passes[0] + 1}-{passes[-1] + 1} of {reps} "
                  f"on engines #{instance + 1} of {instances}, taking turns")
             for config, phases in _interleaved(engines, passes, reps, gap_s,
                                                instance).items():
@@ -284,7 +285,7 @@ def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
             engine.stop()
     prefix = _prefix_of(deployed)
     if prefix:
-        _say(f"[bench] {model}: (d) kvtier-redis: a new engine process on kvtier's Redis")
+        say(f"[bench] {model}: (d) kvtier-redis: a new engine process on kvtier's Redis")
         engine = bench.engine(f"{model}-kvtier-redis", model,
                               bench.kvtier(redis=True, prefix=prefix), workload)
         try:
@@ -295,7 +296,7 @@ def bench_model(bench: Bench, model: str, workload: Workload, reps: int,
         skipped["kvtier-redis"] = "no Redis reachable"
     bench.cleanup()
     if lmcache_path is not None and model == "llama":
-        _say(f"[bench] {model}: (e) LMCache")
+        say(f"[bench] {model}: (e) LMCache")
         os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
         os.environ.setdefault("LMCACHE_CHUNK_SIZE", "32")
         os.environ.setdefault("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.5")
@@ -426,12 +427,6 @@ def _counted(phase: dict[str, Any] | None) -> int | None:
         "vllm:prompt_tokens_by_source[source=local_compute]", 0.0)))
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
 OVERHEAD_OF = {"kvtier": "", "native": "native_", "kvtier-cpu": "cpu_only_", "null": "null_"}
 TIME_SUFFIX = {"wall_s": "", "tree_cpu_s": "_tree_cpu"}
 
@@ -457,8 +452,9 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
         kv_reset = _recomputed(runs["kvtier"].get("reset"))
         native_restart = _recomputed(runs["native"].get("cold"))  # fresh engine = restart
         kv_restart = _recomputed(runs.get("kvtier-redis", {}).get("restart"))
-        ratios[f"recomputed_vs_native_{model}"] = _ratio(kv_reset, native_reset)
-        ratios[f"restart_recomputed_vs_native_{model}"] = _ratio(kv_restart, native_restart)
+        ratios[f"recomputed_vs_native_{model}"] = ratio(kv_reset, native_reset, digits=None)
+        ratios[f"restart_recomputed_vs_native_{model}"] = ratio(kv_restart, native_restart,
+                                                                digits=None)
         fastest = {k: {c: _nohit_time(runs[c], k) for c in configs} for k in NOHIT_TIMES}
         median = {k: {c: _nohit_median(runs[c], k) for c in configs} for k in NOHIT_TIMES}
         overhead: dict[str, float | None] = {}
@@ -468,7 +464,7 @@ def compute_ratios(results: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
                 pooled.setdefault(f"{OVERHEAD_OF[c]}overhead_no_hit{suffix}", []).extend(paired)
                 overhead[f"{c}{suffix}"] = _median_minus_one(paired)
                 overhead[f"{c}{suffix}_fastest"] = _minus_one(
-                    _ratio(fastest[key][c], fastest[key]["none"]))
+                    ratio(fastest[key][c], fastest[key]["none"], digits=None))
                 ratios[f"{OVERHEAD_OF[c]}overhead_no_hit{suffix}_{model}"] = \
                     overhead[f"{c}{suffix}"]
         vs_native = _paired_with(runs, "kvtier", "native", "wall_s")
@@ -590,7 +586,7 @@ def main(argv: list[str]) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     choice = choose_redis(args.redis_url)
     if not choice.reachable:
-        _say(f"[bench] Redis {choice.shown} not reachable ({choice.reason}): kvtier runs "
+        say(f"[bench] Redis {choice.shown} not reachable ({choice.reason}): kvtier runs "
              "with the CPU tier only, (d) skipped")
     lmcache_path = args.lmcache_path
     if lmcache_path is None and importlib.util.find_spec("lmcache") is not None:
@@ -600,14 +596,14 @@ def main(argv: list[str]) -> int:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": str(int(args.reserved_cpus))}
     bench = Bench(log_dir, env, choice.url if choice.reachable else None)
     results: dict[str, dict[str, Any]] = {}
-    load = {"start": os.getloadavg()[0]}
+    load = {"start": load_1m()}
     try:
         for model in models:
             results[model] = bench_model(bench, model, workload, reps, lmcache_path,
                                          args.with_cpu_only, args.gap_s, args.instances)
-            load[f"after_{model}"] = os.getloadavg()[0]
+            load[f"after_{model}"] = load_1m()
     except EngineRunError as exc:
-        _say(f"[bench] failed: {exc}")
+        say(f"[bench] failed: {exc}")
         return 1
     finally:
         bench.cleanup()
@@ -641,8 +637,7 @@ def main(argv: list[str]) -> int:
                "skipped": {m: r["skipped"] for m, r in results.items()},
                "redis": {"used": choice.reachable, "url": choice.shown},
                "elapsed_s": time.monotonic() - t0}
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(out, indent=2))
+        write_result(args.json_path, out)
     return 0
 
 

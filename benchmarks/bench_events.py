@@ -1,6 +1,6 @@
 """KV-event ingest throughput, side by side with the decode floor and a naive consumer.
 
-    python benchmarks/bench_events.py [--quick] [--json PATH]
+    python -m benchmarks.bench_events [--quick] [--json PATH]
 
 Batches are shaped like a busy vLLM engine's: each batch holds several events; stores carry
 16-64 hashes (block size 16, so 256-1024 token ids each) chained on known parents; some
@@ -20,20 +20,16 @@ Ratios are of hash updates per second. ``ingest_vs_decode_floor`` >= 0.5 is the 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from connector.daemon.ingest import Ingestor  # noqa: E402
-from connector.events.wire import (  # noqa: E402
+from benchmarks.harness import write_result
+from connector.daemon.ingest import Ingestor
+from connector.events.wire import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
@@ -203,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "payload_bytes": total_bytes, "reps": reps, "bytes_per_entry": bpe,
         "bytes_per_entry_8_engines_same_blocks": bpe8,
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Why a Redis restore inside vLLM's worker reads slower than alone: the GIL's switch interval.
 
-    python benchmarks/bench_gil.py [--json PATH] [--redis-url URL] [--values 256]
+    python -m benchmarks.bench_gil [--json PATH] [--redis-url URL] [--values 256]
 
 kvtier's worker reads Redis values on I/O threads (``RedisTier.get_many_into``: each value
 received straight into its CPU-tier slot). After every ``recv`` the reading thread needs
@@ -24,7 +24,6 @@ Best of three reads per case, GB/s. Table, JSON ``cases`` and ``ratios`` (each c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -36,12 +35,10 @@ from typing import Any
 import numpy as np
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from connector.vllm_connector.gil import FETCH_SWITCH_INTERVAL_S  # noqa: E402
-from offload_tiers.keys import BlockKey, BlockKind  # noqa: E402
-from offload_tiers.redis.tier import RedisTier  # noqa: E402
+from benchmarks.harness import write_result
+from connector.vllm_connector.gil import FETCH_SWITCH_INTERVAL_S
+from offload_tiers.keys import BlockKey, BlockKind
+from offload_tiers.redis.tier import RedisTier
 
 VALUE_BYTES = 192 * 1024
 
@@ -118,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, gbps in result["gbps"].items():
         ratio = result["ratios"].get(label, 1.0)
         print(f"{label:<28}{gbps:>8.2f}{ratio:>9.2f}×")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The host tier (``kvtier daemon --cpu-bytes``): restore throughput and what DP=2 recomputes.
 
-    python benchmarks/bench_host_tier.py [--quick] [--json PATH] [--skip-servers]
+    python -m benchmarks.bench_host_tier [--quick] [--json PATH] [--skip-servers]
 
 Two measurements, side by side with their reference in the same run:
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -50,16 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_tiers import best  # noqa: E402
-from connector.demo.presets import kvtier_transfer_config  # noqa: E402
-from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
-from offload_tiers.host_tier.client import HostTierClient  # noqa: E402
-from offload_tiers.shared_segment import digest  # noqa: E402
-from rigs.daemon_proc import HostTierDaemon  # noqa: E402
-from rigs.openai_server import OpenAIServer, complete  # noqa: E402
+from benchmarks.harness import best, load_1m, write_result
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.tiny_models import prompt_words, tiny_llama
+from offload_tiers.host_tier.client import HostTierClient
+from offload_tiers.shared_segment import digest
+from rigs.daemon_proc import HostTierDaemon
+from rigs.openai_server import OpenAIServer, complete
 
 MiB = 1 << 20
 
@@ -239,7 +235,7 @@ def main() -> int:
     parser.add_argument("--skip-servers", action="store_true",
                         help="only the restore throughput (no vLLM servers)")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load_before = load_1m()
     out: dict[str, Any] = {"restore": {}, "ratios": {}}
     reps = 3 if args.quick else 7
     for label, slot_bytes, slots in (("block_2MiB", 2 * MiB, 64 if args.quick else 256),
@@ -261,7 +257,7 @@ def main() -> int:
         per_engine = dp["per_engine"]["recomputed_tokens"]
         out["ratios"]["recomputed_host_vs_per_engine"] = (
             dp["host"]["recomputed_tokens"] / per_engine if per_engine else None)
-    out["load"] = [load_before, os.getloadavg()[0]]
+    out["load"] = [load_before, load_1m()]
     print(f"\n{'GB/s (x memcpy)':<12} {'memcpy':>7} {'checked':>14} {'in place+load':>14} "
           f"{'copy+load':>14} {'load':>14}")
     for label, r in out["restore"].items():
@@ -276,8 +272,7 @@ def main() -> int:
             print(f"{name:<12} {r['prompt_tokens']:>11} {r['cached_tokens']:>8} "
                   f"{r['recomputed_tokens']:>11} {r['hit_tokens_host']:>10.0f}")
     print(f"\nratios: {json.dumps(out['ratios'])}  (load {out['load']})")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The daemon as a routing index: ingest rate, /score latency, side by side with Dynamo's indexer.
 
-    python benchmarks/bench_index.py [--quick] [--json PATH] [--engines 8,64] [--blocks N]
+    python -m benchmarks.bench_index [--quick] [--json PATH] [--engines 8,64] [--blocks N]
                                      [--peer-venv DIR | --no-peer]
                                      [--no-agreement | --agreement-only] [--re-record]
 
@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 B = 16  # block size (tokens); the hash unit too
@@ -294,8 +296,8 @@ def run_peer(py: Path, spec: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         sp, op = Path(tmp, "spec.json"), Path(tmp, "out.json")
         sp.write_text(json.dumps(spec))
-        r = subprocess.run([py, __file__, "--peer-worker", str(sp), str(op)],
-                           capture_output=True, text=True, timeout=1800)
+        r = subprocess.run([py, "-m", "benchmarks.bench_index", "--peer-worker", str(sp), str(op)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if r.returncode != 0:
             return {"error": f"the peer worker failed: {r.stderr[-2000:]}"}
         out = json.loads(op.read_text())
@@ -434,7 +436,6 @@ def http_under_ingest(rate: int, seconds: float) -> dict[str, Any]:
     import multiprocessing as mp
     import queue
 
-    sys.path.insert(0, str(ROOT))
     from rigs.daemon_proc import DaemonProcess
     from rigs.ports import free_port
 
@@ -534,8 +535,7 @@ def agreement_stage(py: Path | dict[str, str] | None, again: bool) -> dict[str, 
     """Stage 4 (:mod:`benchmarks.index_agreement`): vLLM's own recorded streams (tiny Llama,
     tiny hybrid) fed to both indexes, each answer against vLLM's ``num_cached_tokens``;
     prints the tables and returns them."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import index_agreement
+    from benchmarks import index_agreement
 
     res = index_agreement.agreement(py if isinstance(py, Path) else None, again=again)
     if isinstance(py, dict):
@@ -568,13 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.peer_worker:
         return peer_worker(*args.peer_worker)
-    sys.path.insert(0, str(ROOT))
     py = (None if args.no_peer
           else peer_python(args.peer_venv, not args.no_peer_install))
     if args.agreement_only:
         res = {"agreement": agreement_stage(py, args.re_record)}
-        if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=2))
+        write_result(args.json, res)
         return 0
     counts = [int(e) for e in args.engines.split(",")]
     # --quick: a smaller ingest stream, but enough repetitions and rounds that the best of
@@ -604,8 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     report(res)
     if not args.no_agreement:
         res["agreement"] = agreement_stage(py, args.re_record)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    write_result(args.json, res)
     return 0
 
 

@@ -6,50 +6,28 @@ A private redis-server on a free loopback port holds N valid values of ``--value
 and (b) a naive pass (SCAN + pipelined GET of each whole value, judged), interleaved; best
 of ``--rounds``. Prints a table with ratios and, with ``--json``, the numbers.
 
-    python benchmarks/bench_janitor.py [--keys 20000] [--value-bytes 65536] [--json PATH]
+    python -m benchmarks.bench_janitor [--keys 20000] [--value-bytes 65536] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 
+from benchmarks.harness import write_result
 from offload_tiers import codec
 from offload_tiers.keys import BlockKey, BlockKind, Namespace, parse_key_name
 from offload_tiers.redis.janitor import RedisJanitor, judge
 from offload_tiers.redis.tier import RedisTier
+from rigs.redis_server import RedisServer
 
 NS = Namespace("bench", "float16", "nhd", 16)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("private redis-server did not start")
 
 
 def _naive_pass(client: redis.Redis, prefix: str) -> tuple[int, int]:
@@ -90,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not installed")
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-janitor-")
-    proc, url = _start_server(workdir)
+    server = RedisServer(Path(workdir)).start()
+    url = server.url
     try:
         client = redis.Redis.from_url(url)
         payload = os.urandom(args.value_bytes)
@@ -144,12 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {"keys": total, "paced": paced, "value_bytes": args.value_bytes, "bad": n_bad,
                   "seconds": best, "keys_per_s": rates, "deleted": deleted,
                   "ratio_keys_per_s": rates["janitor"] / rates["naive"]}
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=2)
+        write_result(args.json, result)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

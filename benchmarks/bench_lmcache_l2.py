@@ -1,7 +1,7 @@
 """kvtier's LMCache L2 adapter beside LMCache's own ``resp`` and ``valkey`` adapters, on one
 Redis, in one run (issue #48). Run it in ``.venv-lmcache`` (``make lmcache`` builds it):
 
-    .venv-lmcache/bin/python benchmarks/bench_lmcache_l2.py --json \
+    .venv-lmcache/bin/python -m benchmarks.bench_lmcache_l2 --json \
         benchmarks/results/lmcache_l2.json
 
 Each adapter is built the way LMCache builds it (``--l2-adapter`` JSON through its config
@@ -27,26 +27,27 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import write_result
+
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from lmcache.cli.commands.bench.l2_adapter_bench.data import (  # noqa: E402
+import torch
+from lmcache.cli.commands.bench.l2_adapter_bench.data import (
     make_memory_objects,
     make_object_keys,
 )
-from lmcache.cli.commands.bench.l2_adapter_bench.runner import (  # noqa: E402
+from lmcache.cli.commands.bench.l2_adapter_bench.runner import (
     bench_load,
     bench_store,
 )
-from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.config import (
     parse_args_to_l2_adapters_config,
 )
 
-from rigs.redis_server import RedisServer  # noqa: E402
+from rigs.redis_server import RedisServer
 
 #: Llama-3.1-8B: layers, KV heads, head dim; bf16; LMCache's default chunk of 256 tokens.
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, CHUNK_TOKENS = 32, 8, 128, 2, 256
@@ -175,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['all_keys_ok_and_bytes_verified']}")
     print(f"kvtier vs resp: store {result['kvtier_store_vs_lmcache_resp']:.2f}x, "
           f"load {result['kvtier_load_vs_lmcache_resp']:.2f}x")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
     return 0 if all(checks.values()) else 1
 
 

@@ -30,14 +30,13 @@ engine start seconds. Ratios (JSON ``ratios``):
 Outputs of every configuration are compared with ``none`` (greedy decoding): the table says
 whether they are identical.
 
-Usage: python benchmarks/bench_native_tier.py [--quick] [--json PATH]
+Usage: python -m benchmarks.bench_native_tier [--quick] [--json PATH]
        [--redis-url URL] [--redis-timeout-s S] [--docs N] [--questions N] [--doc-words N]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -45,10 +44,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.native_tier_engine import run_in_subprocess  # noqa: E402
-from connector.demo.tiny_models import prompt_words  # noqa: E402
+from benchmarks.harness import ratio, write_result
+from benchmarks.native_tier_engine import run_in_subprocess
+from connector.demo.tiny_models import prompt_words
 
 CONFIGS = ("none", "fs", "kvtier")
 
@@ -97,10 +95,6 @@ def run_config(name: str, prompts: list[list[Any]], redis_url: str, fs_root: Pat
 
         delete_redis_prefix(redis_url, spec["redis_prefix"])
     return phases
-
-
-def ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
 
 
 def report(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -157,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(fs_root, ignore_errors=True)
     out = report(results)
     out["workload"] = {"docs": docs, "questions": questions, "doc_words": args.doc_words}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    write_result(args.json, out)
     return 0
 
 

@@ -19,14 +19,13 @@ engines per config (default 2, one set alive at a time): two engines of one conf
 by a few percent for as long as they live. Ratios: each config's median TTFT over
 ``none``'s; ``median_ms_by_instance``: each config's median on each of its engines.
 
-Usage: python benchmarks/bench_nohit_ttft.py [--model hybrid] [--passes 6] [--instances 2]
+Usage: python -m benchmarks.bench_nohit_ttft [--model hybrid] [--passes 6] [--instances 2]
        [--with-native] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,31 +35,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.bench_e2e import (  # noqa: E402
+from benchmarks.bench_e2e import (
     MAX_NOHIT_PASSES,
-    NATIVE_EXTRA,
     NOHIT,
     Bench,
-    _nohit_phase,
+    nohit_phase,
     split_passes,
 )
-from benchmarks.e2e_engine import EngineProc  # noqa: E402
-from connector.demo.cli import choose_redis  # noqa: E402
+from benchmarks.e2e_engine import EngineProc
+from benchmarks.harness import write_result
+from connector.demo.cli import choose_redis
 
 CONFIGS = ("none", "kvtier-cpu", "kvtier")
-
-
-def transfer_config(bench: Bench, config: str) -> dict[str, Any] | None:
-    if config == "none":
-        return None
-    if config == "native":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": dict(NATIVE_EXTRA)}
-    return bench.kvtier(redis=config == "kvtier")
 
 
 def summarize(ttfts: dict[str, list[float]], baseline: str = "none") -> dict[str, Any]:
@@ -92,10 +78,10 @@ def take_turns(bench: Bench, model: str, configs: list[str], passes: int, gap_s:
         try:
             for config in configs:
                 label = config if instances == 1 else f"{config}-{instance + 1}"
-                engines[config] = bench.engine(label, model, transfer_config(bench, config),
+                engines[config] = bench.engine(label, model, bench.transfer_config(config),
                                                NOHIT)
             for rep in [-1, *numbers]:  # -1: one unmeasured warm-up pass each
-                phase = _nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
+                phase = nohit_phase("warmup" if rep < 0 else f"nohit-{rep}", rep + 1)
                 order = configs[rep % len(configs):] + configs[:rep % len(configs)]
                 got: dict[str, dict[str, Any]] = {}
                 for config in order:
@@ -191,8 +177,7 @@ def main(argv: list[str]) -> int:
                "workload": asdict(NOHIT), "engine_env": env, "pass_wall_s": walls,
                "redis": {"used": choice.reachable, "url": choice.shown},
                "elapsed_s": time.monotonic() - t0}
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(out, indent=2))
+        write_result(args.json_path, out)
     return 0
 
 

@@ -65,7 +65,7 @@ machine, repeat it, and read ``load`` (1-min load average before/after each conf
 Every server gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``; see
 ``server_env``).
 
-Usage: python benchmarks/bench_stall.py [--quick] [--json PATH] [--redis-url URL]
+Usage: python -m benchmarks.bench_stall [--quick] [--json PATH] [--redis-url URL]
        [--rtt-ms MS] [--configs none,native,kvtier] [--rounds N] [--gap-s S]
        [--reserved-cpus N|vllm] [--log-dir DIR]
 """
@@ -85,19 +85,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory
+from benchmarks.harness import load_1m, say, write_result
+from connector.demo.cli import delete_redis_prefix
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.tiny_models import prompt_words, tiny_llama
+from offload_tiers.redis.presence_feed import is_announce_stream
+from rigs.openai_server import OpenAIServer
+from rigs.ports import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import httpx  # noqa: E402
-
-from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory  # noqa: E402
-from connector.demo.cli import delete_redis_prefix  # noqa: E402
-from connector.demo.presets import kvtier_transfer_config  # noqa: E402
-from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
-from offload_tiers.redis.presence_feed import is_announce_stream  # noqa: E402
-from rigs.openai_server import OpenAIServer  # noqa: E402
-from rigs.ports import free_port  # noqa: E402
 
 BLOCK = 32
 CPU_BYTES = 512 << 20
@@ -141,14 +140,6 @@ FULL = Shape(rounds=16, restores=6, stores=6, prefix_tokens=1536, suffix_tokens=
 QUICK = Shape(rounds=6, restores=4, stores=4, prefix_tokens=1024, suffix_tokens=40,
               store_tokens=1024, other_max_tokens=8, interval_s=0.25)
 WARMUP_ROUND = -1
-
-
-def _say(msg: str) -> None:
-    print(f"[stall {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _load() -> float:
-    return os.getloadavg()[0]
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -414,14 +405,14 @@ def server_env(reserved_cpus: int | None) -> dict[str, str | None]:
 def _server(model_dir: Path, log_dir: Path, name: str, shape: Shape,
             ktc: dict[str, Any] | None, env: dict[str, str | None]) -> OpenAIServer:
     wait_for_memory()
-    _say(f"{name}: starting server")
+    say(f"{name}: starting server", tag="stall")
     t0 = time.monotonic()
     server = OpenAIServer(model_dir, log_dir / f"{name}.log", kv_transfer_config=ktc,
                           max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
                           extra_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                                       *_budget_args(shape), *itl_bucket_args()],
                           env=env).start(timeout_s=600)
-    _say(f"{name}: healthy after {time.monotonic() - t0:.0f} s (port {server.port})")
+    say(f"{name}: healthy after {time.monotonic() - t0:.0f} s (port {server.port})", tag="stall")
     return server
 
 
@@ -483,11 +474,12 @@ def _warm_kvtier_redis(model_dir: Path, log_dir: Path, shape: Shape,
     first = _server(model_dir, log_dir, "kvtier-warm", shape,
                     kvtier_transfer_config({**settings, "redis_url": redis_url}), env)
     try:
-        _say(f"kvtier: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens")
+        say(f"kvtier: warming {len(warm)} prefixes of {shape.prefix_tokens} tokens", tag="stall")
         complete_many(first, warm)
         expect = len(warm) * (shape.prefix_tokens // BLOCK)
         held = _wait_for_redis(redis_url, settings["redis_prefix"], expect)
-        _say(f"kvtier: Redis holds {held} keys (>= {expect} expected); stopping that server")
+        say(f"kvtier: Redis holds {held} keys (>= {expect} expected); stopping that server",
+            tag="stall")
         return held
     finally:
         first.stop()
@@ -502,7 +494,7 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
     ``r`` (order rotated per round), so load from elsewhere on the machine falls on all of
     them alike. ``gap_s`` before each round lets the server that just ran stop spinning.
     """
-    runs: dict[str, dict[str, Any]] = {c: {"rounds": [], "load_before": _load()}
+    runs: dict[str, dict[str, Any]] = {c: {"rounds": [], "load_before": load_1m()}
                                        for c in configs}
     servers: dict[str, OpenAIServer] = {}
     proxy: Proxy | None = None
@@ -517,15 +509,16 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
         for config in configs:
             ktc = {"none": None, "native": _native_config()}.get(config)
             if config == "kvtier":
-                _say("kvtier: a new server process; " + (
+                say("kvtier: a new server process; " + (
                     f"Redis behind the proxy (+{rtt_s * 1e3:.1f} ms per round trip)"
-                    if proxy is not None else "Redis direct (--rtt-ms 0: no proxy)"))
+                    if proxy is not None else "Redis direct (--rtt-ms 0: no proxy)"), tag="stall")
                 ktc = kvtier_transfer_config(
                     {**settings, "redis_url": proxy.url if proxy is not None else redis_url})
             servers[config] = _server(model_dir, log_dir, config, shape, ktc, env)
             if config != "kvtier":
                 warm = _warm_prompts(shape)
-                _say(f"{config}: warming {len(warm)} prefixes, then POST /reset_prefix_cache")
+                say(f"{config}: warming {len(warm)} prefixes, then POST /reset_prefix_cache",
+                    tag="stall")
                 complete_many(servers[config], warm)
                 time.sleep(1.0)  # native: let the last stores finish before the reset
                 _reset(servers[config])
@@ -534,25 +527,25 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
             k = rnd % len(configs) if rnd >= 0 else 0
             for config in configs[k:] + configs[:k]:
                 time.sleep(gap_s)
-                load = _load()
+                load = load_1m()
                 res = run_round(servers[config], rnd, shape)
                 if rnd == WARMUP_ROUND:
                     continue
                 runs[config]["rounds"].append({**asdict(res), "load_before": load})
             if rnd >= 0:
-                _say(f"round {rnd + 1}/{shape.rounds}: " + "; ".join(
+                say(f"round {rnd + 1}/{shape.rounds}: " + "; ".join(
                     f"{c} ITL p50/p99 {hist_percentile(r['itl_engine'], 50) * 1e3:.1f}/"
                     f"{hist_percentile(r['itl_engine'], 99) * 1e3:.1f} ms, restore TTFT "
                     f"{_pct(r['restore_ttft'], 50) * 1e3:.0f} ms"
                     + (f" ERRORS {r['errors'][:2]}" if r["errors"] else "")
                     for c in configs for r in [runs[c]["rounds"][-1]])
-                    + f" (load {_load():.1f})")
+                    + f" (load {load_1m():.1f})", tag="stall")
         for config in configs:
             after = servers[config].metrics()
             runs[config]["kvtier_counters"] = {
                 k: after[k] - before[config].get(k, 0.0) for k in after
                 if after[k] - before[config].get(k, 0.0)}
-            runs[config]["load_after"] = _load()
+            runs[config]["load_after"] = load_1m()
     finally:
         for server in servers.values():
             server.stop()
@@ -762,8 +755,7 @@ def main(argv: list[str]) -> int:
             out["kvtier_counters"] = runs["kvtier"]["kvtier_counters"]
         if args.json_runs:  # every token's arrival time: large
             out["runs"] = runs
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(out, indent=2))
+        write_result(args.json_path, out)
     return 0
 
 

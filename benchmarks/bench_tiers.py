@@ -1,6 +1,6 @@
 """Side-by-side throughput of kvtier's tiers against their limits and peers.
 
-    python benchmarks/bench_tiers.py [--quick] [--json PATH] [--redis-url URL]
+    python -m benchmarks.bench_tiers [--quick] [--json PATH] [--redis-url URL]
 
 Payloads are shaped like a real model's KV blocks: Llama-3-8B with 16-token blocks is
 32 layers x 2 (K, V) x 8 KV heads x 128 dims x 2 bytes x 16 tokens = 2 MiB per block across
@@ -28,7 +28,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,12 +40,11 @@ from pathlib import Path
 import numpy as np
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from offload_tiers.cpu_tier import CpuTier  # noqa: E402
-from offload_tiers.keys import BlockKey, BlockKind, Namespace  # noqa: E402
-from offload_tiers.redis.tier import RedisTier  # noqa: E402
+from benchmarks.harness import best, ratio, write_result
+from offload_tiers.cpu_tier import CpuTier
+from offload_tiers.keys import BlockKey, BlockKind, Namespace
+from offload_tiers.redis.tier import RedisTier
+from rigs.redis_server import RedisServer
 
 MiB = 1 << 20
 SHAPES = {"block_2MiB": 2 * MiB, "page_64KiB": 64 * 1024}
@@ -59,15 +57,6 @@ NS = Namespace(model="meta-llama/Meta-Llama-3-8B", dtype="bfloat16", kv_layout="
 def keys_for(n: int, salt: str) -> list[BlockKey]:
     return [BlockKey(NS.fingerprint, 0, f"{salt}-{i}".encode().ljust(16, b"."), 16 * (i + 1),
                      BlockKind.FULL) for i in range(n)]
-
-
-def best(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -327,7 +316,7 @@ class LMCacheRunner:
         python = LMCACHE_VENV / "bin" / "python"
         if not python.exists():
             self.skipped = (f"no LMCache venv at {LMCACHE_VENV}; build it with "
-                            "`python benchmarks/bench_tiers.py --setup-lmcache`")
+                            "`python -m benchmarks.bench_tiers --setup-lmcache`")
             return
         self.proc = subprocess.Popen(
             [str(python), "-c", LMCACHE_DRIVER, str(size), str(n), "0", url],
@@ -388,33 +377,6 @@ class LMCacheRunner:
 
 
 # ---------------------------------------------------------------------------- server + main
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_private_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(workdir),
-                             "--maxmemory-policy", "allkeys-lru"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, port
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("private redis-server did not start")
-
-
-def ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
@@ -437,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         parsed = redis.connection.parse_url(url)
         host, port = parsed.get("host", "127.0.0.1"), int(parsed.get("port", 6379))
     else:
-        server, port = start_private_redis(tmp)
+        server = RedisServer(tmp, "--maxmemory-policy", "allkeys-lru").start()
+        port = server.port
         host, url = "127.0.0.1", f"redis://127.0.0.1:{port}/0"
     results: dict = {"config": {"quick": args.quick, "reps": reps, "cpu_total_bytes": cpu_total,
                                 "redis_total_bytes": redis_total, "redis": url,
@@ -469,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "redis_benchmark": rb, "lmcache": lm}
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(10)
+            server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
     by_shape = {}
@@ -502,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             results["ratios"][k] = results["ratios"]["worst_shape"][k]
     print_table(results)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_result(args.json, results)
         print(f"wrote {args.json}")
     return 0
 
@@ -539,7 +501,7 @@ def print_table(results: dict) -> None:
     print("-" * 82)
     for shape, name, mine, other_name, other in rows:
         print(f"{shape:<11} {name:<20} {mine:7.2f}   {other_name:<22} {other:7.2f}  "
-              f"{ratio(mine, other):6.2f}")
+              f"{ratio(mine, other) or float('nan'):6.2f}")
     for shape, r in results["shapes"].items():
         for what in ("redis_benchmark", "lmcache"):
             if "skipped" in r[what]:

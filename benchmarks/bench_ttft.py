@@ -1,6 +1,6 @@
 """Time to first token of a long-prefix request, per tier a prefix is restored from.
 
-    python benchmarks/bench_ttft.py [--quick] [--sizes 1024,4096,8192] [--json PATH]
+    python -m benchmarks.bench_ttft [--quick] [--sizes 1024,4096,8192] [--json PATH]
                                     [--redis-url URL] [--log-dir DIR]
 
 Real vLLM CPU engines (vLLM's default executors, each engine its own process through
@@ -44,7 +44,6 @@ readings themselves included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -58,13 +57,11 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_tiers import bench_redis_benchmark  # noqa: E402
-from connector.demo.engine import run_engine  # noqa: E402
-from connector.demo.presets import kvtier_transfer_config  # noqa: E402
-from connector.demo.tiny_models import prefill_llama  # noqa: E402
+from benchmarks.bench_tiers import bench_redis_benchmark
+from benchmarks.harness import write_result
+from connector.demo.engine import run_engine
+from connector.demo.presets import kvtier_transfer_config
+from connector.demo.tiny_models import prefill_llama
 
 KV_BYTES_PER_TOKEN = 6 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x float32
 BLOCK = 32
@@ -269,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               "restore_gbps": {"cpu": restore_cpu, "redis": restore_redis},
               "restore_gbps_per_ttft": per_ttft,
               "ratios": ratios, "elapsed_s": time.perf_counter() - t0}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.json, report)
     return 0
 
 

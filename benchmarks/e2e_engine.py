@@ -1,6 +1,6 @@
 """One engine lifetime for bench_e2e, kept alive between passes so configs can take turns.
 
-The child (``python benchmarks/e2e_engine.py SPEC.json``) builds one ``LLM`` as the spec
+The child (``python -m benchmarks.e2e_engine SPEC.json``) builds one ``LLM`` as the spec
 says (vLLM's default executors: the caller, the engine core and the worker are three
 processes), then runs passes of ``connector.demo.workload``'s workload on command: one JSON
 line on stdin per pass (``{"phase": {...}, "out": PATH}``), the result written to ``out``,
@@ -25,13 +25,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from connector.demo.engine import EngineRunError
+from connector.demo.presets import CPU_ENGINE_ENV
+from connector.demo.workload import PROGRESS_TAG, Workload, reset_gpu_prefix_cache
 
-from connector.demo.engine import EngineRunError  # noqa: E402
-from connector.demo.presets import CPU_ENGINE_ENV  # noqa: E402
-from connector.demo.workload import PROGRESS_TAG, Workload, reset_gpu_prefix_cache  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 DONE_TAG = "[kvtier-bench-done]"
 READY_TAG = "[kvtier-bench-ready]"
@@ -154,7 +152,7 @@ class EngineProc:
         spec_path.write_text(json.dumps(self.spec))
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the child
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(spec_path)],
+            [sys.executable, "-m", "benchmarks.e2e_engine", str(spec_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env=self._env, cwd=str(REPO_ROOT))
         line = self._read_until(READY_TAG)
@@ -213,7 +211,7 @@ class EngineProc:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python benchmarks/e2e_engine.py SPEC.json  (commands on stdin)",
+        print("usage: python -m benchmarks.e2e_engine SPEC.json  (commands on stdin)",
               file=sys.stderr)
         sys.exit(2)
     sys.exit(_child(sys.argv[1]))

@@ -99,7 +99,7 @@ def events_table(d: dict[str, Any]) -> str:
             ("kvtier's hot-path decoder alone", "kvtier_decoder_only"),
             ("**kvtier ingest (decode + classify + refcounted index)**", "kvtier_ingest"),
             ("naive (untyped decode to dicts + a `set`)", "naive")]
-    lines = [f"\n`python benchmarks/bench_events.py` ({d['batches']:,} batches, "
+    lines = [f"\n`python -m benchmarks.bench_events` ({d['batches']:,} batches, "
              f"{d['updates']:,} hash updates, best of {d['reps']}, one core; {when(d)}):\n",
              "| consumer | hash updates/s | vs decode floor |", "|---|---|---|"]
     lines += [f"| {label} | {rates[key] / 1e6:.2f} M | {rates[key] / floor:.2f} |"
@@ -108,7 +108,7 @@ def events_table(d: dict[str, Any]) -> str:
 
 
 def tiers_table(d: dict[str, Any]) -> str:
-    lines = [f"\n`python benchmarks/bench_tiers.py` ({when(d)}):\n",
+    lines = [f"\n`python -m benchmarks.bench_tiers` ({when(d)}):\n",
              "| shape | kvtier | GB/s | vs | GB/s | ratio |",
              "| --- | --- | ---: | --- | ---: | ---: |"]
     for shape, r in d["shapes"].items():

@@ -1,6 +1,6 @@
 """kvtier's own CUDA path, checked and timed: gather/scatter between KV tensors and slots.
 
-    python benchmarks/gpu_check.py [--device cuda|cpu] [--quick] [--json PATH]
+    python -m benchmarks.gpu_check [--device cuda|cpu] [--quick] [--json PATH]
 
 Needs only torch and this checkout (no vLLM): it is what runs on a lent GPU machine. For
 each KV-tensor layout vLLM's attention backends use on CUDA (FlashAttention's
@@ -28,7 +28,6 @@ JSON ``ratios.gather_vs_copy``, ``scatter_vs_copy``, ``segment_scatter_vs_copy``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -39,14 +38,12 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from connector.vllm_connector.layout import build_layout  # noqa: E402
-from connector.vllm_connector.pinned import HostRegistration  # noqa: E402
-from connector.vllm_connector.transfer import BlockTransfer  # noqa: E402
-from offload_tiers.cpu_tier import allocate_slab  # noqa: E402
-from offload_tiers.shared_segment import SharedSegment, digest  # noqa: E402
+from benchmarks.harness import write_result
+from connector.vllm_connector.layout import build_layout
+from connector.vllm_connector.pinned import HostRegistration
+from connector.vllm_connector.transfer import BlockTransfer
+from offload_tiers.cpu_tier import allocate_slab
+from offload_tiers.shared_segment import SharedSegment, digest
 
 Caches = dict[str, Any]
 
@@ -342,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{g['segment_scatter_staged']:8.2f}")
     report = {"device": name, "torch": torch.__version__, "byte_exact": exact,
               "cases": cases, "throughput": speed, "ratios": ratios}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.json, report)
     return 0 if exact else 1
 
 

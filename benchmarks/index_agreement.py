@@ -116,7 +116,6 @@ def _vllm_chain(llm: Any, token_ids: list[int], unit: int) -> list[int]:
 
 def record(model: str, out: Path) -> dict[str, Any]:
     """Run ``WORKLOAD`` on a real in-process vLLM engine with KV events; write the stream."""
-    sys.path.insert(0, str(ROOT))
     from connector.demo.presets import apply_cpu_engine_env, engine_kwargs
     from connector.demo.tiny_models import tiny_hybrid, tiny_llama
     from rigs.ports import free_port
@@ -167,8 +166,9 @@ def recorded(model: str, where: Path = DEFAULT_DIR, again: bool = False) -> dict
     process: one engine at a time, never in the benchmark's process) when missing."""
     path = where / f"{model}.json"
     if again or not path.exists() or json.loads(path.read_text()).get("format") != FORMAT:
-        r = subprocess.run([sys.executable, __file__, "--record", model, str(path)],
-                           capture_output=True, text=True, timeout=900)
+        r = subprocess.run([sys.executable, "-m", "benchmarks.index_agreement", "--record", model,
+                            str(path.resolve())], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
         if r.returncode != 0:
             raise RuntimeError(f"recording {model} failed: {r.stderr[-3000:]}")
     return json.loads(path.read_text())
@@ -303,8 +303,8 @@ def run_dynamo(py: Path, rec: dict[str, Any], kv_block_size: int) -> dict[str, A
     with tempfile.TemporaryDirectory() as tmp:
         sp, op = Path(tmp, "spec.json"), Path(tmp, "out.json")
         sp.write_text(json.dumps(spec))
-        r = subprocess.run([str(py), __file__, "--dynamo", str(sp), str(op)],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run([str(py), "-m", "benchmarks.index_agreement", "--dynamo", str(sp),
+                            str(op)], cwd=ROOT, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             return {"error": f"Dynamo's side failed: {r.stderr[-2000:]}"}
         return json.loads(op.read_text())

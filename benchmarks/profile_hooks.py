@@ -17,7 +17,7 @@ per process, the N functions with the most own time inside the hooks: where each
 goes. cProfile inflates every call, so read the shares; take the per-call figures from a run
 without it.
 
-Usage: python benchmarks/profile_hooks.py [--model llama|hybrid] [--config kvtier|kvtier-cpu|native]
+Usage: python -m benchmarks.profile_hooks [--model llama|hybrid] [--config kvtier|kvtier-cpu|native]
        [--passes 3] [--cprofile N] [--json PATH]
 """
 
@@ -32,12 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.bench_e2e import NATIVE_EXTRA, NOHIT, Bench, _nohit_phase  # noqa: E402
-from connector.demo.cli import choose_redis  # noqa: E402
+from benchmarks.bench_e2e import NOHIT, Bench, nohit_phase
+from benchmarks.harness import write_result
+from connector.demo.cli import choose_redis
 
 WORKER_HOOKS = ("handle_preemptions", "start_load_kv", "wait_for_save", "get_transfer_results",
                 "get_block_ids_with_load_errors", "build_connector_worker_meta")
@@ -88,8 +85,8 @@ def main(argv: list[str]) -> int:
             env["KVTIER_HOOK_CPROFILE"] = "1"
         bench = Bench(Path(times_dir) / "logs", env, choice.url if redis else None)
         if args.config == "native":
-            ktc = {"kv_connector": "TimedNativeConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": dict(NATIVE_EXTRA)}
+            ktc = bench.transfer_config("native")
+            ktc["kv_connector"] = "TimedNativeConnector"
         else:
             ktc = bench.kvtier(redis=redis)
             ktc["kv_connector"] = "TimedTieredConnector"
@@ -98,7 +95,7 @@ def main(argv: list[str]) -> int:
         walls = []
         try:
             for rep in range(-1, args.passes):
-                result = engine.run(_nohit_phase("warmup" if rep < 0 else f"nohit-{rep}",
+                result = engine.run(nohit_phase("warmup" if rep < 0 else f"nohit-{rep}",
                                                  rep + 1))
                 walls.append(result["wall_s"])
         finally:
@@ -128,8 +125,7 @@ def main(argv: list[str]) -> int:
         out = {"model": args.model, "config": args.config, "passes": args.passes,
                "pass_wall_s": walls, "processes": summary,
                "redis": {"used": redis, "url": choice.shown}}
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(out, indent=2))
+        write_result(args.json_path, out)
     return 0
 
 

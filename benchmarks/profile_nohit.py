@@ -11,7 +11,7 @@ self-time frames.
 py-spy is not a project dependency: ``pip install --target /tmp/pyspy py-spy`` and pass
 ``--py-spy /tmp/pyspy/bin/py-spy`` (needs ptrace rights over the engine's processes).
 
-Usage: python benchmarks/profile_nohit.py [--config kvtier] [--model llama] [--passes 6]
+Usage: python -m benchmarks.profile_nohit [--config kvtier] [--model llama] [--passes 6]
        [--rate 200] [--out DIR] [--redis-url URL] [--py-spy PATH]
 """
 
@@ -24,42 +24,18 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.bench_e2e import CPU_BYTES, NATIVE_EXTRA, NOHIT  # noqa: E402
-from connector.demo.cli import delete_redis_prefix, model_path  # noqa: E402
-from connector.demo.presets import (  # noqa: E402
-    apply_cpu_engine_env,
-    engine_kwargs,
-    kvtier_transfer_config,
-)
+from benchmarks.bench_e2e import NOHIT, Bench
+from connector.demo.cli import model_path
+from connector.demo.presets import apply_cpu_engine_env, engine_kwargs
 
 # Frames whose inclusive share is reported (substring of "file:function").
 WATCH = (
     "connector/", "offload_tiers/", "kv_connector", "kv_transfer", "offloading",
     "cpu_offload", "shm_broadcast", "serial_utils", "msgspec",
 )
-
-
-def transfer_config(config: str, redis_url: str, prefix: str) -> dict[str, Any] | None:
-    if config == "none":
-        return None
-    if config == "null":
-        return {"kv_connector": "NullConnector", "kv_role": "kv_both",
-                "kv_connector_module_path": "benchmarks.peers.null_connector"}
-    if config == "native":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": dict(NATIVE_EXTRA)}
-    redis = {"redis_url": redis_url, "redis_prefix": prefix} if config == "kvtier" else {
-        "redis_url": None}
-    return kvtier_transfer_config({"cpu_bytes": CPU_BYTES, **redis})
 
 
 def _frame(raw: str) -> str:
@@ -150,14 +126,14 @@ def main(argv: list[str]) -> int:
     apply_cpu_engine_env()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prefix = f"kvtier-profile-{uuid.uuid4().hex[:8]}"
+    bench = Bench(out / "logs", {}, args.redis_url)  # its kvtier: a Redis prefix of its own
     import psutil
     from vllm import LLM, SamplingParams
 
     from connector.demo.workload import run_workload
 
     kwargs = engine_kwargs(args.model, str(model_path(args.model)))
-    ktc = transfer_config(args.config, args.redis_url, prefix)
+    ktc = bench.transfer_config(args.config)
     if ktc:
         kwargs["kv_transfer_config"] = ktc
     llm = LLM(**kwargs)
@@ -200,8 +176,7 @@ def main(argv: list[str]) -> int:
     for path, _ in spies:
         if path.exists():
             print(summarize(path))
-    if args.config == "kvtier":
-        delete_redis_prefix(args.redis_url, prefix)
+    bench.cleanup()
     # The engine core and worker are other processes: shut them down, or they outlive us.
     llm.llm_engine.engine_core.shutdown()
     sys.stdout.flush()

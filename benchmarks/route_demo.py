@@ -1,6 +1,6 @@
 """KV-aware routing with ``kvtier daemon``'s ``POST /score``, against round robin.
 
-    python benchmarks/route_demo.py [--quick] [--json PATH] [--keep-logs DIR]
+    python -m benchmarks.route_demo [--quick] [--json PATH] [--keep-logs DIR]
 
 Two vLLM OpenAI servers (tiny Llama, CPU, block 32, prefix caching) publish KV events over
 ZMQ; one ``kvtier daemon`` subscribes to both (publishers ``A`` and ``B``) and hashes token
@@ -37,16 +37,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import httpx
 
-import httpx  # noqa: E402
-
-from connector.demo.tiny_models import prompt_words, tiny_llama  # noqa: E402
-from rigs.daemon_proc import DaemonProcess  # noqa: E402
-from rigs.openai_server import OpenAIServer  # noqa: E402
-from rigs.ports import free_port  # noqa: E402
+from benchmarks.harness import write_result
+from connector.demo.tiny_models import prompt_words, tiny_llama
+from rigs.daemon_proc import DaemonProcess
+from rigs.openai_server import OpenAIServer
+from rigs.ports import free_port
 
 BLOCK = 32
 ENGINES = ("A", "B")
@@ -273,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                      float("inf") if sc["cached_tokens"] else 1.0,
                      "hit_rate_score": sc["hit_rate"], "hit_rate_round_robin": rr["hit_rate"]}
     report(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    write_result(args.json, res)
     return 0
 
 

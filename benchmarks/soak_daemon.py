@@ -1,6 +1,6 @@
 """Sustained-load soak of a real ``kvtier daemon`` process: RSS growth and lag over time.
 
-    python benchmarks/soak_daemon.py [--seconds 120] [--rate 2000] [--json PATH]
+    python -m benchmarks.soak_daemon [--seconds 120] [--rate 2000] [--json PATH]
 
 Starts the daemon (its own loopback ports), then publishes a steady stream through vLLM's
 wire format from a PUB socket the script owns (vLLM binds, the daemon connects): every
@@ -14,25 +14,21 @@ quarter of the run (should be ~flat), and the lag (should stay small and flat).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
-from pathlib import Path
 
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from connector.events.wire import (  # noqa: E402
+from benchmarks.harness import write_result
+from connector.events.wire import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     encode_batch,
 )
-from rigs.daemon_proc import DaemonProcess  # noqa: E402
-from rigs.ports import free_port  # noqa: E402
+from rigs.daemon_proc import DaemonProcess
+from rigs.ports import free_port
 
 B = 16
 
@@ -159,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{lag_median * 1000:.1f} ms, max {lag_max * 1000:.1f} ms; "
           f"gaps {src['gaps']} (missing {src['missing_batches']}), decode errors "
           f"{src['decode_errors']}; daemon exit code {code}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     return 0 if code == 0 and src["decode_errors"] == 0 else 1
 
 

@@ -15,28 +15,24 @@ prompts, one request at a time), and reports per config and pass:
 Then the median per config over the measured passes. Configs: bench_nohit_ttft's (``none``,
 ``kvtier-cpu``, ``kvtier``, ``native``).
 
-Usage: python benchmarks/thread_cpu.py [--model hybrid] [--configs kvtier,kvtier-cpu]
+Usage: python -m benchmarks.thread_cpu [--model hybrid] [--configs kvtier,kvtier-cpu]
        [--passes 3] [--redis-url URL] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.bench_e2e import NOHIT, Bench  # noqa: E402
-from benchmarks.bench_nohit_ttft import add_arguments, parse, take_turns  # noqa: E402
-from connector.demo.cli import choose_redis  # noqa: E402
-from connector.demo.thread_times import process_tree, thread_deltas, thread_times  # noqa: E402
+from benchmarks.bench_e2e import NOHIT, Bench
+from benchmarks.bench_nohit_ttft import add_arguments, parse, take_turns
+from benchmarks.harness import write_result
+from connector.demo.cli import choose_redis
+from connector.demo.thread_times import process_tree, thread_deltas, thread_times
 
 #: Threads below this many ms of CPU in a pass are left out of the table (not the JSON).
 SHOWN_MS = 1.0
@@ -121,10 +117,9 @@ def main(argv: list[str]) -> int:
         for name, ms in sorted(row["threads_ms"].items(), key=lambda kv: -kv[1]):
             if ms >= SHOWN_MS:
                 print(f"  {ms:8.1f} ms  {name}")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(
-            {"model": args.model, "configs": configs, "passes": args.passes,
-             "engine_env": env, "summary": summary, "per_pass": per_pass}, indent=1))
+    write_result(args.json_path, {"model": args.model, "configs": configs,
+                                  "passes": args.passes, "engine_env": env,
+                                  "summary": summary, "per_pass": per_pass})
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``kvtier bench NAME [args]``: run one of the side-by-side benchmarks in ``benchmarks/``.
+"""``kvtier bench NAME [args]``: run one of the side-by-side benchmarks in ``benchmarks/``
+(as ``python -m benchmarks.bench_NAME [args]`` from the checkout's root would).
 
 The benchmarks live in the source checkout (they compare kvtier with peers that are not
 kvtier's dependencies). They are looked for in ``$KVTIER_BENCHMARKS``, then ``./benchmarks``,
@@ -35,5 +36,8 @@ def main(argv: list[str]) -> int:
         print("kvtier bench: no benchmarks/ folder found; run from a clone of kvtier or set "
               "KVTIER_BENCHMARKS to its benchmarks/ folder", file=sys.stderr)
         return 2
-    script = folder / f"bench_{ns.name}.py"
-    return subprocess.call([sys.executable, str(script), *ns.args])
+    # A benchmark runs as a module of its checkout (``python -m benchmarks.bench_NAME``): the
+    # checkout goes on the child's path, the caller's working directory stays (``--json out``).
+    path = os.pathsep.join(p for p in (str(folder.parent), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.call([sys.executable, "-m", f"benchmarks.bench_{ns.name}", *ns.args],
+                           env={**os.environ, "PYTHONPATH": path})

@@ -6,7 +6,7 @@ drops it: at the latest after the switch interval (5 ms by default). vLLM's work
 holds the GIL through its Python work between steps, so each of the reader's re-acquisitions
 can wait up to 5 ms: measured beside a thread that holds the GIL in a Python loop,
 256 reads of 192 KiB ran at 0.03 GB/s with 5 ms, 0.12 GB/s with 1 ms, 0.47 GB/s with
-0.2 ms, 2.03 GB/s alone (``python benchmarks/bench_gil.py``). While any fetch is in flight
+0.2 ms, 2.03 GB/s alone (``python -m benchmarks.bench_gil``). While any fetch is in flight
 the interval is set to :data:`FETCH_SWITCH_INTERVAL_S`, then put back. It is process-wide:
 it only makes the holder offer the GIL sooner when another thread waits for it.
 

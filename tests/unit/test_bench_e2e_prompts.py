@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_e2e import MAX_NOHIT_PASSES, QUICK, _nohit_phase
+from benchmarks.bench_e2e import MAX_NOHIT_PASSES, QUICK, nohit_phase
 from connector.demo.tiny_models import PROMPT_SEED_PERIOD, prompt_words
 from connector.demo.workload import Workload
 
@@ -25,7 +25,7 @@ def test_every_no_hit_prompt_starts_with_a_block_of_its_own() -> None:
     seen = set(_first_blocks(QUICK))
     assert len(seen) == 1  # the shared workload: one system prompt
     for index in range(MAX_NOHIT_PASSES):
-        blocks = _first_blocks(Workload(**_nohit_phase(f"p{index}", index)["workload"]))
+        blocks = _first_blocks(Workload(**nohit_phase(f"p{index}", index)["workload"]))
         assert not seen & set(blocks), f"pass {index} repeats an earlier prompt"
         assert len(set(blocks)) == len(blocks)
         seen.update(blocks)
@@ -33,4 +33,4 @@ def test_every_no_hit_prompt_starts_with_a_block_of_its_own() -> None:
 
 def test_a_pass_beyond_the_distinct_ones_is_refused() -> None:
     with pytest.raises(ValueError, match="prompts of their own"):
-        _nohit_phase("too-many", MAX_NOHIT_PASSES)
+        nohit_phase("too-many", MAX_NOHIT_PASSES)

@@ -47,8 +47,8 @@ class _Bench:
     def engine(self, label: str, *_: Any) -> _Engine:
         return _Engine(self.book, label)
 
-    def kvtier(self, redis: bool) -> dict[str, Any]:
-        return {"redis": redis}
+    def transfer_config(self, config: str) -> dict[str, Any] | None:
+        return None if config == "none" else {"redis": config == "kvtier"}
 
 
 def test_passes_are_spread_over_engine_instances_one_set_alive_at_a_time(

@@ -22,7 +22,7 @@ def test_every_renderer_is_quoted_and_every_benchmark_row_is_rendered() -> None:
     for doc, heading in (("README.md", "## Measured"), ("docs/benchmarks.md", "# Measured")):
         measured = texts[doc].split(heading, 1)[1].split("\n## ", 1)[0]
         rows = [line for line in measured.splitlines() if line.startswith("| ")
-                and "`python benchmarks/" in line]
+                and "`python -m benchmarks." in line]
         assert rows and all("<!-- figures:" in row for row in rows), doc
 
 
