@@ -68,6 +68,7 @@ from connector.vllm_connector.plan import (
     to_wire,
 )
 from connector.vllm_connector.presence import presence_source
+from connector.vllm_connector.remote_store_factory import open_remote_store
 from connector.vllm_connector.scheduler import (
     ATTENTION,
     MAMBA,
@@ -75,7 +76,7 @@ from connector.vllm_connector.scheduler import (
     TieredScheduler,
 )
 from connector.vllm_connector.secondary import HitSource
-from connector.vllm_connector.worker import TieredWorker, worker_redis
+from connector.vllm_connector.worker import TieredWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -241,7 +242,13 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self.tp_size = int(parallel.tensor_parallel_size)
         if role == KVConnectorRole.WORKER:
             self._start_worker(num_slots)
-            return
+        else:
+            self._start_scheduler(vllm_config, kv_cache_config, num_slots, slot_bytes)
+
+    def _start_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                         num_slots: int, slot_bytes: int) -> None:
+        """The scheduler half: the engine's identity, its namespace and the tier chain."""
+        parallel = vllm_config.parallel_config
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # kvtier is a cache: a block that fails to load is recomputed, never fatal.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -291,13 +298,8 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         host = host_connect(self.config.host_tier_socket, f"worker rank {rank}",
                             subscribe=False, group=self.config.host_tier_group) \
             if self.config.host_tier_socket else None
-        redis = worker_redis(self.config, host)
-        if self.config.host_tier_redis and host is not None:
-            if host.available and not host.redis:
-                log.warning("kvtier: host_tier_redis is set but the daemon at %s holds no "
-                            "Redis (start it with --redis-url); serving without Redis",
-                            self.config.host_tier_socket)
-        self.worker = TieredWorker(self.config, rank, self.tp_size, num_slots, redis, host)
+        self.worker = TieredWorker(self.config, rank, self.tp_size, num_slots,
+                                   open_remote_store(self.config, host), host)
 
     # ================================================================ helpers
     def _fingerprint(self, tenant: str) -> str:
