@@ -3,7 +3,7 @@
 One :class:`TieredScheduler` (vLLM's engine-core process; with ``presence=True`` its presence
 summary's feed thread reads the real Redis, as in an engine) and ``tp_size`` :class:`TieredWorker`
 (one per TP rank, each with its own CPU KV tensors and, when ``redis_url`` is set, its own
-real :class:`RedisTier` built as the connector builds it: ``worker_redis``). A step is:
+real :class:`RedisTier` built as the connector builds it: ``open_remote_store``). A step is:
 
     plan = scheduler.plan(...)            # build_connector_meta
     worker.start_step(plan)  (each rank)  # start_load_kv
@@ -39,8 +39,9 @@ from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.presence import presence_source
 from connector.vllm_connector.remote_store import OwnRedis
+from connector.vllm_connector.remote_store_factory import open_remote_store
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
-from connector.vllm_connector.worker import TieredWorker, worker_redis
+from connector.vllm_connector.worker import TieredWorker
 from offload_tiers.keys import BlockKey
 from rigs.sched_doubles import Blk, Req
 
@@ -117,7 +118,7 @@ class Halves:
             host = host_connect(config.host_tier_socket, f"worker {tp_rank}", subscribe=False) \
                 if config.host_tier_socket else None
             worker = TieredWorker(config, tp_rank, tp_size, self.num_slots,
-                                  worker_redis(config, host), host)
+                                  open_remote_store(config, host), host)
             worker.register(kv, layers, num_blocks)
             self.ranks.append(Rank(worker, kv))
         host_view = None

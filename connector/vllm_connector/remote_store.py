@@ -8,6 +8,7 @@ sees; two classes implement it:
 * :class:`~connector.vllm_connector.daemon_redis.DaemonRedis`: the host's Redis through
   ``kvtier daemon`` (``host_tier_redis``), whose saves ride the host tier's commits.
 
+Which one a worker gets is chosen in :mod:`connector.vllm_connector.remote_store_factory`.
 A store counts what it does with a save in the worker's counters: :attr:`write_counters`
 names them, by what the save was (a new save or a backfill).
 """
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-from offload_tiers.host_tier.protocol import KeyTuple
+from offload_tiers.host_tier.protocol import RedisWrite
 from offload_tiers.keys import BlockKey
 
 if TYPE_CHECKING:  # redis-py is imported only by an engine that uses Redis
@@ -85,7 +86,7 @@ class RemoteStore(Protocol):
         ...
 
     def host_commit_note(self, key: BlockKey, save_id: int, rank0: bool
-                         ) -> tuple[KeyTuple, int, bool] | None:
+                         ) -> RedisWrite | None:
         """What a host-tier commit of ``key`` tells the daemon to write behind (None:
         nothing: this worker writes its saves itself)."""
         ...

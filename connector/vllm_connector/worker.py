@@ -12,53 +12,15 @@ Rules this module keeps:
 * A request whose load failed in this step saves nothing in it: its blocks were computed
   over bad context.
 * Every job in the plan is reported back exactly once (:class:`WorkerReport`).
+* The store past the CPU tier is a :class:`~connector.vllm_connector.remote_store.RemoteStore`
+  handed in (which kind: :mod:`connector.vllm_connector.remote_store_factory`).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
-from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis
-from connector.vllm_connector.remote_store import OwnRedis, RemoteStore
 from connector.vllm_connector.worker_io import WorkerIO
 from connector.vllm_connector.worker_loads import WorkerLoads
 from connector.vllm_connector.worker_saves import WorkerSaves
-from offload_tiers.host_tier.client import HostTierClient
-from offload_tiers.redis.settings import WRITE_SETTLE_S
-
-if TYPE_CHECKING:  # redis-py is imported only by an engine that uses Redis
-    from offload_tiers.redis.tier import RedisTier
-
-log = logging.getLogger("connector.vllm_connector.worker")  # the worker half's log
-
-
-def make_redis_tier(config: TieredConfig) -> RedisTier:
-    """The Redis tier a worker stores through, from the connector's settings (no vLLM here).
-
-    Never raises for an unreachable or refusing server (TLS, ACL, password): the tier starts
-    unavailable, says why in ``last_error`` (no password in it) and the worker serves from the
-    CPU tier until Redis answers.
-    """
-    from offload_tiers.redis.tier import RedisTier
-
-    redis = RedisTier.from_settings(config, write_linger_s=config.redis_write_linger_ms / 1e3,
-                                    write_settle_s=WRITE_SETTLE_S)
-    if not redis.available:
-        log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
-                    "until it does", redis.target.redacted, redis.last_error)
-    return redis
-
-
-def worker_redis(config: TieredConfig, host: HostTierClient | None) -> RemoteStore | None:
-    """The Redis a worker uses: its own (``redis_url``), the daemon's (``host_tier_redis``),
-    or None."""
-    if config.host_tier_redis and host is not None:
-        return DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
-    if config.redis_url:
-        return OwnRedis(make_redis_tier(config), config.write_mode)
-    return None
 
 
 class TieredWorker(WorkerLoads, WorkerSaves, WorkerIO):

@@ -8,7 +8,6 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from connector.vllm_connector.remote_store import (
 from connector.vllm_connector.worker_state import TailsSent, WorkerState, _by_group
 from offload_tiers.host_tier.client import SlotLease
 from offload_tiers.host_tier.client import new_save_id as new_host_save_id
+from offload_tiers.host_tier.protocol import RedisWrite
 from offload_tiers.keys import BlockKind
 
 log = logging.getLogger("connector.vllm_connector.worker")  # the worker half's log
@@ -234,7 +234,7 @@ class WorkerSaves(WorkerState):
         assert lease.segment is not None
         segment = lease.segment
         saves = []
-        behind: list[Any] = []  # where the daemon writes each behind to Redis
+        behind: list[RedisWrite | None] = []  # where the daemon writes each behind to Redis
         try:
             for op, slot in zip(ops, lease.slots, strict=False):
                 key = self.storage_key(op.key)

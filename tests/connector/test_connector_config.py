@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from connector.vllm_connector.config import ConnectorConfigError, check_parallel_shape, load_config
-from connector.vllm_connector.worker import make_redis_tier
+from connector.vllm_connector.remote_store_factory import make_redis_tier
 from offload_tiers.redis.settings import WRITE_SETTLE_S
 
 

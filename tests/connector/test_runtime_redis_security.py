@@ -17,7 +17,8 @@ import pytest
 
 from connector.vllm_connector.config import TieredConfig, load_config
 from connector.vllm_connector.remote_store import OwnRedis
-from connector.vllm_connector.worker import TieredWorker, make_redis_tier
+from connector.vllm_connector.remote_store_factory import make_redis_tier
+from connector.vllm_connector.worker import TieredWorker
 from rigs.halves import BS, Halves
 from rigs.sched_doubles import Blk, Req
 from tests.support.redis_tls import start_tls_acl_server, tls_url

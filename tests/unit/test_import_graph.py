@@ -72,8 +72,8 @@ def _within(name: str, prefix: str) -> bool:
 
 def test_the_graph_is_not_empty() -> None:
     graph = _graph()
-    assert "connector.vllm_connector.worker" in graph
-    assert "offload_tiers.redis.tier" in graph["connector.vllm_connector.worker"]
+    assert "connector.vllm_connector.remote_store_factory" in graph
+    assert "offload_tiers.redis.tier" in graph["connector.vllm_connector.remote_store_factory"]
 
 
 @pytest.mark.parametrize(("importer", "imported", "why"), FORBIDDEN)
