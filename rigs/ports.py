@@ -25,7 +25,8 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _bindable(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a TCP socket can bind ``port`` on 127.0.0.1 now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -44,6 +45,6 @@ def free_port(span: int = 1) -> int:
     rng = random.SystemRandom()
     for _ in range(1000):
         port = rng.randrange(_LOWEST, high)
-        if all(_bindable(port + i) for i in range(span)):
+        if all(port_free(port + i) for i in range(span)):
             return port
     raise RuntimeError("no free loopback port below the ephemeral range")

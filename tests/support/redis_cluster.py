@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from rigs.ports import port_free
 from rigs.redis_server import RedisServer
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def cluster_ports(count: int = 3) -> list[int]:
@@ -30,7 +21,7 @@ def cluster_ports(count: int = 3) -> list[int]:
     for port in candidates:
         if port in chosen:
             continue
-        if _port_free(port) and _port_free(port + 10000):
+        if port_free(port) and port_free(port + 10000):
             chosen.append(port)
             if len(chosen) == count:
                 return chosen
