@@ -7,8 +7,8 @@ Life of an entry::
     commit(key)               # now visible: contains/acquire/get see it
     acquire(key) -> slot      # pin for an in-flight load (refcounted); never evicted while pinned
     release(key)              # ... and the entry becomes the most recently used
-    hold(key) -> slot         # pin while its bytes are copied elsewhere (a Redis write):
-    unhold(key)               # never evicted meanwhile, and its place in the LRU order kept
+    pin_for_copy(key) -> slot # pin while its bytes are copied elsewhere (a Redis write):
+    unpin_for_copy(key)       # never evicted meanwhile, and its place in the LRU order kept
     remove(key)               # gone now; a pinned slot is freed at its last release
 
 ``put``/``get`` wrap those for callers that just want bytes in and out. Keys compare by
@@ -45,20 +45,20 @@ EvictCallback = Callable[[BlockKey, memoryview], None]
 
 
 class _Entry:
-    __slots__ = ("key", "slot", "nbytes", "committed", "pins", "holds")
+    __slots__ = ("key", "slot", "nbytes", "committed", "pins", "copy_pins")
 
     def __init__(self, key: BlockKey, slot: int, nbytes: int) -> None:
         self.key = key
         self.slot = slot
         self.nbytes = nbytes
         self.committed = False
-        self.pins = 0  # acquire() and hold() together
-        self.holds = 0  # hold() alone: pins that leave the entry in the LRU order
+        self.pins = 0  # acquire() and pin_for_copy() together
+        self.copy_pins = 0  # pin_for_copy() alone: pins that leave the entry in the LRU order
 
     @property
     def in_use(self) -> bool:
         """Pinned by a reader (acquire): out of the LRU order until its last release."""
-        return self.pins > self.holds
+        return self.pins > self.copy_pins
 
 
 @dataclass(slots=True)
@@ -338,29 +338,29 @@ class CpuTier:
         elif not entry.in_use:
             self._lru[ik] = None
 
-    def hold(self, key: BlockKey) -> int | None:
+    def pin_for_copy(self, key: BlockKey) -> int | None:
         """Pin ``key``'s slot while its bytes are copied elsewhere (refcounted), leaving its
         place in the LRU order as it is: a copy to another tier is not a use. Eviction
-        passes over it until :meth:`unhold`. None on a miss."""
+        passes over it until :meth:`unpin_for_copy`. None on a miss."""
         with self._lock:
             entry = self._entries.get(_ik(key))
             if entry is None or not entry.committed:
                 return None
             entry.pins += 1
-            entry.holds += 1
+            entry.copy_pins += 1
             return entry.slot
 
-    def unhold(self, key: BlockKey) -> None:
-        """End one :meth:`hold`; the entry's place in the LRU order is unchanged."""
+    def unpin_for_copy(self, key: BlockKey) -> None:
+        """End one :meth:`pin_for_copy`; the entry's place in the LRU order is unchanged."""
         ik = _ik(key)
         with self._lock:
             entry, doomed = self._entries.get(ik), False
-            if entry is None or entry.holds == 0:
+            if entry is None or entry.copy_pins == 0:
                 entry, doomed = self._doomed.get(ik), True
-            if entry is None or entry.holds == 0:
-                raise KeyError("block is not held")
+            if entry is None or entry.copy_pins == 0:
+                raise KeyError("block is not pinned for a copy")
             entry.pins -= 1
-            entry.holds -= 1
+            entry.copy_pins -= 1
             if doomed:
                 self._free_if_unpinned(ik, entry)
 

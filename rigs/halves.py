@@ -35,12 +35,12 @@ from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.layout import build_layout
-from connector.vllm_connector.namespace import slot_count
 from connector.vllm_connector.plan import StepPlan, WorkerReport
 from connector.vllm_connector.presence import presence_source
 from connector.vllm_connector.remote_store import OwnRedis
 from connector.vllm_connector.remote_store_factory import open_remote_store
 from connector.vllm_connector.scheduler import ATTENTION, MAMBA, GroupSpec, TieredScheduler
+from connector.vllm_connector.slot_sizing import slot_count
 from connector.vllm_connector.worker import TieredWorker
 from offload_tiers.keys import BlockKey
 from rigs.sched_doubles import Blk, Req

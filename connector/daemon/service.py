@@ -333,7 +333,7 @@ HOST_TIER_GAUGES = frozenset({
 })
 
 #: HELP of every numeric host tier stat (``kvtier_host_tier_<name>``): the server's, its
-#: directory's (offload_tiers/host_tier/directory.py) and its Redis bridge's (redis_bridge.py).
+#: directory's (offload_tiers/host_tier/directory.py) and its Redis service's (redis_service.py).
 HOST_TIER_HELP: dict[str, str] = {
     # directory: counters
     "leased": "Slots leased to engines for a save",
@@ -364,7 +364,7 @@ HOST_TIER_HELP: dict[str, str] = {
     "num_slots": "Slots in the shared segment",
     "slot_bytes": "Bytes per slot",
     "bytes_used": "Bytes of the entries held",
-    # Redis bridge (with --redis-url)
+    # Redis service (with --redis-url)
     "redis_writes_queued": "Saves queued for writing behind to Redis",
     "redis_writes": "Saves written to Redis",
     "redis_write_failures": "Writes to Redis that failed (kept for backfill)",

@@ -101,7 +101,7 @@ class TieredConfig(RedisConnectionSettings):
     # The host's shared CPU tier (kvtier daemon --cpu-bytes): its Unix socket. None: off.
     host_tier_socket: str | None = None
     # Reach Redis through that daemon (it writes saves behind and restores; this engine
-    # opens no Redis connection): connector/vllm_connector/daemon_redis.py
+    # opens no Redis connection): connector/vllm_connector/host_tier_redis.py
     host_tier_redis: bool = False
     # Also trust a daemon that runs in this group (name or gid), and its files shared with
     # it: the daemon's --host-tier-group. None: only a daemon of this uid or root.

@@ -45,6 +45,7 @@ from connector.identity.engine_core import WeightVersionSource
 from connector.identity.generation import Generation
 from connector.vllm_connector import stats as connector_stats
 from connector.vllm_connector import vllm_api
+from connector.vllm_connector.bounded_cache import BoundedCache
 from connector.vllm_connector.config import (
     ConnectorConfigError,
     check_parallel_shape,
@@ -54,12 +55,7 @@ from connector.vllm_connector.declared_layout import declared_block_dims, manage
 from connector.vllm_connector.host import HostTierMirror
 from connector.vllm_connector.host import connect as host_connect
 from connector.vllm_connector.jobs import TierChange
-from connector.vllm_connector.namespace import (
-    BoundedCache,
-    expected_slot_bytes,
-    kv_groups_descriptor,
-    slot_count,
-)
+from connector.vllm_connector.namespace import kv_groups_descriptor
 from connector.vllm_connector.plan import (
     StepPlan,
     WorkerReport,
@@ -76,6 +72,7 @@ from connector.vllm_connector.scheduler import (
     TieredScheduler,
 )
 from connector.vllm_connector.secondary import HitSource
+from connector.vllm_connector.slot_sizing import expected_slot_bytes, slot_count
 from connector.vllm_connector.worker import TieredWorker
 
 if TYPE_CHECKING:

@@ -31,7 +31,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
+from connector.vllm_connector.bounded_cache import BoundedCache
+from connector.vllm_connector.namespace import rank_fingerprint
 from offload_tiers.host_tier.client import HostTierClient, Pins, SlotLease
 from offload_tiers.host_tier.directory import Location
 from offload_tiers.keys import BlockKey

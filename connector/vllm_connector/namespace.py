@@ -15,8 +15,7 @@ Nothing here imports vLLM: the config objects are read by attribute.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from offload_tiers.keys import Namespace
 
@@ -41,59 +40,3 @@ def kv_groups_descriptor(kv_cache_config: Any) -> str:
         fields.append(f"layers={len(group.layer_names)}")
         parts.append(",".join(fields))
     return ";".join(parts)
-
-
-def expected_slot_bytes(kv_cache_config: Any) -> int:
-    """Bytes of the largest group's block over all its layers, as the config states it.
-
-    Both halves size the CPU tier from this, so they agree on the number of slots; the
-    worker's slab uses its real layout's slot size.
-    """
-    best = 0
-    for group in kv_cache_config.kv_cache_groups:
-        page = int(getattr(group.kv_cache_spec, "page_size_bytes", 0) or 0)
-        best = max(best, page * len(group.layer_names))
-    return best
-
-
-def slot_count(cpu_bytes: int, slot_bytes: int) -> int:
-    """How many slots a CPU tier of ``cpu_bytes`` holds (both halves call this)."""
-    if slot_bytes <= 0:
-        raise ValueError(f"slot size must be positive, got {slot_bytes}")
-    count = cpu_bytes // slot_bytes
-    if count < 1:
-        raise ValueError(f"cpu_bytes={cpu_bytes} holds no block of {slot_bytes} bytes. "
-                         f"Fix: set cpu_bytes >= {slot_bytes}")
-    return count
-
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class BoundedCache(Generic[K, V]):
-    """A small LRU map (per-tenant fingerprints): at most ``max_entries``, oldest out first."""
-
-    def __init__(self, max_entries: int) -> None:
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
-        self.max_entries = max_entries
-        self._data: OrderedDict[K, V] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def get(self, key: K) -> V | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    def put(self, key: K, value: V) -> None:
-        self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.max_entries:
-            self._data.popitem(last=False)
-
-    def clear(self) -> None:
-        self._data.clear()

@@ -36,8 +36,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from connector.vllm_connector.bounded_cache import BoundedCache
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
+from connector.vllm_connector.namespace import rank_fingerprint
 from connector.vllm_connector.stats import ConnectorCounters
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.keys import BlockKey

@@ -5,7 +5,7 @@ sees; two classes implement it:
 
 * :class:`OwnRedis`: the engine's own connection (``redis_url``), kvtier's Redis tier
   (:class:`~offload_tiers.redis.tier.RedisTier`) written through or behind;
-* :class:`~connector.vllm_connector.daemon_redis.DaemonRedis`: the host's Redis through
+* :class:`~connector.vllm_connector.host_tier_redis.HostTierRedisStore`: the host's Redis through
   ``kvtier daemon`` (``host_tier_redis``), whose saves ride the host tier's commits.
 
 Which one a worker gets is chosen in :mod:`connector.vllm_connector.remote_store_factory`.

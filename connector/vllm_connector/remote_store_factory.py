@@ -2,7 +2,8 @@
 from the connector's settings: the one place that knows the kinds.
 
 * ``host_tier_redis`` with a host tier: the host's Redis through ``kvtier daemon``
-  (:class:`~connector.vllm_connector.daemon_redis.DaemonRedis`; no connection of its own);
+  (:class:`~connector.vllm_connector.host_tier_redis.HostTierRedisStore`; no connection of
+  its own);
 * else ``redis_url``: the engine's own connection
   (:class:`~connector.vllm_connector.remote_store.OwnRedis` over kvtier's Redis tier);
 * else none: the worker serves from its CPU tier (and the host tier) alone.
@@ -16,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.daemon_redis import DAEMON_REDIS_TIMEOUT_S, DaemonRedis
+from connector.vllm_connector.host_tier_redis import HOST_TIER_REDIS_TIMEOUT_S, HostTierRedisStore
 from connector.vllm_connector.remote_store import OwnRedis, RemoteStore
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.redis.settings import WRITE_SETTLE_S
@@ -34,7 +35,7 @@ def open_remote_store(config: TieredConfig, host: HostTierClient | None) -> Remo
             log.warning("kvtier: host_tier_redis is set but the daemon at %s holds no Redis "
                         "(start it with --redis-url); serving without Redis",
                         config.host_tier_socket)
-        return DaemonRedis(host, DAEMON_REDIS_TIMEOUT_S)
+        return HostTierRedisStore(host, HOST_TIER_REDIS_TIMEOUT_S)
     if config.redis_url:
         return OwnRedis(make_redis_tier(config), config.write_mode)
     return None

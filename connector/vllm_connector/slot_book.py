@@ -191,13 +191,13 @@ class SlotBook:
         except KeyError:
             log.warning("kvtier: %s was not pinned", key.name)
 
-    def _unhold(self, key: BlockKey) -> None:
+    def _unpin_copy(self, key: BlockKey) -> None:
         """The ranks are done writing ``key`` to Redis: its slot may go (its place in the
         LRU order never changed: a write elsewhere is not a use)."""
         try:
-            self.directory.unhold(key)
+            self.directory.unpin_for_copy(key)
         except KeyError:
-            log.warning("kvtier: %s was not held", key.name)
+            log.warning("kvtier: %s was not pinned for a copy", key.name)
 
     def _remember(self, request: RequestLike, key: BlockKey, g: GroupSpec) -> None:
         """Keep what the BlockStored events of ``key`` will need."""

@@ -61,7 +61,7 @@ class StorePlanner(SlotBook):
         for key in backfill.take(self.redis.up):
             if key in self.redis.written or not self.directory.contains(key):
                 continue  # written since, or evicted
-            slot = self.directory.hold(key)
+            slot = self.directory.pin_for_copy(key)
             assert slot is not None
             job = self.jobs.open_save(key, slot, BACKFILL_REQ, None, True)
             plan.backfills.append(SaveOp(job, BACKFILL_REQ, key.group, -1, slot, key, True,
@@ -164,7 +164,7 @@ class StorePlanner(SlotBook):
             return
         self.directory.commit(key)
         if to_redis:
-            self.directory.hold(key)
+            self.directory.pin_for_copy(key)
         elif self.redis.configured:
             self.counters.add("redis_unavailable_saves")
             if self.redis.backfill is not None:
@@ -184,7 +184,7 @@ class StorePlanner(SlotBook):
         if backfilled and backfill is not None:
             backfill.answered()
         if info.to_redis and info.slot is not None:
-            self._unhold(key)
+            self._unpin_copy(key)
         if not all_ok:
             # A rank could not copy the block: its slot is not trusted.
             if info.gather_failed and self.directory.remove(key):

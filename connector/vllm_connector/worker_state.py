@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.vllm_connector.affinity import SpareCores
+from connector.vllm_connector.bounded_cache import BoundedCache
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.host import NoHostTier, WorkerHostTier
 from connector.vllm_connector.layout import KVLayout, LayoutError, build_layout
-from connector.vllm_connector.namespace import BoundedCache, rank_fingerprint
+from connector.vllm_connector.namespace import rank_fingerprint
 from connector.vllm_connector.pinned import PinnedMapping
 from connector.vllm_connector.plan import (
     FetchOp,

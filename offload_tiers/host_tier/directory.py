@@ -77,7 +77,7 @@ class HostDirectory:
         self._free: deque[int] = deque(range(segment.num_slots))
         self._draining: set[int] = set()
         self._leases: dict[int, set[int]] = {}  # client row -> its leased slots
-        self._held: dict[bytes, int] = {}  # digest -> holds (eviction passes over it)
+        self._held: dict[bytes, int] = {}  # digest -> pins for a copy (eviction passes over it)
         self._free_rows: list[int] = list(range(pins.rows - 1, -1, -1))
         self.events: list[Event] = []
         self.counters = DirectoryCounters()
@@ -182,15 +182,15 @@ class HostDirectory:
                 self.entries.move_to_end(digest)
                 self.counters.touches += 1
 
-    def hold(self, digest: bytes) -> bool:
-        """Keep ``digest``'s entry from eviction until :meth:`unhold` (its bytes are still
+    def pin_for_copy(self, digest: bytes) -> bool:
+        """Keep ``digest``'s entry from eviction until :meth:`unpin_for_copy` (its bytes are still
         to be read, e.g. for the Redis write-behind); False when there is no entry."""
         if digest not in self.entries:
             return False
         self._held[digest] = self._held.get(digest, 0) + 1
         return True
 
-    def unhold(self, digest: bytes) -> None:
+    def unpin_for_copy(self, digest: bytes) -> None:
         count = self._held.get(digest, 0)
         if count <= 1:
             self._held.pop(digest, None)

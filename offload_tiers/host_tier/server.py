@@ -19,7 +19,7 @@ replaced (a new run starts with an empty tier), and a stop removes only the file
 run created (:mod:`offload_tiers.host_tier.run_files`).
 
 Given a Redis tier (``redis``), the daemon also writes commits behind to Redis and restores
-from it for its clients (:mod:`offload_tiers.host_tier.redis_bridge`): its threads do the
+from it for its clients (:mod:`offload_tiers.host_tier.redis_service`): its threads do the
 Redis I/O and ``post`` their replies back to this loop.
 """
 
@@ -69,7 +69,7 @@ from offload_tiers.host_tier.protocol import (
     frame,
     split_frames,
 )
-from offload_tiers.host_tier.redis_bridge import RedisBridge, RestoreItem, WriteItem
+from offload_tiers.host_tier.redis_service import HostTierRedisService, RestoreItem, WriteItem
 from offload_tiers.host_tier.run_files import RunFiles, RunLock, share_file
 from offload_tiers.host_tier.trust import address_of, mapped_file, prepare_socket_dir
 from offload_tiers.keys import BlockKey, BlockKind
@@ -166,8 +166,8 @@ class HostTierServer:
         self._redis = redis  # a RedisTier: write-behind and restores for the clients
         # a PresenceFeed: announces what is written behind, learns what Redis holds
         self._presence_feed = presence_feed
-        self.bridge: RedisBridge | None = None
-        self._posted: deque[Callable[[], None]] = deque()  # run on the loop (bridge replies)
+        self.redis_service: HostTierRedisService | None = None
+        self._posted: deque[Callable[[], None]] = deque()  # run on the loop (Redis service replies)
         # one daemon per name and per socket (run_files): held from start to stop
         self._locks = [RunLock(default_path(f"{name}.lock"), f"the host tier {name!r}",
                                "give this one another --host-tier-name"),
@@ -199,13 +199,14 @@ class HostTierServer:
             self.huge_pages = segment.advise_huge_pages()
             self.directory = HostDirectory(segment, pins)
             if self._redis is not None:
-                self.bridge = RedisBridge(self._redis, self.directory, self.lock, self._post,
-                                          feed=self._presence_feed, push=self._push_presence)
+                self.redis_service = HostTierRedisService(
+                    self._redis, self.directory, self.lock, self._post,
+                    feed=self._presence_feed, push=self._push_presence)
             self._listener = self._listen()
         except BaseException:
-            if self.bridge is not None:
-                self.bridge.close()
-                self.bridge = None
+            if self.redis_service is not None:
+                self.redis_service.close()
+                self.redis_service = None
             self.directory = None
             for table in (segment, pins):
                 if table is not None:
@@ -233,8 +234,8 @@ class HostTierServer:
         os.write(self._wake_w, b"x")
         self._thread.join()
         self._thread = None
-        if self.bridge is not None:
-            self.bridge.close()
+        if self.redis_service is not None:
+            self.redis_service.close()
         assert self._selector is not None and self._listener is not None
         for conn in list(self._conns.values()):
             with contextlib.suppress(OSError):
@@ -261,9 +262,10 @@ class HostTierServer:
     def stats(self) -> dict[str, Any]:
         with self.lock:
             base = self.directory.stats() if self.directory else {}
-            if self.bridge is not None:
-                base.update(self.bridge.stats())
-            return {**base, "redis": self.bridge is not None, "connections": len(self._conns),
+            if self.redis_service is not None:
+                base.update(self.redis_service.stats())
+            return {**base, "redis": self.redis_service is not None,
+                    "connections": len(self._conns),
                     "quarantined_clients": self.quarantined_rows,
                     "rows_reused": self.rows_reused, "stale_requests": self.stale_requests,
                     "backlog_disconnects": self.backlog_disconnects,
@@ -409,16 +411,17 @@ class HostTierServer:
             conn.refused = True  # closed once this batch is answered
         elif isinstance(msg, Probe):
             keys = [_block_key(k) for k in msg.keys]
-            if self.bridge is None:
+            if self.redis_service is None:
                 self._send(conn, Probed(msg.id, [0] * len(keys)))
             else:
-                self.bridge.probe(keys, self._replier(conn, lambda ids, i=msg.id: Probed(i, ids)))
+                self.redis_service.probe(
+                    keys, self._replier(conn, lambda ids, i=msg.id: Probed(i, ids)))
         elif isinstance(msg, Restore):
             items = [_restore_item(item, self.slot_bytes) for item in msg.items]
-            if self.bridge is None:
+            if self.redis_service is None:
                 self._send(conn, Restored(msg.id, [None] * len(items)))
             else:
-                self.bridge.restore(items, self._replier(
+                self.redis_service.restore(items, self._replier(
                     conn, lambda where, i=msg.id: Restored(i, where)))
 
     def _hello(self, conn: _Conn, msg: Hello) -> None:
@@ -448,11 +451,11 @@ class HostTierServer:
         conn.snapshot = ([(d, w.slot, w.save_id, w.length) for d, w in directory.entries.items()]
                          if msg.subscribe else [])
         first, conn.snapshot = conn.snapshot[:SNAPSHOT_CHUNK], conn.snapshot[SNAPSHOT_CHUNK:]
-        presence, synced = (self.bridge.presence_snapshot()
-                            if conn.presence and self.bridge is not None else (None, False))
+        presence, synced = (self.redis_service.presence_snapshot()
+                            if conn.presence and self.redis_service is not None else (None, False))
         self._send(conn, Welcome(PROTOCOL_VERSION, self.instance, self.segment_path,
                                  self.pins_path, row, self.num_slots, self.slot_bytes,
-                                 first, redis=self.bridge is not None,
+                                 first, redis=self.redis_service is not None,
                                  presence=presence.tobytes() if presence is not None else b"",
                                  presence_synced=synced, more=bool(conn.snapshot),
                                  leased=directory.leased_to(row) if reused else []))
@@ -502,13 +505,13 @@ class HostTierServer:
         for (digest, slot, save_id, length), target in zip(msg.saves, targets, strict=True):
             ok = directory.commit(conn.row, slot, digest, save_id, length)
             (kept if ok else dropped).append(slot)
-            if ok and target is not None and self.bridge is not None:
-                # held until the bridge has read it back: eviction cannot skip the write
-                directory.hold(digest)
+            if ok and target is not None and self.redis_service is not None:
+                # held until the Redis service has read it back: eviction cannot skip the write
+                directory.pin_for_copy(digest)
                 behind.append((digest, Location(slot, save_id, length), *target))
         self._send(conn, Committed(kept, dropped))
-        if self.bridge is not None:
-            self.bridge.write_behind(behind)
+        if self.redis_service is not None:
+            self.redis_service.write_behind(behind)
 
     def _push_presence(self, digests: Any, synced: bool) -> None:
         """Send what the presence feed learned to every subscriber (on the loop)."""
@@ -519,7 +522,7 @@ class HostTierServer:
                 self._flush(conn)
 
     def _post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread (from the bridge's threads)."""
+        """Run ``fn`` on the loop thread (from the Redis service's threads)."""
         self._posted.append(fn)
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")

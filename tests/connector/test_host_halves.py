@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from connector.vllm_connector.config import TieredConfig
-from connector.vllm_connector.daemon_redis import DaemonRedis
 from connector.vllm_connector.host import host_digest
+from connector.vllm_connector.host_tier_redis import HostTierRedisStore
 from connector.vllm_connector.plan import FetchFrom
 from connector.vllm_connector.presence import DaemonFeed
 from rigs.daemon_proc import HostTierDaemon
@@ -194,7 +194,7 @@ def test_with_host_tier_redis_every_rank_restores_through_a_new_daemon(
         first = Halves(config, tp_size=tp, presence=True)
         # no Redis connection of their own: the workers' Redis is the daemon's, and so is
         # the scheduler's summary
-        assert all(isinstance(rank.worker.redis, DaemonRedis) and rank.worker.redis.available
+        assert all(isinstance(rank.worker.redis, HostTierRedisStore) and rank.worker.redis.available
                    for rank in first.ranks)
         assert first.sched.presence is not None
         assert isinstance(first.sched.presence.feed, DaemonFeed)

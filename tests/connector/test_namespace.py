@@ -13,13 +13,9 @@ from typing import Any
 import pytest
 
 from connector.identity.engine import EngineIdentity, architecture_digest, identity_from_vllm
-from connector.vllm_connector.namespace import (
-    BoundedCache,
-    expected_slot_bytes,
-    kv_groups_descriptor,
-    rank_fingerprint,
-    slot_count,
-)
+from connector.vllm_connector.bounded_cache import BoundedCache
+from connector.vllm_connector.namespace import kv_groups_descriptor, rank_fingerprint
+from connector.vllm_connector.slot_sizing import expected_slot_bytes, slot_count
 
 BASE = EngineIdentity(
     model="/models/tiny", revision="main", weights_version="", checkpoint="c" * 32,

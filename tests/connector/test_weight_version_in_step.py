@@ -20,13 +20,13 @@ from types import SimpleNamespace
 import pytest
 
 from connector.identity.generation import Generation
+from connector.vllm_connector.bounded_cache import BoundedCache
 from connector.vllm_connector.config import TieredConfig
 from connector.vllm_connector.connector import (
     TENANT_CACHE_MAX,
     TieredConnectorMetadata,
     TieredOffloadingConnector,
 )
-from connector.vllm_connector.namespace import BoundedCache
 from rigs.halves import BS, Halves
 from rigs.sched_doubles import Blk, Req
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import redis as redis_py
 
-from connector.vllm_connector.daemon_redis import key_tuple
+from connector.vllm_connector.host_tier_redis import key_tuple
 from offload_tiers.host_tier.client import HostTierClient, new_save_id
 from offload_tiers.host_tier.protocol import Probe
 from offload_tiers.keys import BlockKey, BlockKind

@@ -200,7 +200,7 @@ async def test_every_daemon_metric_has_a_real_help_and_gauges_do_not_end_in_tota
 
 
 def test_every_host_tier_metric_has_a_real_help(tmp_path: Path, redis_url: str) -> None:
-    """A host tier with its Redis bridge and presence feed: every stat it exports."""
+    """A host tier with its Redis service and presence feed: every stat it exports."""
     d = Daemon(DaemonConfig(cpu_bytes=1 << 22, slot_bytes=1 << 16,
                             host_tier_socket=str(tmp_path / "run" / "h.sock"),
                             host_tier_name=f"test-{uuid.uuid4().hex[:12]}",
@@ -215,7 +215,7 @@ def test_every_host_tier_metric_has_a_real_help(tmp_path: Path, redis_url: str) 
         d.stop()
     numeric = {k for k, v in stats.items() if isinstance(v, int)}
     assert numeric - set(HOST_TIER_HELP) == set()
-    assert "redis_writes" in numeric and "presence_learned" in numeric  # bridge and feed on
+    assert "redis_writes" in numeric and "presence_learned" in numeric  # Redis service and feed on
     host = {f.name.removeprefix("kvtier_host_tier_"): f.type for f in _families(text)
             if f.name.startswith("kvtier_host_tier_")}
     assert set(host) == numeric

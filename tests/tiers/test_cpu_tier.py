@@ -85,53 +85,53 @@ def test_acquire_is_refcounted() -> None:
 
 
 def test_a_held_entry_keeps_its_lru_place_and_is_passed_over_by_eviction() -> None:
-    """``hold`` (a copy to Redis) pins without making the entry recently used; ``acquire``
+    """``pin_for_copy`` (a copy to Redis) pins without making the entry recently used; ``acquire``
     then ``release`` (a load) does."""
     evicted: list = []
     t = tier(3, on_evict=lambda k, v: evicted.append(k))
     a, b, c, d, e = (key(i) for i in range(5))
     for k in (a, b, c):
         t.put(k, payload(k))
-    assert t.hold(a) is not None and t.hold(key(9)) is None
+    assert t.pin_for_copy(a) is not None and t.pin_for_copy(key(9)) is None
     assert t.keys() == [a, b, c]  # held: still least recently used
     t.put(d, payload(d))  # a is held: b, the next least recently used, goes
     assert evicted == [b] and t.contains(a)
-    t.unhold(a)
+    t.unpin_for_copy(a)
     assert t.keys() == [a, c, d]  # its place kept after the copy
     t.put(e, payload(e))
     assert evicted == [b, a]
     assert t.stats()["hits"] == 0  # a copy elsewhere is not a read hit
     with pytest.raises(KeyError):
-        t.unhold(c)
+        t.unpin_for_copy(c)
 
 
-def test_hold_and_acquire_together() -> None:
+def test_pin_for_copy_and_acquire_together() -> None:
     t = tier(2)
     a, b, c = key(0), key(1), key(2)
     t.put(a, payload(a))
     t.put(b, payload(b))
-    t.hold(a)
+    t.pin_for_copy(a)
     t.acquire(a)  # a load while its write runs
     t.release(a)  # a load is a use: most recently used, still held
     assert t.keys() == [b, a]
     with pytest.raises(KeyError):
         t.release(a)  # held, not acquired
-    t.hold(b)
+    t.pin_for_copy(b)
     assert t.reserve(c) is None  # every entry held
-    t.unhold(a)
-    t.unhold(b)
+    t.unpin_for_copy(a)
+    t.unpin_for_copy(b)
     assert t.put(c, payload(c)) and not t.contains(b) and t.contains(a)
 
 
-def test_remove_while_held_frees_at_unhold() -> None:
+def test_remove_while_pinned_for_copy_frees_at_its_unpin() -> None:
     t = tier(1)
     a = key(0)
     t.put(a, payload(a))
-    slot = t.hold(a)
+    slot = t.pin_for_copy(a)
     assert t.remove(a) and not t.contains(a) and t.keys() == []
     assert t.reserve(key(1)) is None  # its slot is still being copied
     assert slot is not None and bytes(t.view(slot)) == payload(a)
-    t.unhold(a)
+    t.unpin_for_copy(a)
     assert t.stats()["free_slots"] == 1 and t.put(key(1), b"new")
 
 

@@ -161,8 +161,8 @@ def test_a_held_entry_is_passed_over_by_eviction(directory: HostDirectory) -> No
     slots = directory.lease(row, 4)
     for i, slot in enumerate(slots):
         assert save(directory, row, slot, b"k%d" % i, i + 1)
-    assert directory.hold(digest(b"k0")) and not directory.hold(digest(b"absent"))
+    assert directory.pin_for_copy(digest(b"k0")) and not directory.pin_for_copy(digest(b"absent"))
     assert directory.lease(row, 1) == [slots[1]]  # k0 is the oldest, but held
     assert digest(b"k0") in directory.entries
-    directory.unhold(digest(b"k0"))
+    directory.unpin_for_copy(digest(b"k0"))
     assert directory.lease(row, 1) == [slots[0]]

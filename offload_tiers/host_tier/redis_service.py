@@ -1,4 +1,6 @@
 """The daemon's Redis behind the host tier: write-behind, restores and probes for engines.
+The daemon's end of ``host_tier_redis`` (the engine's end:
+:class:`~connector.vllm_connector.host_tier_redis.HostTierRedisStore`).
 
 With ``kvtier daemon --cpu-bytes N --redis-url URL`` the daemon holds the host's one Redis
 connection for the engines that attach with ``host_tier_redis``:
@@ -77,7 +79,7 @@ RestoreItem = tuple[bytes, BlockKey, int, int]
 
 
 @dataclass(slots=True)
-class BridgeCounters:
+class RedisServiceCounters:
     redis_writes_queued: int = 0
     redis_writes: int = 0
     redis_write_failures: int = 0
@@ -97,7 +99,7 @@ class BridgeCounters:
         return asdict(self)
 
 
-class RedisBridge:
+class HostTierRedisService:
     """Redis write-behind and restores for one host tier (``directory``, under ``lock``)."""
 
     def __init__(self, redis: RedisTier, directory: HostDirectory, lock: threading.RLock,
@@ -127,9 +129,9 @@ class RedisBridge:
         with lock:
             row = directory.attach_client()
         if row is None:
-            raise ValueError("the host tier has no client row left for its Redis bridge")
+            raise ValueError("the host tier has no client row left for its Redis service")
         self.row = row  # the daemon's own row: restores are leased and committed under it
-        self.counters = BridgeCounters()
+        self.counters = RedisServiceCounters()
         self._counter_lock = threading.Lock()
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvtier-host-redis-write")
         self._requests = ThreadPoolExecutor(request_threads,
@@ -228,7 +230,7 @@ class RedisBridge:
             finally:
                 if not backfill:
                     with self.lock:
-                        self.directory.unhold(digest)
+                        self.directory.unpin_for_copy(digest)
             if not read:
                 self._count(**({"redis_backfill_skipped": 1} if backfill else
                                {"redis_writes_skipped": 1, "redis_write_failures": 1}))

@@ -1,8 +1,10 @@
-"""Redis through the host tier's daemon, for a worker with ``host_tier_redis``.
+"""Redis through the host tier's daemon, for a worker with ``host_tier_redis``: the engine's
+end of the feature (the daemon's end:
+:class:`~offload_tiers.host_tier.redis_service.HostTierRedisService`).
 
 Such an engine opens no Redis connection of its own: ``kvtier daemon --cpu-bytes N
 --redis-url URL`` holds the host's. The worker's Redis calls keep their shape
-(:class:`DaemonRedis` stands where a :class:`~offload_tiers.redis.tier.RedisTier` would):
+(:class:`HostTierRedisStore` stands where a :class:`~offload_tiers.redis.tier.RedisTier` would):
 
 * a probe asks the daemon which save of each key Redis holds;
 * a fetch asks the daemon to read the values from Redis into host-tier slots (checked by
@@ -38,7 +40,7 @@ from offload_tiers.keys import BlockKey
 #: How long a worker's I/O thread waits for the daemon's answer to a probe or a restore
 #: (the daemon's own Redis waits are bounded by its ``redis_timeout_s``); a late answer is
 #: a miss, recomputed. Never on vLLM's step.
-DAEMON_REDIS_TIMEOUT_S = 10.0
+HOST_TIER_REDIS_TIMEOUT_S = 10.0
 
 
 def key_tuple(key: BlockKey) -> KeyTuple:
@@ -51,7 +53,7 @@ def key_tuple(key: BlockKey) -> KeyTuple:
 _VIA_DAEMON: WriteCounters = ("redis_saves_via_daemon", None, ("store_drops",))
 
 
-class DaemonRedis:
+class HostTierRedisStore:
     """The daemon's Redis, as a worker calls it (a
     :class:`~connector.vllm_connector.remote_store.RemoteStore`: probes and fetches; saves
     ride the host-tier commits)."""
