@@ -314,12 +314,13 @@ async def _serve(cfg: DaemonConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     bound = site._server.sockets[0].getsockname() if site._server else cfg.http  # type: ignore
     log.info("kvtier daemon: %d source(s); HTTP on %s", len(daemon.subscriber.sources), bound)
-    if daemon.host_tier is not None:
-        service = daemon.host_tier.redis_service
+    host_tier = daemon.parts.host_tier
+    if host_tier is not None:
+        service = host_tier.redis_service
         redis = (f"; Redis write-behind and restores through {service.redis.target.redacted}"
                  if service is not None else "")
-        say_line(f"kvtier host tier: {daemon.host_tier.num_slots} slots of "
-                 f"{daemon.host_tier.slot_bytes} bytes on {daemon.host_tier.socket_path}{redis}")
+        say_line(f"kvtier host tier: {host_tier.num_slots} slots of {host_tier.slot_bytes} "
+                 f"bytes on {host_tier.socket_path}{redis}")
     say_line(f"kvtier daemon listening on http://{bound[0]}:{bound[1]}")
     await stop.wait()
     log.info("kvtier daemon: shutting down")

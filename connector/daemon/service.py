@@ -1,8 +1,9 @@
-"""The running daemon: ingest thread + the state the HTTP handlers read."""
+"""The running daemon: ingest thread + the state the HTTP handlers read, and its parts
+(:mod:`connector.daemon.parts`: janitor, host tier, presence feed), started and stopped
+with it."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from connector.daemon.config import DaemonConfig
 from connector.daemon.ingest import Ingestor
+from connector.daemon.parts import DaemonParts, build_parts
 from connector.daemon.requests import LookupRequest, ScoreRequest
 from connector.daemon.subscriber import Subscriber
 from connector.events.index import KIND_NAMES, ResidencyPolicy, publisher_id
@@ -22,18 +24,15 @@ from connector.events.score import check_unit, prefixes, rank
 from connector.events.token_hashing import TokenHasher
 from connector.events.wire import Medium
 
-if TYPE_CHECKING:  # imported only when the daemon runs them (Redis, the host tier)
+if TYPE_CHECKING:  # imported only when the daemon runs it
     from offload_tiers.host_tier.server import HostTierServer
-    from offload_tiers.redis.janitor import RedisJanitor
-    from offload_tiers.redis.presence_feed import PresenceFeed
-
-log = logging.getLogger("kvtier.daemon")
 
 __all__ = ["Daemon", "LookupRequest", "ScoreRequest"]
 
 
 class Daemon:
-    """Wires config -> subscriber -> ingestor; answers look-ups, stats and metrics."""
+    """Wires config -> subscriber -> ingestor, and holds the daemon's parts (janitor, host
+    tier, presence feed); answers look-ups, stats and metrics."""
 
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
@@ -45,28 +44,27 @@ class Daemon:
         th = cfg.token_hashing
         self.token_hasher = (TokenHasher(th.algo, th.hash_block_size, th.seed)
                              if th is not None else None)
-        self.janitor = _make_janitor(cfg)
-        self.host_tier = _make_host_tier(cfg)
+        self.parts: DaemonParts = build_parts(cfg)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_DaemonCollector(self))
-        if self.janitor is not None:
+        if self.parts.janitor is not None:
             from connector.daemon.janitor_metrics import JanitorCollector
 
-            self.registry.register(JanitorCollector(self.janitor))
+            self.registry.register(JanitorCollector(self.parts.janitor))
 
     def start(self) -> None:
-        if self.host_tier is not None:
-            self.host_tier.start()
+        if self.parts.host_tier is not None:
+            self.parts.host_tier.start()
         self.subscriber.start()
-        if self.janitor is not None:
-            self.janitor.start()
+        if self.parts.janitor is not None:
+            self.parts.janitor.start()
 
     def stop(self) -> None:
-        if self.janitor is not None:
-            self.janitor.stop()
+        if self.parts.janitor is not None:
+            self.parts.janitor.stop()
         self.subscriber.stop()
-        if self.host_tier is not None:
-            self.host_tier.stop()
+        if self.parts.host_tier is not None:
+            self.parts.host_tier.stop()
 
     def known_publishers(self) -> set[str]:
         """Publisher ids a look-up may name: every configured one at each of its DP ranks,
@@ -155,10 +153,10 @@ class Daemon:
         out = {"uptime_s": round(time.time() - self.started, 3), "pid": os.getpid(),
                "rss_bytes": _rss_bytes(), "decode_errors": ing.decode_errors,
                "index": index, "publishers": pubs, "sources": sources}
-        if self.janitor is not None:
-            out["janitor"] = self.janitor.stats()
-        if self.host_tier is not None:
-            out["host_tier"] = self.host_tier.stats()
+        if self.parts.janitor is not None:
+            out["janitor"] = self.parts.janitor.stats()
+        if self.parts.host_tier is not None:
+            out["host_tier"] = self.parts.host_tier.stats()
         return out
 
     def metrics_text(self) -> bytes:
@@ -170,69 +168,6 @@ def residency_policy(cfg: DaemonConfig) -> ResidencyPolicy:
     ttl = {Medium.STORAGE: cfg.storage_ttl_s} if cfg.storage_ttl_s is not None else None
     return ResidencyPolicy(by_source={p.source_name: p.set_media_all() for p in cfg.publishers},
                            ttl_s=ttl)
-
-
-def _make_janitor(cfg: DaemonConfig) -> RedisJanitor | None:
-    """The Redis janitor when ``redis_url`` is configured (redis is imported only then)."""
-    if cfg.redis_url is None:
-        return None
-    from offload_tiers.redis.janitor import RedisJanitor
-
-    for warning in cfg.redis_warnings:
-        log.warning("kvtier daemon: %s", warning)
-
-    return RedisJanitor(
-        cfg.redis_url, cfg.redis_prefix, interval_s=cfg.janitor_interval_s,
-        scan_count=cfg.janitor_scan_count, max_keys_per_s=cfg.janitor_max_keys_per_s,
-        max_keys_per_pass=cfg.janitor_max_keys_per_pass,
-        allowed_fingerprints=cfg.janitor_allowed_fingerprints, dry_run=cfg.janitor_dry_run,
-        redis_timeout_s=cfg.redis_timeout_s, ssl_ca_certs=cfg.redis_ssl_ca_certs)
-
-
-def _make_host_tier(cfg: DaemonConfig) -> HostTierServer | None:
-    """The host tier's server when ``cpu_bytes`` is configured (started by ``start``)."""
-    if cfg.cpu_bytes is None:
-        return None
-    from offload_tiers.host_tier.server import HostTierServer
-
-    group = None
-    if cfg.host_tier_group is not None:
-        import grp
-
-        try:
-            group = grp.getgrnam(cfg.host_tier_group).gr_gid
-        except KeyError:
-            raise ValueError(f"host_tier_group {cfg.host_tier_group!r} is not a group on "
-                             "this host") from None
-    redis = presence_feed = None
-    if cfg.redis_url is not None:  # write-behind and restores for host_tier_redis engines
-        from offload_tiers.redis.settings import SHORT_WRITE_LINGER_S
-        from offload_tiers.redis.tier import RedisTier
-
-        # the host tier's shared slots stay held until written: a short linger
-        redis = RedisTier.from_settings(cfg, write_linger_s=SHORT_WRITE_LINGER_S)
-        if not redis.available:
-            log.warning("kvtier daemon: Redis at %s is not answering (%s); the host tier "
-                        "writes behind and restores once it does", redis.target.redacted,
-                        redis.last_error)
-        presence_feed = _presence_feed(cfg)
-    return HostTierServer(name=cfg.host_tier_name, cpu_bytes=cfg.cpu_bytes,
-                          slot_bytes=cfg.slot_bytes, socket_path=cfg.host_tier_socket_path,
-                          max_clients=cfg.host_tier_max_clients,
-                          mode=0o600 if group is None else 0o660, group=group, redis=redis,
-                          presence_feed=presence_feed)
-
-
-def _presence_feed(cfg: DaemonConfig) -> PresenceFeed:
-    """The host tier's presence feed: announces what it writes behind on the prefix's
-    presence stream (as engines announce their own writes) and learns what Redis holds
-    (a walk of the key names, then every engine's announcements) for the engines that
-    reach Redis only through the daemon; its own thread and connection."""
-    from offload_tiers.redis.presence_feed import PresenceFeed
-
-    # its blocking reads wait up to a tenth of a second: a generous timeout (a timeout costs
-    # a walk of the key names; nothing waits on this thread)
-    return PresenceFeed(cfg.client_factory(min_timeout_s=5.0), cfg.redis_prefix).start()
 
 
 def _rss_bytes() -> int:
@@ -320,7 +255,7 @@ class _DaemonCollector(Collector):
         rss = GaugeMetricFamily("kvtier_daemon_rss_bytes", "Resident set size")
         rss.add_metric([], _rss_bytes())
         yield from (ev, batches, lag, max_lag, reann, hashes, total, entries, rss,
-                    *fams.values(), *_host_tier_metrics(d.host_tier))
+                    *fams.values(), *_host_tier_metrics(d.parts.host_tier))
 
 
 #: host tier stats that are states (they go up and down): exported as gauges. Every other
@@ -404,7 +339,7 @@ HOST_TIER_HELP: dict[str, str] = {
 }
 
 
-def _host_tier_metrics(host_tier: Any) -> Iterator[Any]:
+def _host_tier_metrics(host_tier: HostTierServer | None) -> Iterator[Any]:
     if host_tier is None:
         return
     for name, value in host_tier.stats().items():

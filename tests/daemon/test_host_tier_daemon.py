@@ -215,15 +215,17 @@ def test_the_daemon_s_redis_writer_keeps_a_short_linger(tmp_path: Path, redis_ur
     """The host tier's shared slots stay held until written: its writer does not wait the
     connector's 200 ms for more stores."""
     from connector.daemon.config import DaemonConfig
-    from connector.daemon.service import _make_host_tier
+    from connector.daemon.parts import build_parts
     from offload_tiers.redis.settings import SHORT_WRITE_LINGER_S, WRITE_LINGER_S
 
     cfg = DaemonConfig(cpu_bytes=64 << 20, redis_url=redis_url, redis_prefix=key_prefix,
                        host_tier_socket=str(tmp_path / "s"),
                        host_tier_name=f"test-{uuid.uuid4().hex[:8]}")
-    server = _make_host_tier(cfg)  # not started: no segment, no socket
+    parts = build_parts(cfg)  # not started: no segment, no socket
+    server = parts.host_tier
+    assert server is not None and parts.presence_feed is not None
     try:
         assert server._redis._writer._linger_s == SHORT_WRITE_LINGER_S < WRITE_LINGER_S
     finally:
-        server._presence_feed.close()
+        parts.presence_feed.close()
         server._redis.close()

@@ -208,7 +208,8 @@ def test_every_host_tier_metric_has_a_real_help(tmp_path: Path, redis_url: str) 
                             http="127.0.0.1:0"))
     d.start()
     try:
-        stats = d.host_tier.stats()
+        assert d.parts.host_tier is not None
+        stats = d.parts.host_tier.stats()
         text = d.metrics_text()
         text = text.decode() if isinstance(text, bytes) else text
     finally:
