@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from connector.vllm_connector.bounded_cache import BoundedCache
 from connector.vllm_connector.namespace import rank_fingerprint
 from offload_tiers.host_tier.client import HostTierClient, Pins, SlotLease
 from offload_tiers.host_tier.directory import Location
+from offload_tiers.host_tier.protocol import RedisWrite
 from offload_tiers.keys import BlockKey
-from offload_tiers.shared_segment import digest
+from offload_tiers.shared_segment import SharedSegment, digest
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,12 @@ class WorkerHostTier(Protocol):
     def available(self) -> bool: ...
 
     @property
-    def segment(self) -> Any: ...
+    def segment(self) -> SharedSegment | None: ...
 
     def take_slots(self, n: int) -> SlotLease: ...
 
     def commit(self, lease: SlotLease, saves: list[tuple[bytes, int, int, int]],
-               redis: list[Any] | None = None) -> None: ...
+               redis: list[RedisWrite | None] | None = None) -> None: ...
 
     def abandon(self, lease: SlotLease) -> None: ...
 
@@ -106,7 +107,7 @@ class NoHostTier:
         return SlotLease("", -1, None, ())
 
     def commit(self, lease: SlotLease, saves: list[tuple[bytes, int, int, int]],
-               redis: list[Any] | None = None) -> None:
+               redis: list[RedisWrite | None] | None = None) -> None:
         """Nothing leased: nothing to commit."""
 
     def abandon(self, lease: SlotLease) -> None:

@@ -40,6 +40,7 @@ from connector.vllm_connector.transfer import BlockTransfer
 from offload_tiers.cpu_tier import allocate_slab
 from offload_tiers.host_tier.client import HostTierClient
 from offload_tiers.keys import BlockKey
+from offload_tiers.shared_segment import SharedSegment
 from offload_tiers.thread_names import name_current_thread
 
 log = logging.getLogger("connector.vllm_connector.worker")  # the worker half's log
@@ -111,7 +112,7 @@ class WorkerState:
         self._host_tier_configured = host is not None
         self._host_commits: set[futures.Future[None]] = set()
         # req -> key -> (segment, slot, seq) of each host shard checked for that request
-        self._host_shards: dict[str, dict[BlockKey, tuple[Any, int, int]]] = {}
+        self._host_shards: dict[str, dict[BlockKey, tuple[SharedSegment, int, int]]] = {}
         if redis is not None:
             self.counters.set_gauge("redis_configured", 1)
         self.layout: KVLayout | None = None
