@@ -4,7 +4,9 @@
                                      [--peer-venv DIR | --no-peer]
                                      [--no-agreement | --agreement-only] [--re-record]
 
-Four measurements, each printed and written to JSON (``ratios`` and ``agreement`` included):
+Four measurements, each printed and written to JSON (``ratios`` and ``agreement`` included).
+Every block hash is a 64-bit value spread as vLLM's are (:func:`vllm_hash`), never a run of
+consecutive integers (a Python dict would keep those in neighbouring slots):
 
 1. **ingest** (one process): the same full-attention event stream (stores of 16-64 hashes
    chained on live requests, removals of old ones; block size 16) applied by kvtier's ingest
@@ -59,6 +61,31 @@ PEER_PACKAGE = "ai-dynamo-runtime==1.6.1"
 DEFAULT_PEER_VENV = ROOT / ".kvtier" / "venv-bench-dynamo"
 
 Event = tuple[str, int, list[int], int | None]  # (op "store"/"remove", engine, hashes, parent)
+_M64 = (1 << 64) - 1
+
+
+def vllm_hash(n: int) -> int:
+    """The block hash of sequence number ``n``: 64 bits spread as vLLM's are (its int hashes
+    are sha256 digests cut to 64 bits). splitmix64's finalizer, a bijection: no collisions.
+
+    The streams number blocks consecutively; fed as they are, a Python dict (an int hashes to
+    itself) would hold a chain's blocks in neighbouring slots, a locality real hashes never
+    give, and the walks would be timed with warm caches."""
+    z = (n + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def as_vllm_hashes(ev: Event) -> Event:
+    """``ev`` with its sequence numbers as block hashes (:func:`vllm_hash`)."""
+    op, engine, hashes, parent = ev
+    return op, engine, list(map(vllm_hash, hashes)), None if parent is None else vllm_hash(parent)
+
+
+def _hashed(events: list[Event], queries: list[list[int]]
+            ) -> tuple[list[Event], list[list[int]]]:
+    return list(map(as_vllm_hashes, events)), [list(map(vllm_hash, q)) for q in queries]
 
 
 # -- the event streams (standard library only: both sides build them the same way) --------
@@ -86,7 +113,7 @@ def ingest_stream(n_batches: int, seed: int = 0) -> Iterator[list[Event]]:
                 gone, resident[-n:] = resident[-n:], []
                 batch.append(("remove", 0, gone[::-1], None))
                 chains = [c for c in chains if c < gone[0]]
-        yield batch
+        yield list(map(as_vllm_hashes, batch))
 
 
 def index_stream(n_blocks: int, engines: int = ENGINES,
@@ -113,7 +140,7 @@ def index_stream(n_blocks: int, engines: int = ENGINES,
         cut = rng.choice((QUERY_BLOCKS, QUERY_BLOCKS, rng.randrange(1, QUERY_BLOCKS)))
         chain[cut:] = range(fresh + i * QUERY_BLOCKS, fresh + i * QUERY_BLOCKS + len(chain) - cut)
         queries.append(chain)
-    return events, queries
+    return _hashed(events, queries)
 
 
 class _Hashes:
@@ -183,7 +210,7 @@ def trace_stream(n_blocks: int, engines: int,
             queries.append([h for _pid, part in _trace_request(rng, hs) for h in part])
         else:
             queries.append(rng.choice(convs) + hs.fresh(rng.randint(8, 32)))
-    return events, queries
+    return _hashed(events, queries)
 
 
 WORKLOADS: dict[str, Callable[[int, int], tuple[list[Event], list[list[int]]]]] = {
@@ -365,7 +392,7 @@ def kvtier_query(name: str, engines: int, n_blocks: int,
 
 # -- HTTP /score under ingest ----------------------------------------------------------------
 
-QUERY_CHAIN = list(range(10**12, 10**12 + QUERY_BLOCKS))  # HTTP stage: resident throughout
+QUERY_CHAIN = [vllm_hash(n) for n in range(10**12, 10**12 + QUERY_BLOCKS)]  # resident throughout
 
 
 def _publisher(port: int, stats_url: str, n_batches: int, seconds: float, rate: int,
