@@ -31,18 +31,20 @@ end a prefix and counts only its own ``num_tokens``; nothing extends past a part
 PLACEHOLDER and PENDING entries never count. Each publisher is walked with its own block
 size (publishers that share one are walked together); the answer is the best of those walks.
 Scoring (``connector.events.score``) walks every engine of one block size at once over the
-node table (:func:`lane_groups`).
+node table (:func:`lane_groups`). The table is a C ``NodeTable`` where the extension is built
+(block hashes inline, the walk in one C pass), else a dict (:mod:`connector.events.node_table`).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import compress, count, islice, repeat
 from operator import and_, ne, or_, rshift
 from typing import Any, NamedTuple
 
+from connector.events import node_table
 from connector.events.wire import Medium
 from offload_tiers.keys import BlockKind
 
@@ -281,15 +283,18 @@ class ResidencyPolicy:
 
 
 # -- the shared node table -----------------------------------------------------------------
-# One dict for the whole index: block hash -> node. A residency key holds a *lane* (a bit
-# number). A node is an int in the common case, ``(lanes << SHIFT) | facts``: the lanes
-# holding the hash, all with the same packed facts, once each (refcounts above one live in
-# ``KVIndex.extra``); a dict ``{lane: facts}`` where lanes disagree on the facts (rare: an
-# engine that learned a position another did not) or facts do not fit in SHIFT bits.
+# One table for the whole index (a dict, or the C NodeTable that behaves as one): block hash
+# -> node. A residency key holds a *lane* (a bit number). A node is an int in the common
+# case, ``(lanes << SHIFT) | facts``: the lanes holding the hash, all with the same packed
+# facts, once each (refcounts above one live in ``KVIndex.extra``); a dict ``{lane: facts}``
+# where lanes disagree on the facts (rare: an engine that learned a position another did
+# not) or facts do not fit in SHIFT bits. The C table keeps int nodes below 2**127 (up to 95
+# lanes) inline and walks them in C; wider nodes are Python ints there, walked in Python.
 
 SHIFT = 32
 FACTS = (1 << SHIFT) - 1  # the facts bits of an int node
 _DEAD_LANE = 1 << 20  # a released view's lane: no node has that bit
+assert node_table.C_PACKING in (None, (SHIFT, _FULL)), "the C walk reads nodes as packed here"
 
 
 def _lanes_of(mask: int) -> Iterator[int]:
@@ -381,7 +386,8 @@ class KVIndex:
         self._tick = count()
         self._heap_limit = 1024
         self.expired = 0
-        self.nodes: dict[Any, int | dict[int, int]] = {}  # hash -> node (module comment)
+        # hash -> node (module comment): a C NodeTable or a dict (connector.events.node_table)
+        self.nodes: MutableMapping[Any, int | dict[int, int]] = node_table.new_table()
         self.res: dict[ResidencyKey, LaneView] = {}  # residency key -> its entries
         self._free_lanes: list[int] = []  # lanes of cleared keys, reused smallest first
         self._next_lane = 0
@@ -1068,17 +1074,21 @@ def lane_groups(nodes: Mapping[Any, int | dict[int, int]], chain: Sequence[Any],
     """:func:`lane_runs` as ``(lanes, run)`` pairs: the lanes (bits) whose run ends after
     ``run`` blocks, each run once.
 
-    One dict hop per block for every lane at once. The lanes still in the run (``alive``)
-    predict each block's node exactly (``alive`` at the FULL facts of its position): the
-    nodes are compared with that prediction at C speed up to the first that differs, where
-    the run of the lanes that node lacks ends. Nodes in the dict form, and more surprises
-    than :data:`_SURPRISES`, take :func:`_lane_runs_exact`.
+    One table hop per block for every lane at once. On a C ``NodeTable`` the whole walk is one
+    C pass (:func:`connector.events.node_table.walk_groups`). Else the lanes still in the run
+    (``alive``) predict each block's node exactly (``alive`` at the FULL facts of its
+    position): the nodes are compared with that prediction at C speed up to the first that
+    differs, where the run of the lanes that node lacks ends. Nodes in the dict form, and
+    more surprises than :data:`_SURPRISES`, take :func:`_lane_runs_exact`.
     """
     r = b // u
     ends = chain[r - 1::r] if r > 1 else chain
     n = len(ends)
     if not n:
         return []
+    walked = node_table.walk_groups(nodes, ends, b)
+    if walked is not None:
+        return walked
     get = nodes.get
     groups: list[tuple[int, int]] = []
     alive = 0

@@ -11,6 +11,8 @@ from offload_tiers.keys import BlockKind
 from tests.support.events import Entry, apply, entries
 from tests.support.events import facts as read_facts
 
+pytestmark = pytest.mark.usefixtures("node_tables")  # the C node table and the dict
+
 FULL, PARTIAL, PLACEHOLDER = BlockKind.FULL, BlockKind.PARTIAL, BlockKind.PLACEHOLDER
 
 P = "pub#dp0"

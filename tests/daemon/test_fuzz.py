@@ -62,7 +62,8 @@ class Feeder:
 
 
 @pytest.fixture(scope="module")
-def feeder() -> Iterator[Feeder]:
+def feeder(node_tables_module: str) -> Iterator[Feeder]:
+    """A daemon fed over ZMQ, once with each node table (its environment picks it)."""
     f = Feeder()
     yield f
     f.close()

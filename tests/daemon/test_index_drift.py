@@ -24,6 +24,8 @@ from rigs.daemon_proc import DaemonProcess
 from rigs.ports import free_port
 from tests.daemon.test_daemon_zmq import Rig, kv_events, removed, stored
 
+pytestmark = pytest.mark.usefixtures("node_tables")  # the C node table and the dict
+
 B = 16
 
 

@@ -31,6 +31,8 @@ from connector.events.wire import (
     encode_batch,
 )
 
+pytestmark = pytest.mark.usefixtures("node_tables")  # the C node table and the dict
+
 B, U = 64, 16  # block size, hash unit: partial entries end every 16 tokens inside a block
 
 

@@ -54,11 +54,14 @@ def hash_at(prompt: int, tokens: int) -> int:
 
 class IndexModel(RuleBasedStateMachine):
     configured = True
+    dict_table = False  # the index's node table: C where built (node_table), or a dict
 
     def __init__(self) -> None:
         super().__init__()
         sizes = GroupSizes({0: B} if self.configured else None)
         self.index = KVIndex(sizes, policy=ResidencyPolicy(by_source=SET_MEDIA))
+        if self.dict_table:
+            self.index.nodes = {}  # empty still: the pure-Python path, as KVTIER_PURE_PYTHON_INDEX
         self.classifier = Classifier(self.index)
         self.ref: dict[tuple[str, str], Counter[int]] = {}
         self.truth_kind: dict[int, str] = {}
@@ -222,9 +225,21 @@ class LearnedIndexModel(IndexModel):
     configured = False
 
 
+class DictIndexModel(IndexModel):
+    dict_table = True
+
+
+class DictLearnedIndexModel(LearnedIndexModel):
+    dict_table = True
+
+
 _settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestIndexModelConfigured = IndexModel.TestCase
 TestIndexModelConfigured.settings = _settings
 TestIndexModelLearned = LearnedIndexModel.TestCase
 TestIndexModelLearned.settings = _settings
+TestIndexModelConfiguredDict = DictIndexModel.TestCase
+TestIndexModelConfiguredDict.settings = _settings
+TestIndexModelLearnedDict = DictLearnedIndexModel.TestCase
+TestIndexModelLearnedDict.settings = _settings

@@ -15,6 +15,8 @@ from connector.events.index import GroupSizes, KVIndex, ResidencyPolicy
 from connector.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.support.events import apply, scan_entry_counts
 
+pytestmark = pytest.mark.usefixtures("node_tables")  # the C node table and the dict
+
 P = "engine#dp0"
 
 

@@ -21,6 +21,8 @@ from rigs.daemon_proc import DaemonProcess
 from rigs.ports import free_port
 from tests.daemon.vllm_required import import_vllm
 
+pytestmark = pytest.mark.usefixtures("node_tables")  # the C node table and the dict
+
 kv = import_vllm("vllm.distributed.kv_events")
 kcu = import_vllm("vllm.v1.core.kv_cache_utils")
 hashing = import_vllm("vllm.utils.hashing")
