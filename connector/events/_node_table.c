@@ -95,9 +95,47 @@ static inline int long_u64(PyObject *k, uint64_t *out)
 #endif
 }
 
+/* long_u64 for an exact int, reading its 30-bit digits where this CPython's layout is known
+ * (3.11: the size is the signed digit count; 3.12, 3.13: lv_tag); else long_u64. */
+static inline int exact_long_u64(PyObject *k, uint64_t *out)
+{
+#if PYLONG_BITS_IN_DIGIT == 30 && PY_VERSION_HEX < 0x030C0000
+    Py_ssize_t size = Py_SIZE(k);
+    const digit *d = ((PyLongObject *)k)->ob_digit;
+#elif PYLONG_BITS_IN_DIGIT == 30 && PY_VERSION_HEX < 0x030E0000
+    uintptr_t tag = ((PyLongObject *)k)->long_value.lv_tag;
+    Py_ssize_t size = (tag & 3) == 2 ? -1 : (Py_ssize_t)(tag >> 3);
+    const digit *d = ((PyLongObject *)k)->long_value.ob_digit;
+#else
+    return long_u64(k, out);
+#endif
+#if PYLONG_BITS_IN_DIGIT == 30 && PY_VERSION_HEX < 0x030E0000
+    switch (size) {
+    case 0:
+        *out = 0;
+        return 1;
+    case 1:
+        *out = d[0];
+        return 1;
+    case 2:
+        *out = d[0] | (uint64_t)d[1] << 30;
+        return 1;
+    case 3:
+        if (d[2] >> 4)
+            return 0; /* 2**64 and up */
+        *out = d[0] | (uint64_t)d[1] << 30 | (uint64_t)d[2] << 60;
+        return 1;
+    default:
+        return 0; /* negative, or 2**90 and up */
+    }
+#endif
+}
+
 /* 1: key is the int *out of [0, 2**64); 0: not such an int (the fallback dict's); -1: error. */
 static int key_u64(PyObject *k, uint64_t *out)
 {
+    if (PyLong_CheckExact(k))
+        return exact_long_u64(k, out);
     if (PyLong_Check(k))
         return long_u64(k, out);
     if (PyFloat_CheckExact(k)) {
@@ -1036,7 +1074,7 @@ static PyTypeObject View_Type = {
 #define SHIFT 32
 #define FACTS 0xFFFFFFFFULL
 #define FULL_BITS 1 /* BlockKind.FULL: the kind bits of a FULL entry */
-#define CHUNK 16    /* slots prefetched ahead */
+#define AHEAD 16    /* slots prefetched ahead of the walk */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch(p)
@@ -1081,49 +1119,57 @@ static int append_group(PyObject *groups, u128 lanes, Py_ssize_t run)
     return r;
 }
 
-/* Walk ends[0..n) (the chain's block ends), every lane at once; see lane_groups' doc.
+/* Read key j of ends for the walk into ring slot r, and prefetch its slot. */
+static inline int ahead(NodeTable *t, PyObject **ends, Py_ssize_t j, uint64_t *keys, int *inl,
+                        int r)
+{
+    inl[r] = key_u64(ends[j], &keys[r]);
+    if (inl[r] > 0) {
+        const Slot *s = &t->slots[(size_t)mix64(keys[r]) & t->mask];
+        PREFETCH(s);
+        PREFETCH((const char *)s + sizeof(Slot) - 1);
+    }
+    return inl[r];
+}
+
+/* Walk ends[0..n) (the chain's block ends), every lane at once; see lane_groups' doc. The
+ * slots of the next AHEAD keys are prefetched while one is read (misses overlap).
  * 0 with *representable cleared: a node this walk cannot read (the caller walks in Python). */
 static int walk(NodeTable *t, PyObject **ends, Py_ssize_t n, uint64_t step, PyObject *groups,
                 int *representable)
 {
-    uint64_t keys[CHUNK];
+    uint64_t keys[AHEAD];
     u128 alive = 0;
-    int inl[CHUNK];
-    Py_ssize_t base, i;
-    for (base = 0; base < n; base += CHUNK) {
-        Py_ssize_t m = n - base < CHUNK ? n - base : CHUNK;
-        for (i = 0; i < m; i++) {
-            inl[i] = key_u64(ends[base + i], &keys[i]);
-            if (inl[i] < 0)
+    int inl[AHEAD];
+    Py_ssize_t j;
+    for (j = 0; j < n && j < AHEAD; j++) {
+        if (ahead(t, ends, j, keys, inl, (int)j) < 0)
+            return -1;
+    }
+    for (j = 0; j < n; j++) {
+        int ring = (int)(j % AHEAD), r;
+        uint64_t k = keys[ring], f;
+        int inline_key = inl[ring];
+        u128 node, held;
+        if (j + AHEAD < n && ahead(t, ends, j + AHEAD, keys, inl, ring) < 0)
+            return -1;
+        r = node_at(t, ends[j], inline_key, k, &node);
+        if (r <= 0) {
+            if (r == 0)
+                *representable = 0;
+            return r;
+        }
+        f = (uint64_t)node & FACTS;
+        held = f == (uint64_t)(j + 1) * step + FULL_BITS || f == FULL_BITS ? node >> SHIFT : 0;
+        if (j == 0) {
+            alive = held;
+        } else if (alive & ~held) {
+            if (append_group(groups, alive & ~held, j) < 0)
                 return -1;
-            if (inl[i]) {
-                const Slot *s = &t->slots[(size_t)mix64(keys[i]) & t->mask];
-                PREFETCH(s);
-                PREFETCH((const char *)s + sizeof(Slot) - 1);
-            }
+            alive &= held;
         }
-        for (i = 0; i < m; i++) {
-            Py_ssize_t j = base + i;
-            u128 node, held;
-            uint64_t f;
-            int r = node_at(t, ends[j], inl[i], keys[i], &node);
-            if (r <= 0) {
-                if (r == 0)
-                    *representable = 0;
-                return r;
-            }
-            f = (uint64_t)node & FACTS;
-            held = f == (uint64_t)(j + 1) * step + FULL_BITS || f == FULL_BITS ? node >> SHIFT : 0;
-            if (j == 0) {
-                alive = held;
-            } else if (alive & ~held) {
-                if (append_group(groups, alive & ~held, j) < 0)
-                    return -1;
-                alive &= held;
-            }
-            if (!alive)
-                return 0;
-        }
+        if (!alive)
+            return 0;
     }
     return n ? append_group(groups, alive, n) : 0;
 }

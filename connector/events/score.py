@@ -279,6 +279,8 @@ class _Walks(NamedTuple):
     zeros: dict[Publisher, EngineScore]  # every engine's ranking when it holds nothing
     hits: dict[tuple[int, int, int], _Hits]  # (lanes, k, b) -> their answers
     answers: dict[tuple[int, int], tuple[Publisher, _HitFound]]  # (lane, tokens) -> answer
+    # the engines of groups that hold something -> every other engine's ranking, by name
+    left: dict[tuple[tuple[Publisher, ...], ...], list[EngineScore]]
 
 
 def _walks(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -317,7 +319,7 @@ def _classify_plans(plans: list[_Plan]) -> _Walks:
             slow.append(plan)
     return _Walks([(b, u, lanes, len({pub for pub, _m in lanes.values()}) == len(lanes))
                    for (b, u), lanes in fast.items()], fast_plans, slow, base,
-                  {pub: f.ranked for pub, f in base.items()}, {}, {})
+                  {pub: f.ranked for pub, f in base.items()}, {}, {}, {})
 
 
 def _plans(index: KVIndex, unit: int | None, groups: Sequence[int] | None,
@@ -357,6 +359,7 @@ def prefixes(index: KVIndex, chain: Sequence[Any], unit: int | None = None,
     w = _walks(index, unit, groups, publishers)
     out = _Answers(w.base)
     out.zeros = w.zeros
+    out.left = w.left
     partials = None
     for b, u, lanes, one_lane in w.fast:
         groups = lane_groups(index.nodes, chain, u, b)
@@ -414,6 +417,7 @@ class _Answers(dict[Publisher, Found]):
     answered in groups; ``changed``: those answered otherwise this time)."""
 
     zeros: dict[Publisher, EngineScore]
+    left: dict[tuple[tuple[Publisher, ...], ...], list[EngineScore]]  # _Walks.left
 
     def __init__(self, base: dict[Publisher, Found]) -> None:
         super().__init__(base)
@@ -434,6 +438,7 @@ class _Answers(dict[Publisher, Found]):
 
 
 _HITS_MAX = 1 << 16  # cached group answers, and engine answers, per index shape
+_LEFT_MAX = 1 << 12  # cached rankings of the engines left out of the groups, per index shape
 
 
 def _hits(w: _Walks, lanes: dict[int, tuple[Publisher, str]], mask: int,
@@ -513,8 +518,8 @@ def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list
             _ORDERS.clear()
         got = _ORDERS[wk] = (_by_weight(_MEDIA, weights), next(_ORDER_IDS))
     order, wid = got  # wid: a small int naming the weighting (media hash slowly)
-    if type(found) is _Answers and not any(found.changed.intersection(g.pubs)
-                                           for g in found.groups):
+    if type(found) is _Answers and (not found.changed or not any(
+            found.changed.intersection(g.pubs) for g in found.groups)):
         return _rank_answers(found, order, wid, weights)
     return _rank_each(list(found.items()), [], order, weights)
 
@@ -522,7 +527,20 @@ def rank(found: Mapping[Publisher, Found], weights: Mapping[str, float]) -> list
 def _rank_answers(found: _Answers, order: list[tuple[str, float]], wid: int,
                   weights: Mapping[str, float]) -> list[EngineScore]:
     """:func:`rank` of :func:`prefixes`' answer: the engines that hold nothing are ranked
-    already, each group of engines once per weighting; only the rest one by one."""
+    already (the rest of them, once per set of groups), each group of engines once per
+    weighting; only the rest one by one."""
+    if not found.changed:
+        key = tuple(g.pubs for g in found.groups)
+        zeros = found.left.get(key)
+        if zeros is None:
+            rest = found.zeros.copy()
+            for pubs in key:
+                for pub in pubs:
+                    del rest[pub]
+            zeros = list(rest.values())
+            if len(found.left) < _LEFT_MAX:  # full: made each time
+                found.left[key] = zeros
+        return _merge([g.rank(wid, order) for g in found.groups], zeros)
     left = found.zeros.copy()
     blocks = []
     for g in found.groups:
@@ -531,10 +549,8 @@ def _rank_answers(found: _Answers, order: list[tuple[str, float]], wid: int,
         blocks.append(g.rank(wid, order))
     for pub in found.changed:
         left.pop(pub, None)
-    if found.changed:
-        return _rank_each([(pub, found[pub]) for pub in found.changed], blocks, order,
-                          weights, list(left.values()))
-    return _merge(blocks, list(left.values()))
+    return _rank_each([(pub, found[pub]) for pub in found.changed], blocks, order, weights,
+                      list(left.values()))
 
 
 def _rank_each(items: list[tuple[Publisher, Found]],
