@@ -24,7 +24,8 @@ spinning) and take turns round by round, the order rotated per round: round ``r`
 config runs the same prompts within seconds of the others', so load from elsewhere on the
 machine falls on all of them alike.
 
-A round: one *decoding stream* (short prompt, long ``max_tokens``, ``ignore_eos``) runs;
+A round: one *decoding stream* (short prompt, long ``max_tokens``, ``ignore_eos``; when it
+reaches the model's length another starts, so the whole window has one) runs;
 once it decodes steadily, ``restores`` requests (a warmed prefix + a new suffix) and
 ``stores`` requests (a new long prompt nothing holds: kvtier saves it, to Redis too) start
 at a fixed interval, interleaved. The *window* runs from the first of them sent to the last
@@ -50,7 +51,10 @@ run of 2026-12-04. ``--max-num-batched-tokens 0`` runs vLLM's default.
 
 Each round also gives its own ratios against vLLM alone's same round (ITL p99, storing and
 restoring TTFT p50): their median and range (JSON ``connectors.<name>.round_ratios``) say
-how far one run's pooled ratio can be trusted.
+how far one run's pooled ratio can be trusted. ``itl_aims`` (JSON and the last lines):
+kvtier's ITL p99 over native's and over vLLM alone's, pooled and as the median of per-round
+ratios, against the aims (<= 1.0 and <= 1.2); a run where any config had an error or a
+round without a decoding stream at its end judges nothing (``valid`` false).
 
 Reported per config: ITL p50/p99 (engine), client ITL p50/p99 and idle p50,
 restoring requests' TTFT p50/p90 and cached
@@ -295,20 +299,41 @@ class RoundResult:
     restore_ttft: list[float]
     restore_cached: list[int]
     store_ttft: list[float]
+    decode_streams: int  # one after another through the window (each ends at the model's length)
     errors: list[str]
-    truncated: bool  # the decoding stream ended before the window did
+    truncated: bool  # no decoding stream ran at the window's end (one failed)
+
+
+async def decode_until(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                       started: asyncio.Event, stop: asyncio.Event) -> list[StreamResult]:
+    """The decoding stream: streamed completions one after another until ``stop``. One
+    ends at the model's length (2k tokens, a few seconds here), and a round's window can
+    outlast it: without the next, the window's end would have no decoding stream in it."""
+    streams: list[StreamResult] = []
+    while not stop.is_set():
+        streams.append(await stream_completion(client, model, prompt, max_tokens,
+                                               started=started, steady_after=40))
+        if streams[-1].error:
+            break
+    return streams
+
+
+async def _scrape_itl(base: str) -> list[float]:
+    """vLLM's ITL histogram, on a connection of its own: a pooled one can have idled past
+    the server's keep-alive (5 s) during a long window, and reusing it fails the round."""
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        return itl_histogram((await client.get("/metrics")).text)
 
 
 async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-        steady = asyncio.Event()
+        steady, stop = asyncio.Event(), asyncio.Event()
         decode_max = shape.max_model_len - shape.decode_prompt_tokens - 1
-        decoder = asyncio.create_task(stream_completion(
-            client, model, decode_prompt(rnd, shape), decode_max, started=steady,
-            steady_after=40))
+        decoder = asyncio.create_task(decode_until(
+            client, model, decode_prompt(rnd, shape), decode_max, steady, stop))
         await steady.wait()
-        hist_start = itl_histogram((await client.get("/metrics")).text)
+        hist_start = await _scrape_itl(base)
         t_start = time.perf_counter()
         others: list[tuple[str, asyncio.Task[StreamResult]]] = []
         plan = [("restore", i) for i in range(shape.restores)]
@@ -324,16 +349,18 @@ async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
                 client, model, prompt, shape.other_max_tokens))))
         done = [(kind, await task) for kind, task in others]
         t_end = max(r.done for _, r in done)
-        hist_end = itl_histogram((await client.get("/metrics")).text)
+        hist_end = await _scrape_itl(base)
+        stop.set()
         decoder.cancel()
-        dec = await decoder
-    arrivals = dec.arrivals
-    window = [(b - a, w) for a, b, w in zip(arrivals, arrivals[1:], dec.words[1:],
-                                            strict=False) if t_start < b <= t_end]
-    idle = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b <= t_start]
+        streams = await decoder
+    window = [(b - a, w) for dec in streams
+              for a, b, w in zip(dec.arrivals, dec.arrivals[1:], dec.words[1:], strict=False)
+              if t_start < b <= t_end]
+    first = streams[0].arrivals
+    idle = [b - a for a, b in zip(first, first[1:], strict=False) if b <= t_start]
     errors = [f"{kind}: {r.error}" for kind, r in done if r.error]
-    if dec.error not in (None, "cancelled"):
-        errors.append(f"decode: {dec.error}")
+    errors += [f"decode: {d.error}" for d in streams if d.error not in (None, "cancelled")]
+    last = streams[-1]
     return RoundResult(
         round=rnd, window_s=t_end - t_start, itl_window=[g for g, _ in window],
         itl_engine=_per_bucket(hist_start, hist_end),
@@ -343,7 +370,8 @@ async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
         restore_ttft=[r.ttft for k, r in done if k == "restore" and r.ttft is not None],
         restore_cached=[r.cached_tokens for k, r in done if k == "restore"],
         store_ttft=[r.ttft for k, r in done if k == "store" and r.ttft is not None],
-        errors=errors, truncated=dec.error != "cancelled" and dec.done < t_end)
+        decode_streams=len(streams),
+        errors=errors, truncated=last.error != "cancelled" and last.done < t_end)
 
 
 def _per_bucket(start: list[float], end: list[float]) -> list[float]:
@@ -627,11 +655,12 @@ ROUND_RATIO_KEYS = (("itl_p99_vs_no_connector", "itl_p99_ms_per_round"),
                     ("restore_ttft_p50_vs_no_connector", "restore_ttft_p50_ms_per_round"))
 
 
-def round_ratios(summary: dict[str, dict[str, Any]], config: str) -> dict[str, dict[str, Any]]:
-    """Each round's figure over vLLM alone's in the same round (run within seconds of it):
+def round_ratios(summary: dict[str, dict[str, Any]], config: str,
+                 against: str = "none") -> dict[str, dict[str, Any]]:
+    """Each round's figure over ``against``'s in the same round (run within seconds of it):
     per round, their median and range. The spread says how much one pooled ratio of this
-    run can be trusted."""
-    ref, mine = summary.get("none"), summary.get(config)
+    run can be trusted. Keys keep the ``_vs_no_connector`` names whatever ``against`` is."""
+    ref, mine = summary.get(against), summary.get(config)
     out: dict[str, dict[str, Any]] = {}
     if ref is None or mine is None:
         return out
@@ -640,6 +669,30 @@ def round_ratios(summary: dict[str, dict[str, Any]], config: str) -> dict[str, d
         if per:
             out[name] = {"per_round": per, "median": statistics.median(per),
                          "min": min(per), "max": max(per)}
+    return out
+
+
+#: What issue #50 asks of kvtier's decode ITL p99, pooled and as the median of rounds:
+#: (name, config compared with, bound).
+ITL_AIMS = (("itl_p99_vs_native", "native", 1.0), ("itl_p99_vs_no_connector", "none", 1.2))
+
+
+def itl_aims(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """kvtier's ITL p99 against each aim, pooled and as the median of per-round ratios,
+    and whether the run can judge it at all (every config ran every round without an
+    error and with a decoding stream to its end)."""
+    mine = summary.get("kvtier")
+    valid = all(not s["errors"] and not s["truncated_rounds"] for s in summary.values())
+    out: dict[str, Any] = {"valid": valid}
+    if mine is None:
+        return out
+    for name, ref, bound in ITL_AIMS:
+        if ref not in summary:
+            continue
+        pooled = mine["itl_p99_ms"] / summary[ref]["itl_p99_ms"]
+        median = round_ratios(summary, "kvtier", ref)["itl_p99_vs_no_connector"]["median"]
+        out[name] = {"pooled": pooled, "median_of_rounds": median, "bound": bound,
+                     "met": valid and pooled <= bound and median <= bound}
     return out
 
 
@@ -716,6 +769,7 @@ def main(argv: list[str]) -> int:
     for name, value in per.get("native", {}).items():
         ratios[f"native_{name}"] = value
     by_round = {c: round_ratios(summary, c) for c in summary if c != "none"}
+    aims = itl_aims(summary)
 
     budget = shape.max_num_batched_tokens or "vLLM's default"
     print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama, token budget {budget} "
@@ -743,9 +797,15 @@ def main(argv: list[str]) -> int:
     for config, rr in by_round.items():
         for key, r in rr.items():
             print(f"  {config:<7} {key:<34} {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
+    print("kvtier's ITL p99 against its aims (pooled; median of rounds; bound):"
+          + ("" if aims["valid"] else " NOT JUDGED: a config had errors or truncated rounds"))
+    for name, a in aims.items():
+        if name != "valid":
+            print(f"  {name:<26} {a['pooled']:.2f}; {a['median_of_rounds']:.2f}; "
+                  f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}")
     print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
     if args.json_path:
-        out = {"ratios": ratios,
+        out = {"ratios": ratios, "itl_aims": aims,
                "connectors": {c: {"ratios": per.get(c), "round_ratios": by_round.get(c),
                                   "summary": summary[c]} for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,

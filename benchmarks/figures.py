@@ -283,7 +283,21 @@ def stall(d: dict[str, Any]) -> str:
             f"{x(r.get('native_restore_ttft_p50_vs_no_connector'))}; storing TTFT p50 "
             f"{x(r.get('store_ttft_p50_vs_no_connector'))} / "
             f"{x(r.get('native_store_ttft_p50_vs_no_connector'))}"
-            f"{_stall_rounds(d)} ({when(d)})")
+            f"{_stall_rounds(d)}{_stall_aims(d)} ({when(d)})")
+
+
+def _stall_aims(d: dict[str, Any]) -> str:
+    """kvtier's ITL p99 against native's and vLLM alone's, pooled and median of rounds,
+    where the run recorded them (``itl_aims``)."""
+    aims = d.get("itl_aims")
+    if not aims:
+        return ""
+    parts = [f"{label} {a['pooled']:.2f}× pooled, {a['median_of_rounds']:.2f}× median of rounds"
+             for label, key in (("vs native", "itl_p99_vs_native"),
+                                ("vs vLLM alone", "itl_p99_vs_no_connector"))
+             for a in [aims.get(key)] if a]
+    verdict = "" if aims.get("valid") else " (not judged: a round failed or lost its stream)"
+    return "; kvtier's ITL p99 " + ", ".join(parts) + verdict
 
 
 def _stall_rounds(d: dict[str, Any]) -> str:
