@@ -192,10 +192,15 @@ static PyObject *u128_to_long(u128 x)
 #endif
 }
 
-/* An exact int in [0, 2**127): 1 and *out; else 0; -1 on error. */
+/* An exact int (only) in [0, 2**127): 1 and *out; else 0; -1 on error. */
 static int long_u127(PyObject *v, u128 *out)
 {
     int overflow, i;
+    uint64_t u;
+    if (exact_long_u64(v, &u)) { /* below 2**64: the common node */
+        *out = u;
+        return 1;
+    }
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (x == -1 && PyErr_Occurred())
         return -1;
