@@ -52,7 +52,8 @@ if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
        "(rm -rf .venv) and run this again" >&2
   exit 1
 fi
-stamp=".venv/.kvtier-installed-$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+# The stamp covers the C sources too: an edited extension is rebuilt (pip install -e builds it in place).
+stamp=".venv/.kvtier-installed-$(cat pyproject.toml scripts/bootstrap.sh connector/events/*.c | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "[bootstrap] installing kvtier[cpu,test] into .venv (first run takes a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
