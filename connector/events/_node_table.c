@@ -753,15 +753,15 @@ static PyObject *NodeTable_update(NodeTable *t, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* True when no item of iterable is a key (keys().isdisjoint, in one C pass). */
-static PyObject *table_isdisjoint(NodeTable *t, PyObject *other)
+/* True when contains(self, x) is false for every item x of iterable other. */
+static PyObject *isdisjoint_by(objobjproc contains, PyObject *self, PyObject *other)
 {
-    PyObject *it = PyObject_GetIter(other), *k;
+    PyObject *it = PyObject_GetIter(other), *x;
     if (it == NULL)
         return NULL;
-    while ((k = PyIter_Next(it)) != NULL) {
-        int r = NodeTable_contains(t, k);
-        Py_DECREF(k);
+    while ((x = PyIter_Next(it)) != NULL) {
+        int r = contains(self, x);
+        Py_DECREF(x);
         if (r != 0) {
             Py_DECREF(it);
             if (r < 0)
@@ -773,6 +773,12 @@ static PyObject *table_isdisjoint(NodeTable *t, PyObject *other)
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_TRUE;
+}
+
+/* True when no item of iterable is a key (keys().isdisjoint, in one C pass). */
+static PyObject *table_isdisjoint(NodeTable *t, PyObject *other)
+{
+    return isdisjoint_by((objobjproc)NodeTable_contains, (PyObject *)t, other);
 }
 
 static PyObject *NodeTable_sizeof(NodeTable *t, PyObject *unused)
@@ -1005,25 +1011,7 @@ static int View_contains(View *v, PyObject *x)
 
 static PyObject *View_isdisjoint(View *v, PyObject *other)
 {
-    if (v->kind == 0)
-        return table_isdisjoint(v->table, other);
-    PyObject *it = PyObject_GetIter(other), *x;
-    if (it == NULL)
-        return NULL;
-    while ((x = PyIter_Next(it)) != NULL) {
-        int r = View_contains(v, x);
-        Py_DECREF(x);
-        if (r != 0) {
-            Py_DECREF(it);
-            if (r < 0)
-                return NULL;
-            Py_RETURN_FALSE;
-        }
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_TRUE;
+    return isdisjoint_by((objobjproc)View_contains, (PyObject *)v, other);
 }
 
 static PyObject *View_repr(View *v)
