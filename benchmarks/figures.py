@@ -458,6 +458,17 @@ def index(d: dict[str, Any]) -> str:
             f"Dynamo's{_index_runs(d)} ({when(d)})")
 
 
+def index_headline(d: dict[str, Any]) -> str:
+    """The routing index against Dynamo's, in one line (README)."""
+    r, k, dyn = d["ratios"], d["kvtier"]["query"], d["dynamo"]["query"]
+    return (f"/score of a 4k-token request against a 1M-block index{_engines(d)}: p99 "
+            f"{k['p99_us']:.0f} µs vs Dynamo's RadixTree {dyn['p99_us']:.0f} µs "
+            f"({x(r['query_p99_vs_dynamo'])}); ingest {x(r['ingest_vs_dynamo'])} Dynamo's per "
+            f"CPU-second; HTTP p99 {r['score_http_p99_ms']:.1f} ms while "
+            f"{d['http']['applied_updates_per_s'] / 1e3:,.0f}k hash updates/s are ingested "
+            f"({when(d)})")
+
+
 def _engines(d: dict[str, Any]) -> str:
     """How many engines the first query run had, where the JSON says."""
     q = d["kvtier"]["query"]
@@ -606,6 +617,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "ttft-headline": (("ttft.json",), ttft_headline),
     "e2e-headline": (("e2e.json",), e2e_headline),
     "index": (("index.json",), index),
+    "index-headline": (("index.json",), index_headline),
     "route": (("route.json",), route),
     "host-tier": (("host_tier.json",), host_tier),
     "gpu": (("gpu_check.json",), gpu),
