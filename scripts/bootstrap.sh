@@ -53,7 +53,10 @@ if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
   exit 1
 fi
 # The stamp covers the C sources too: an edited extension is rebuilt (pip install -e builds it in place).
-stamp=".venv/.kvtier-installed-$(cat pyproject.toml scripts/bootstrap.sh connector/events/*.c | sha256sum | cut -c1-16)"
+shopt -s nullglob
+stamped=(pyproject.toml scripts/bootstrap.sh connector/events/*.c)
+shopt -u nullglob
+stamp=".venv/.kvtier-installed-$(cat "${stamped[@]}" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "[bootstrap] installing kvtier[cpu,test] into .venv (first run takes a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
