@@ -11,9 +11,15 @@ from rigs.ports import free_port
 
 
 def _reset(sock: socket.socket) -> None:
-    """Close with RST (SO_LINGER 0), as a crashed peer or a middlebox would."""
+    """Close with RST (SO_LINGER 0), as a crashed peer or a middlebox would.
+
+    ``shutdown(SHUT_RD)`` first: it wakes a pump thread blocked in ``recv`` on the socket.
+    Without it ``close`` only drops the descriptor: the blocked ``recv`` keeps the socket
+    open, no RST goes out, and the peer waits on a connection that forwards nothing until its
+    own timeout (seen: a presence feed silent for its 300 s ``redis_timeout_s``)."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RD)
     except OSError:
         pass
     try:
