@@ -134,13 +134,18 @@ class RedisPresence:
             self.layout = layout
             self._rank0.clear()
 
-    def refresh(self) -> bool:
-        """Every step: announce this engine's stores and collect what the feed learned; True
-        when the feed is synced."""
+    def announce(self) -> None:
+        """Tell the others what this engine stored since the last call (one announcement
+        for all): after each worker report, so an engine idle after it tells them too."""
         if self._stored:
             self.feed.announce_digests(self._stored)
             self._learn(self._stored)
             self._stored = []
+
+    def refresh(self) -> bool:
+        """Every step: announce this engine's stores and collect what the feed learned; True
+        when the feed is synced."""
+        self.announce()
         synced = bool(self.feed.synced)  # read before draining: the walk's digests precede it
         learned = self.feed.take()  # a list, or an array (the daemon's feed)
         if len(learned):
@@ -188,7 +193,7 @@ class RedisPresence:
 
     def stored(self, key: BlockKey) -> None:
         """This engine stored ``key`` (every rank): remember it and tell the others (at the
-        step's refresh, one announcement for all)."""
+        end of the report, :meth:`announce`)."""
         if self.layout is None:
             return  # not yet told rank 0's layout (it comes with the first worker report)
         self._stored.append(self._digest(key))

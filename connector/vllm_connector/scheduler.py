@@ -65,6 +65,7 @@ class TieredScheduler(HitPlanner, StorePlanner):
             done = self.jobs.report_probe(job, ids, n)
             if done is not None:
                 self.redis.probe_done(job, *done)
+        self.redis.announce_writes()
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, req_id: str) -> None:

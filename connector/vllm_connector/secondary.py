@@ -457,6 +457,12 @@ class RedisBooks:
             while len(self.written) > self.directory.num_slots * 4:
                 self.written.popitem(last=False)
 
+    def announce_writes(self) -> None:
+        """A worker report was applied: announce the keys it confirmed written now, not at
+        the next step's start (an engine may idle after its last report)."""
+        if self.presence is not None:
+            self.presence.announce()
+
     def begin_step(self) -> bool | None:
         """The presence summary takes in what its feed learned."""
         if self.presence is None:

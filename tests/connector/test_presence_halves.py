@@ -78,3 +78,21 @@ def test_a_running_engine_learns_another_engines_stores_as_they_happen(engines: 
     result = second.step()
     assert result.finished == {"b"} and result.failed == set()
     assert _counters(second)["hit_tokens_redis"] == 96
+
+
+
+def test_stores_are_announced_with_the_report_that_confirms_them(engines: Make) -> None:
+    """The report that says every rank wrote a block announces it: an engine that goes idle
+    after that report (it never plans another step) still tells the others. (Announcing at
+    the next step's start left an OpenAI server's last stores unannounced while it idled.)"""
+    first, second = engines(), engines()
+    first.presence_ready()
+    second.presence_ready()
+    req = Req("a", 100)
+    first.fill(range(1, 4), seed=1)
+    first.admit(req, [[Blk(i, i * BS) for i in range(1, 4)]], 0)
+    first.step({"a": 3 * BS})  # its report confirms the saves; first plans no step after
+    assert wait_until(lambda: first.sched.presence.feed.stats()["announced"] == 3)
+    keys = [second.key(Req("b", 100), 0, n) for n in (32, 64, 96)]
+    assert wait_until(lambda: second.sched.presence.ready()
+                      and all(second.sched.presence.may_hold(keys)))
