@@ -3,7 +3,8 @@
 Asserts from the demo's JSON, never from timing: outputs equal vLLM's without kvtier, the
 pass after the GPU prefix-cache reset (and the restarted engine) got its prefix from a
 kvtier tier, with no Redis the demo says "CPU tier only" and is still correct, and with
-``--host-tier`` the restarted engine restores from the host's shared CPU tier.
+``--host-tier`` (and Redis behind the daemon) the restarted engine restores from the host's
+shared CPU tier.
 """
 
 from __future__ import annotations
@@ -134,17 +135,22 @@ def test_demo_without_redis_runs_cpu_tier_alone(
     assert any("CPU tier only" in note for note in data["notes"])
 
 
-def test_demo_host_tier_restart_restores_without_redis(
-        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict]) -> None:
-    """``--host-tier`` with no Redis: the demo starts ``kvtier daemon --cpu-bytes``, the
+def test_demo_host_tier_with_redis_the_daemon_holds_the_connection(
+        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict],
+        secret_redis: SecretRedis) -> None:
+    """``--host-tier`` with a Redis that requires a password: the demo starts ``kvtier
+    daemon --cpu-bytes``, which holds the one Redis connection (its URL by environment); the
+    engines set ``host_tier_redis`` and hold none; the daemon writes their saves behind. The
     restarted engine (a new process, its own CPU tier empty) restores from the host tier as
     much as the Redis run's restart restored from Redis, outputs identical; the daemon held
-    one copy of each save and its shared memory and socket are gone afterwards."""
-    url = f"redis://127.0.0.1:{_closed_port()}"
-    proc, data = _run_demo(tmp_path, "--redis-url", url, "--host-tier",
+    one copy of each save, and its shared memory and socket are gone afterwards; so are the
+    run's keys, and the password appears in nothing the demo printed or left. (Without
+    Redis the demo runs the same engines and daemon: its mode and note are checked in
+    tests/unit/test_demo_result.py.)"""
+    proc, data = _run_demo(tmp_path, "--redis-url", secret_redis.user_url, "--host-tier",
                            *_reference(with_redis))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert data["mode"] == "cpu+host"
+    assert data["mode"] == "cpu+host+redis"
     assert data["outputs_identical"] is True
     restart = _rows(data)["kvtier: engine restarted (new process)"]
     from_redis = _rows(with_redis[2])["kvtier: engine restarted (new process)"]["redis_tokens"]
@@ -156,26 +162,7 @@ def test_demo_host_tier_restart_restores_without_redis(
     assert stats["duplicates_dropped"] == stats["commits_rejected"] == 0
     assert not Path(stats["segment_path"]).exists()
     assert not Path(stats["socket_path"]).exists()
-    assert "host tier" in proc.stdout and "CPU + host tier" in proc.stdout
-
-
-def test_demo_host_tier_with_redis_the_daemon_holds_the_connection(
-        tmp_path: Path, with_redis: tuple[Path, subprocess.CompletedProcess, dict],
-        secret_redis: SecretRedis) -> None:
-    """``--host-tier`` with a Redis that requires a password: the daemon holds the one
-    Redis connection (its URL by environment), the engines set ``host_tier_redis`` and hold
-    none; the daemon writes their saves behind; the restarted engine restores from the host
-    tier, outputs identical; the run's keys are gone afterwards and the password appears in
-    nothing the demo printed or left."""
-    proc, data = _run_demo(tmp_path, "--redis-url", secret_redis.user_url, "--host-tier",
-                           *_reference(with_redis))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert data["mode"] == "cpu+host+redis"
-    assert data["outputs_identical"] is True
-    restart = _rows(data)["kvtier: engine restarted (new process)"]
-    assert restart["host_tokens"] > 0
-    assert restart["cpu_tokens"] == restart["redis_tokens"] == 0
-    stats = data["host_tier"]["stats"]
+    assert "host tier" in proc.stdout and "CPU + host tier + Redis" in proc.stdout
     assert stats["redis"] is True
     assert stats["redis_writes"] > 0 and stats["redis_write_failures"] == 0
     assert data["redis"]["keys_cleaned"] >= stats["redis_writes"]

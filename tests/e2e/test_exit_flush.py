@@ -30,7 +30,6 @@ from connector.demo.tiny_models import prompt_words
 from offload_tiers.redis.presence_feed import ANNOUNCE_SUFFIX
 from rigs.daemon_proc import REPO
 from rigs.openai_server import OpenAIServer, complete
-from rigs.redis_server import RedisServer
 from tests.support.connector_runner import run_in_subprocess
 from tests.support.engine_host import run_native_engine
 from tests.support.exit_store import SLOW_MACHINE_TIMEOUT_S
@@ -45,7 +44,7 @@ DEFAULT_EXECUTORS = [64, 65, 66, 67]
 OPENAI = [70, 71]  # sent to the OpenAI server, which is then stopped by SIGTERM
 NATIVE = [68, 69]  # stored in process by vLLM's OffloadingConnector + kvtier's Redis tier
 STORED = IN_PROCESS + DEFAULT_EXECUTORS + OPENAI  # by kvtier's connector
-ALONE = {"standalone": [72, 73], "tls": [74, 75]}  # in process, on a Redis of their own
+TLS_ALONE = [74, 75]  # in process, on a standalone TLS redis-server of its own
 ACL_USER, ACL_PASSWORD = "kvtier-exit", "exit-secret"
 PREFIX_TOKENS = 128  # each 150-word prompt's four full 32-token blocks
 
@@ -127,7 +126,7 @@ def stored(cluster: RedisClusterProcs, prefix: str,
 
 @pytest.fixture(scope="module")
 def baseline() -> dict[str, Any]:
-    seeds = STORED + NATIVE + [s for each in ALONE.values() for s in each]
+    seeds = STORED + NATIVE + TLS_ALONE
     steps = [["generate", f"T{s}", turn2(s)] for s in seeds]
     return {o["name"]: o for o in run_in_subprocess(
         {"model": "llama", "extra": None, "steps": steps})["outputs"]}
@@ -152,22 +151,17 @@ def restored_native(stored: dict[str, Any], cluster: RedisClusterProcs, prefix: 
     return {o["name"]: o for o in run_native_engine(spec)["outputs"]}
 
 
-@pytest.fixture(scope="module", params=sorted(ALONE))
-def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[dict[str, Any]]:
-    """A standalone redis-server (plain, or TLS with an ACL user and a verified server):
-    the in-process script stores its prompts and exits; a new engine asks their turn 2."""
-    kind, seeds = request.param, ALONE[request.param]
-    work = tmp_path_factory.mktemp(f"exit-{kind}")
-    extra: dict[str, Any] = {}
-    if kind == "tls":
-        tls = make_tls_files(work / "certs")
-        server, port = start_tls_acl_server(work / "redis", tls, ACL_USER, ACL_PASSWORD)
-        url = tls_url(port, ACL_USER, ACL_PASSWORD)
-        extra["redis_ssl_ca_certs"] = str(tls.ca_cert)
-    else:
-        server = RedisServer(work / "redis").start()
-        url = server.url
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A standalone redis-server over TLS, with an ACL user and a verified server (the
+    Cluster above is plain TCP): the in-process script stores its prompts and exits; a new
+    engine asks their turn 2."""
+    seeds = TLS_ALONE
+    work = tmp_path_factory.mktemp("exit-tls")
+    tls = make_tls_files(work / "certs")
+    server, port = start_tls_acl_server(work / "redis", tls, ACL_USER, ACL_PASSWORD)
+    url = tls_url(port, ACL_USER, ACL_PASSWORD)
+    extra: dict[str, Any] = {"redis_ssl_ca_certs": str(tls.ca_cert)}
     try:
         run = store_and_exit_to(url, "exit", seeds, extra)
         names = list(server.client().scan_iter(match="exit:*", count=1000))
@@ -177,7 +171,7 @@ def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         restored = {o["name"]: o for o in run_in_subprocess({
             "model": "llama", "extra": restore,
             "steps": [["generate", f"T{s}", turn2(s)] for s in seeds]})["outputs"]}
-        yield {"kind": kind, "seeds": seeds, "run": run, "keys": keys, "restored": restored}
+        yield {"seeds": seeds, "run": run, "keys": keys, "restored": restored}
     finally:
         server.stop()
 
@@ -192,12 +186,12 @@ def store_and_exit_to(url: str, prefix: str, seeds: list[int], extra: dict[str, 
     return {"log": proc.stderr}
 
 
-def test_on_a_standalone_or_tls_redis_too(single: dict[str, Any],
+def test_on_a_standalone_tls_redis_too(single: dict[str, Any],
                                           baseline: dict[str, Any]) -> None:
-    """The same on one redis-server, plain and over TLS (ACL user, server verified): every
-    block there once the script ended, each prefix restored with vLLM alone's output."""
+    """The same on one redis-server over TLS (ACL user, server verified): every block
+    there once the script ended, each prefix restored with vLLM alone's output."""
     assert "not made before closing" not in single["run"]["log"]
-    assert single["keys"] == len(single["seeds"]) * PREFIX_TOKENS // 32, single["kind"]
+    assert single["keys"] == len(single["seeds"]) * PREFIX_TOKENS // 32
     for seed in single["seeds"]:
         got, want = single["restored"][f"T{seed}"], baseline[f"T{seed}"]
         assert got["delta"].get("hit_tokens_redis", 0) == PREFIX_TOKENS, (seed, got["delta"])

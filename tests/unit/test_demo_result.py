@@ -1,0 +1,64 @@
+"""``kvtier demo``'s result and printout for each set of tiers (pure logic: engine results as
+the demo's engine children write them, no engine). The end-to-end runs are in
+tests/e2e/test_demo.py; the host tier without Redis is checked here only."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from connector.demo.cli import Engines, RedisChoice, _print_result, _result
+from connector.demo.report import KVTIER_HOST
+from connector.demo.workload import Workload
+
+PROMPT_TOKENS = "vllm:prompt_tokens"
+
+
+def _phase(name: str, output: list[int], **counters: float) -> dict[str, Any]:
+    return {"name": name, "wall_s": 1.0,
+            "counters": {PROMPT_TOKENS: 64.0, **counters},
+            "requests": [{"ttft_s": 0.01, "output": output}]}
+
+
+def _engines(host_stats: dict[str, Any] | None) -> Engines:
+    base = {"startup_s": 20.0, "phases": [_phase("cold", [1, 2]), _phase("reset", [1, 2])]}
+    first = {"startup_s": 21.0, "phases": [_phase("cold", [1, 2]), _phase("reset", [1, 2])]}
+    restart = {"startup_s": 22.0, "phases": [_phase("restart", [1, 2], **{KVTIER_HOST: 32.0})]}
+    return Engines(base, "computed", first, restart, "kvtier-demo-x", 0, host_stats)
+
+
+HOST_STATS = {"entries": 2, "num_slots": 256, "bytes_used": 1 << 20, "commits": 2,
+              "duplicates_dropped": 0, "redis": False}
+
+
+def test_host_tier_without_redis_is_named_so_and_restores_from_the_host_tier(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    choice = RedisChoice(None, "redis://127.0.0.1:1", "--redis-url", False,
+                         "ConnectionError: refused")
+    args = argparse.Namespace(model="llama", quick=True)
+    result = _result(args, choice, Workload(), _engines(HOST_STATS), 60.0)
+    assert result["mode"] == "cpu+host"
+    assert result["redis"]["used"] is False and result["redis"]["key_prefix"] is None
+    assert result["host_tier"] == {"used": True, "stats": HOST_STATS}
+    assert result["notes"] == [
+        "CPU tier and host tier, no Redis: none reachable at redis://127.0.0.1:1 "
+        "(ConnectionError: refused); the restarted engine restores from the host tier."]
+    restart = {r["label"]: r for r in result["rows"]}["kvtier: engine restarted (new process)"]
+    assert restart["host_tokens"] == 32 and restart["redis_tokens"] == 0
+    assert result["outputs_identical"] is True
+    _print_result(result)
+    out = capsys.readouterr().out
+    assert "tiers: CPU + host tier — CPU tier and host tier, no Redis" in out
+    assert "2 saves committed" in out and "the engines hold no Redis" not in out
+
+
+def test_no_redis_and_no_host_tier_is_cpu_only() -> None:
+    choice = RedisChoice(None, "redis://127.0.0.1:1", "--redis-url", False, "refused")
+    engines = _engines(None)
+    engines.restart = None
+    result = _result(argparse.Namespace(model="llama", quick=True), choice, Workload(),
+                     engines, 1.0)
+    assert result["mode"] == "cpu-only"
+    assert result["notes"][0].startswith("CPU tier only: no Redis reachable")
