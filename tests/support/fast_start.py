@@ -34,6 +34,7 @@ PRELOAD = [
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.worker.cpu_model_runner",
     "vllm.model_executor.models.llama",
+    "tests.support.idle_wait",  # after vLLM: its queue readers go idle after 20 ms
 ]
 
 _original_get_context = multiprocessing.get_context
