@@ -62,3 +62,25 @@ def test_no_redis_and_no_host_tier_is_cpu_only() -> None:
                      engines, 1.0)
     assert result["mode"] == "cpu-only"
     assert result["notes"][0].startswith("CPU tier only: no Redis reachable")
+
+
+def test_outputs_that_differ_from_vllm_alone_are_marked_no_and_the_demo_exits_1(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The negative control of the "identical" column: a kvtier pass whose outputs differ
+    from vLLM alone's is marked NO, the run is not identical, ``kvtier demo`` exits 1. (That
+    corrupted loads do change the outputs is asserted with real engines in
+    tests/e2e/test_connector_llama.py, ``debug_corrupt_loads``.)"""
+    from connector.demo import cli
+
+    engines = _engines(HOST_STATS)
+    engines.first["phases"][1] = _phase("reset", [9, 9])  # a wrong block was loaded
+    choice = RedisChoice(None, "redis://127.0.0.1:1", "--redis-url", False, "refused")
+    result = _result(argparse.Namespace(model="llama", quick=True), choice, Workload(),
+                     engines, 1.0)
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["kvtier: GPU prefix cache reset"]["identical"] is False
+    assert rows["kvtier: fresh engine"]["identical"] is True
+    assert result["outputs_identical"] is False
+    monkeypatch.setattr(cli, "run_demo", lambda args: result)
+    assert cli.main(["--quick"]) == 1
+    assert "NO — see the rows marked NO" in capsys.readouterr().out
