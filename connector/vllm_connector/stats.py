@@ -72,6 +72,9 @@ COUNTERS: dict[str, str] = {
                                "not saved again",
     "host_mixed_saves": "Host look-ups whose ranks' shards were of different saves (a miss)",
     "load_us": "Microseconds the workers spent copying loads into vLLM's KV cache",
+    "save_fence_waits": "Steps that waited for the previous step's save copies before "
+                        "writing KV blocks",
+    "save_fence_wait_us": "Microseconds steps waited for the previous step's save copies",
     "bytes_fetched_redis": "Validated bytes read from Redis into CPU-tier slots",
     "fetch_us_redis": "Microseconds the I/O threads spent reading from Redis (wall, per "
                       "batch)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -63,10 +64,20 @@ class WorkerSaves(WorkerState):
         """Wait until the saves handed to the saver thread have read their blocks into
         their slots: vLLM calls it (``handle_preemptions``) before a step can write any KV
         block, and every step's loads run after it. Their hand-off to Redis may still run
-        (the slots stay pinned until written), except with ``write_mode: through``."""
-        gathered, self._gathered = self._gathered, None
-        if gathered is not None:
-            gathered.wait()
+        (the slots stay pinned until written), except with ``write_mode: through``.
+        A wait is counted (``save_fence_waits``, ``save_fence_wait_us``): it is time the
+        step spends on the previous step's copies."""
+        gathered = self._gathered
+        if gathered is None:
+            return
+        done = gathered.is_set()
+        self._gathered = None
+        if done:
+            return
+        t0 = time.perf_counter_ns()
+        gathered.wait()
+        self.counters.add("save_fence_waits")
+        self.counters.add("save_fence_wait_us", (time.perf_counter_ns() - t0) // 1000)
 
     def _copy_off_step(self, keep: list[SaveOp], tails: list[str],
                        gathered: threading.Event) -> None:

@@ -144,3 +144,49 @@ def test_the_next_step_waits_for_the_blocks_read_not_for_the_redis_hand_off(
     finally:
         gate.set()
         e.close()
+
+
+def test_a_step_that_waits_for_the_copies_counts_the_wait_and_one_that_does_not_counts_none(
+        ) -> None:
+    """``save_fence_waits`` / ``save_fence_wait_us``: the time a step spends on the previous
+    step's copies (issue 50's per-step accounting). A fence that finds them done counts
+    nothing; one that finds them held counts one wait."""
+    from tests.tiers.faults import wait_until
+
+    e = Halves(TieredConfig(cpu_bytes=1 << 20))
+    gate, entered, _ = _gated(e)
+    try:
+        worker = e.ranks[0].worker
+        e.fill([1, 2, 3, 4], seed=6)
+        e.admit(Req("a", 70), [[Blk(1, BS), Blk(2, 2 * BS)]], 0)
+        plan = e.plan({"a": 2 * BS})
+        worker.start_step(plan)
+        worker.save(plan)
+        gate.set()
+        gathered = worker._gathered
+        assert gathered is not None and gathered.wait(60)  # copied before the fence
+        worker.fence()
+        counts = worker.counters.snapshot()
+        assert counts["save_fence_waits"] == counts["save_fence_wait_us"] == 0
+
+        gate.clear()
+        entered.clear()
+        other = Req("b", 70)
+        other.block_hashes = [b"b0", b"b1"]  # blocks nobody saved yet
+        e.admit(other, [[Blk(3, BS), Blk(4, 2 * BS)]], 0)
+        plan = e.plan({"b": 2 * BS})
+        assert len(plan.saves) == 2
+        worker.start_step(plan)
+        worker.save(plan)
+        assert entered.wait(60)  # the copy is held mid-flight
+        fence = threading.Thread(target=worker.fence)
+        fence.start()
+        assert wait_until(lambda: worker._gathered is None)  # past its check: it waits
+        gate.set()
+        fence.join(60)
+        assert not fence.is_alive()
+        counts = worker.counters.snapshot()
+        assert counts["save_fence_waits"] == 1 and counts["save_fence_wait_us"] > 0
+    finally:
+        gate.set()
+        e.close()
