@@ -82,6 +82,9 @@ def test_lost_last_batch_stays_lost_without_idle_probe() -> None:
         _until_subscribed(r)
         r.publish(stored([1, 2], None))
         r.settle()
+        # Counted from here: a subscription that reached vLLM's PUB late makes the first
+        # live batch a repaired gap, which is not the loss this control is about.
+        before = r.daemon.source()
         r.pub._pub = dropping = DroppingSocket(r.pub._pub, drop={r.seq, r.seq + 1})
         r.publish(stored([3], 2))
         dropping.wait_sent(r.publish(stored([4], 3)) - 1)  # both lost, no later batch
@@ -89,7 +92,8 @@ def test_lost_last_batch_stays_lost_without_idle_probe() -> None:
         # to have passed; a busy machine only lets more time pass.
         time.sleep(3.0)
         src = r.daemon.source()
-        assert src["idle_probes"] == 0 and src["gaps"] == 0 and src["missing_batches"] == 0
+        assert src["idle_probes"] == 0
+        assert (src["gaps"], src["missing_batches"]) == (before["gaps"], before["missing_batches"])
         assert src["next_seq"] == r.seq - 2  # still waiting for the first lost batch
         assert r.daemon.lookup([1, 2, 3, 4])["GPU"]["tokens"] == 2 * B
     finally:
