@@ -17,6 +17,12 @@ from rigs.redis_server import RedisServer, SecretRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+#: Every Python process the tests start loads tests/support/spawned/sitecustomize.py: vLLM's
+#: queue readers go idle after 20 ms instead of spinning 1 s (tests/support/idle_wait.py).
+SPAWNED_SITE = str(Path(__file__).resolve().parent / "support" / "spawned")
+if SPAWNED_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (SPAWNED_SITE, os.environ.get("PYTHONPATH")) if p)
 
 REDIS_URL = os.environ.get("KVTIER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 _STARTS_KEY = pytest.StashKey[Path]()

@@ -13,6 +13,7 @@ on the same Redis, and engines with test-only switches, each in its own process:
                   ["kill_pid", pid], ["stop_before_host_commits"], ["skip_host_commits", rank],
                   ["kill_engine"]],
         "max_tokens": 8, "logprobs": bool, "proxy_to": redis port (optional), "log_info": bool,
+        "report_spin": bool (the worker's shared-memory queue spin in the result),
         "engine": {LLM keyword overrides, e.g. "max_num_seqs": 8} (optional)}'
 
 ``["batch", ...]`` submits every prompt in ONE ``llm.generate`` call (vLLM batches them in
@@ -200,10 +201,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("log_info"):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     overrides: dict[str, Any] = dict(spec.get("engine") or {})
+    # kvtier_drain: wait for the workers' Redis writes (an event, not a sleep);
+    # kvtier_queue_spin_s: how the workers' queues wait (every engine, baselines too)
+    overrides.setdefault("worker_extension_cls", worker_probe.PROBE_CLS)
     if extra is not None:
         overrides["kv_transfer_config"] = kvtier_transfer_config(extra)
-        # kvtier_drain: wait for the workers' Redis writes (an event, not a sleep)
-        overrides.setdefault("worker_extension_cls", worker_probe.PROBE_CLS)
         if spec.get("no_module_path"):  # rely on the vllm.general_plugins entry point
             overrides["kv_transfer_config"].pop("kv_connector_module_path")
     if any(step[0] == "perturb_weights" for step in spec["steps"]):
@@ -229,9 +231,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if shared is not None and not reused:
         _keep_baseline(shared, llm)
     try:
-        return {**drive(llm, spec, extra, proxy), "engine_reused": reused,
-                "engine_core_process": _engine_core_process_kind(llm),
-                "kv_transfer_config": overrides.get("kv_transfer_config")}
+        result = {**drive(llm, spec, extra, proxy), "engine_reused": reused,
+                  "engine_core_process": _engine_core_process_kind(llm),
+                  "kv_transfer_config": overrides.get("kv_transfer_config")}
+        if spec.get("report_spin"):  # the worker's queue spin (tests/support/idle_wait.py)
+            result["busy_loop_s"] = llm.collective_rpc("kvtier_queue_spin_s")[0]
+        return result
     finally:
         if proxy is not None:
             proxy.stop()

@@ -58,6 +58,14 @@ class KvtierWorkerProbe:
         snapshot = half.counters.snapshot()
         return {name: int(snapshot[name]) for name in COUNTER_NAMES}
 
+    def kvtier_queue_spin_s(self) -> float:
+        """How long this worker's shared-memory queue readers spin after a read (vLLM's
+        default, or the tests' shorter one: tests/support/idle_wait.py)."""
+        from vllm.distributed.device_communicators import shm_broadcast
+
+        (busy_loop_s,) = shm_broadcast.SpinCondition.__init__.__defaults__ or (None,)
+        return float(busy_loop_s)
+
     def kvtier_stop_before_host_commits(self) -> int:
         """Fault injection for "an engine killed mid-save": from now on this worker's
         host-tier saves stop where a SIGKILL would find them between the copy and the
