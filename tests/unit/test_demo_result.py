@@ -5,6 +5,9 @@ tests/e2e/test_demo.py; the host tier without Redis is checked here only."""
 from __future__ import annotations
 
 import argparse
+import json
+import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,3 +87,50 @@ def test_outputs_that_differ_from_vllm_alone_are_marked_no_and_the_demo_exits_1(
     monkeypatch.setattr(cli, "run_demo", lambda args: result)
     assert cli.main(["--quick"]) == 1
     assert "NO — see the rows marked NO" in capsys.readouterr().out
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_redis_runs_the_cpu_tier_alone_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """``kvtier demo --redis-url`` at a closed port, through ``main``: the real ping fails,
+    the demo says it runs the CPU tier alone, the kvtier engine's transfer config names no
+    Redis, the restart phase is skipped, and the table says CPU ONLY. The engines are the
+    launcher's stand-in (they return what engine children return); that a CPU-tier-only
+    kvtier engine serves the prefix with vLLM alone's outputs is asserted with real engines
+    in tests/e2e/test_connector_layout.py and test_connector_tp.py (hybrid)."""
+    from connector.demo import cli, engine
+
+    specs: list[dict[str, Any]] = []
+
+    def run_engine(spec: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        specs.append(spec)
+        hits = {} if spec["kv_transfer_config"] is None else {"vllm:kvtier_hit_tokens_cpu": 32}
+        return {"startup_s": 1.0, "phases": [_phase("cold", [1, 2]),
+                                             _phase("reset", [1, 2], **hits)]}
+
+    monkeypatch.setattr(engine, "run_engine", run_engine)
+    monkeypatch.setattr(cli, "model_path", lambda model: tmp_path)
+    url = f"redis://127.0.0.1:{_closed_port()}"
+    out_json = tmp_path / "demo.json"
+    assert cli.main(["--quick", "--redis-url", url, "--json", str(out_json)]) == 0
+    captured = capsys.readouterr()
+    assert "Running the CPU tier alone" in captured.err and url in captured.err
+    assert "3/3 skipped" in captured.err
+    assert [s["label"] for s in specs] == ["vllm-alone", "kvtier"]
+    extra = specs[1]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert not {"redis_url", "redis_url_env", "host_tier_socket"} & set(extra)
+    assert "CPU ONLY" in captured.out and url in captured.out
+    data = json.loads(out_json.read_text())
+    assert data["mode"] == "cpu-only" and data["redis"]["used"] is False
+    assert "ConnectionError" in data["redis"]["detail"]
+    rows = {r["label"]: r for r in data["rows"]}
+    assert "kvtier: engine restarted (new process)" not in rows
+    assert rows["kvtier: GPU prefix cache reset"]["cpu_tokens"] == 32
+    assert any("CPU tier only" in note for note in data["notes"])
