@@ -174,10 +174,23 @@ def reset_gpu_prefix_cache(llm: Any) -> bool:
     return False
 
 
+def check_kvtier_settings(kv_transfer_config: dict[str, Any] | None) -> None:
+    """Fail before vLLM is imported when kvtier's settings are bad: the check its connector
+    runs at engine start (``ConnectorConfigError``, naming the key and the fix), without
+    the ~30 s of an engine start first."""
+    if not kv_transfer_config or \
+            kv_transfer_config.get("kv_connector") != "TieredOffloadingConnector":
+        return
+    from connector.vllm_connector.config import load_config
+
+    load_config(kv_transfer_config.get("kv_connector_extra_config"))
+
+
 def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the engine the spec describes and run its phases; returns JSON-ready data."""
     apply_cpu_engine_env()
     base = dict(spec["workload"])
+    check_kvtier_settings(spec.get("kv_transfer_config"))
     progress(f"{spec['label']}: importing vLLM")
     t0 = time.perf_counter()
     from vllm import LLM

@@ -298,3 +298,15 @@ def test_wrong_password_starts_cpu_only_with_a_clear_error_and_no_secret(
     for text in (log, json.dumps(stats), json.dumps(result["redis_tier"]),
                  json.dumps(result["outputs"])):
         assert WRONG_PASSWORD not in text
+
+
+def test_a_bad_setting_fails_the_engine_at_start_naming_the_key_and_the_fix() -> None:
+    """``cpu_bytes: 5`` in a real engine (vLLM's default executors): the engine does not
+    start; the error vLLM raises carries kvtier's message, the key and the fix."""
+    with pytest.raises(RuntimeError) as info:
+        run_in_subprocess({"model": "llama", "extra": {"cpu_bytes": 5},
+                           "steps": [["generate", "A", prompt_words(5, 40)]]})
+    message = str(info.value)
+    assert "TieredOffloadingConnector: bad kv_connector_extra_config: cpu_bytes:" in message, \
+        message[-3000:]
+    assert "Fix: give the CPU tier size in bytes" in message, message[-3000:]

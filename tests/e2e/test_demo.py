@@ -151,8 +151,10 @@ def test_demo_host_tier_with_redis_the_daemon_holds_the_connection(
 
 
 def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """A bad connector setting fails the child engine at start, naming the key and the fix;
-    the parent raises with the log tail."""
+    """A bad connector setting fails the child before it imports vLLM (the check kvtier's
+    connector runs at engine start, run first), naming the key and the fix; the parent
+    raises with the log tail. (A real engine failing at start on the same setting:
+    tests/e2e/test_connector_faults.py -k bad_setting.)"""
     from connector.demo.engine import EngineRunError, run_engine
     from connector.demo.presets import kvtier_transfer_config
 
@@ -167,7 +169,9 @@ def test_engine_failure_is_reported_with_its_log(tmp_path: Path, tiny_llama_dir:
     cause = message.split("errors:\n", 1)[1].split("log tail:", 1)[0]
     assert "ConnectorConfigError" in cause and "cpu_bytes" in cause, cause
     assert "Fix:" in cause, cause
-    assert (tmp_path / "bad-config.log").exists()
+    log = (tmp_path / "bad-config.log").read_text()
+    assert "ConnectorConfigError" in log
+    assert "importing vLLM" not in log, log[-2000:]  # the line just before vLLM's import
 
 
 def test_demo_rejects_unknown_model(tmp_path: Path) -> None:
