@@ -54,13 +54,15 @@ def scheduling_group(nodeid: str) -> str:
 #: The longest test files (own-process engines: the demo's, the OpenAI servers, the stall
 #: benchmark's servers), longest first: handed out before the rest so they overlap each
 #: other, not the tail (a worker queues two files at a time).
-LONGEST_FIRST = (
+LONGEST_FIRST = (  # worker-seconds in a full run of 2026-12-07: 272, 184, 149, 144, ...
     "tests/e2e/test_demo.py",
+    "tests/e2e/test_exit_flush.py",
     "tests/e2e/test_openai_server.py",
+    "tests/e2e/test_connector_tp.py",
+    "tests/e2e/test_host_tier.py",
     "tests/e2e/test_connector_stall.py",
     "tests/e2e/test_connector_hybrid.py",
     "tests/native/test_native_tier_e2e.py",
-    "tests/e2e/test_connector_tp.py",
     "tests/e2e/test_fast_start.py",
     "tests/e2e/test_connector_faults.py",
     "tests/native/test_native_tier_tp_e2e.py",
