@@ -56,6 +56,13 @@ kvtier's ITL p99 over native's and over vLLM alone's, pooled and as the median o
 ratios, against the aims (<= 1.0 and <= 1.2); a run where any config had an error or a
 round without a decoding stream at its end judges nothing (``valid`` false).
 
+Where the CPU went: around every round the client reads every thread's run time on the
+machine (``/proc/PID/task/TID/schedstat``) and splits the round's CPU-seconds by role (JSON
+``summary.cpu_share_by_role``, cores busy per second of window): the measured server's
+engine core, worker main thread (OpenMP thread 0 too), other worker threads, kvtier's own
+threads (``kvtier-*``) and API server; the idle servers, the latency proxy,
+``redis-server``, the client, and the rest of the machine.
+
 Reported per config: ITL p50/p99 (engine), client ITL p50/p99 and idle p50,
 restoring requests' TTFT p50/p90 and cached
 tokens (``--enable-prompt-tokens-details``), store requests' TTFT p50, kvtier's
@@ -95,6 +102,7 @@ from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory
 from benchmarks.harness import load_1m, say, write_result
 from connector.demo.cli import delete_redis_prefix
 from connector.demo.presets import kvtier_transfer_config
+from connector.demo.thread_times import all_processes, process_tree, thread_times
 from connector.demo.tiny_models import prompt_words, tiny_llama
 from offload_tiers.redis.presence_feed import is_announce_stream
 from rigs.openai_server import OpenAIServer
@@ -411,6 +419,70 @@ class Proxy:
         self.proc.wait(10)
 
 
+#: The roles a round's CPU time is split into (JSON ``cpu_s_by_role``), in table order.
+CPU_ROLES = ("engine core", "worker main", "worker compute", "kvtier threads", "api server",
+             "other servers", "proxy", "redis-server", "client", "rest of the machine")
+
+
+def _role(process: str, thread: str, pid: int, measured: set[int], others: set[int],
+          proxy: set[int]) -> str:
+    """Which part of the machine one thread's run time belongs to. A measured server's
+    threads by their process (vLLM names them ``VLLM::EngineCore``, ``VLLM::Worker``) and
+    name (kvtier names its own threads ``kvtier-*``: ``offload_tiers/thread_names.py``)."""
+    if pid in measured:
+        if thread.startswith("kvtier"):
+            return "kvtier threads"
+        if "EngineCor" in process:
+            return "engine core"
+        if "Worker" in process:
+            return "worker main" if "(main)" in thread else "worker compute"
+        return "api server"
+    if pid in others:
+        return "other servers"
+    if pid in proxy:
+        return "proxy"
+    if process == "redis-server":
+        return "redis-server"
+    if pid == os.getpid():
+        return "client"
+    return "rest of the machine"
+
+
+class CpuLedger:
+    """The machine's CPU time by role over one round (``/proc``, every thread): what the
+    measured server's engine core, worker and kvtier threads ran, and what the rest of the
+    machine (the idle servers, the proxy, ``redis-server``, this client) took meanwhile."""
+
+    def __init__(self, servers: dict[str, OpenAIServer], proxy: Proxy | None) -> None:
+        self.trees = {name: set(process_tree(s.proc.pid)) for name, s in servers.items()
+                      if s.proc is not None}
+        self.proxy = {proxy.proc.pid} if proxy is not None else set()
+        self._before: dict[int, tuple[str, str, float]] = {}
+        self._pids: dict[int, int] = {}
+
+    def _read(self) -> dict[int, tuple[str, str, float]]:
+        readings: dict[int, tuple[str, str, float]] = {}
+        for pid in all_processes():
+            for tid, reading in thread_times([pid]).items():
+                readings[tid] = reading
+                self._pids[tid] = pid
+        return readings
+
+    def start(self) -> None:
+        self._before = self._read()
+
+    def stop(self, measured: str) -> dict[str, float]:
+        after = self._read()
+        mine = self.trees.get(measured, set())
+        others = set().union(*(t for n, t in self.trees.items() if n != measured))
+        out = dict.fromkeys(CPU_ROLES, 0.0)
+        for tid, (process, thread, ran) in after.items():
+            pid = self._pids[tid]
+            role = _role(process, thread.rsplit(" @", 1)[0], pid, mine, others, self.proxy)
+            out[role] += ran - (self._before[tid][2] if tid in self._before else 0.0)
+        return out
+
+
 def server_env(reserved_cpus: int | None) -> dict[str, str | None]:
     """The same OpenMP binding for every config.
 
@@ -551,15 +623,19 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                 time.sleep(1.0)  # native: let the last stores finish before the reset
                 _reset(servers[config])
         before = {c: servers[c].metrics() for c in configs}
+        ledger = CpuLedger(servers, proxy)
         for rnd in [WARMUP_ROUND, *range(shape.rounds)]:
             k = rnd % len(configs) if rnd >= 0 else 0
             for config in configs[k:] + configs[:k]:
                 time.sleep(gap_s)
                 load = load_1m()
+                ledger.start()
                 res = run_round(servers[config], rnd, shape)
+                cpu = ledger.stop(config)
                 if rnd == WARMUP_ROUND:
                     continue
-                runs[config]["rounds"].append({**asdict(res), "load_before": load})
+                runs[config]["rounds"].append({**asdict(res), "load_before": load,
+                                               "cpu_s_by_role": cpu})
             if rnd >= 0:
                 say(f"round {rnd + 1}/{shape.rounds}: " + "; ".join(
                     f"{c} ITL p50/p99 {hist_percentile(r['itl_engine'], 50) * 1e3:.1f}/"
@@ -628,6 +704,11 @@ def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
         "errors": [e for r in rounds for e in r["errors"]],
         "truncated_rounds": sum(r["truncated"] for r in rounds),
         "load": [run["load_before"], run["load_after"]],
+        # CPU-seconds per second of round, by role (the round: from its decoding stream's
+        # start to its last request done, a little longer than the window)
+        "cpu_share_by_role": {role: sum(r["cpu_s_by_role"][role] for r in rounds)
+                              / max(1e-9, sum(r["window_s"] for r in rounds))
+                              for role in CPU_ROLES},
     }
 
 
@@ -790,6 +871,12 @@ def main(argv: list[str]) -> int:
             if any(w in k for w in ("hit_tokens", "written_redis", "drops", "errors",
                                     "failed", "blocks_saved", "misses", "probe_waits",
                                     "presence_known_absent", "presence_not_ready"))))
+    print("cores busy per second of window, by role (CPU-seconds over the rounds / window "
+          "seconds; the rounds run a little longer than their windows)")
+    print(f"  {'role':<20}" + "".join(f"{c:>9}" for c in summary))
+    for role in CPU_ROLES:
+        print(f"  {role:<20}" + "".join(f"{s['cpu_share_by_role'][role]:>9.2f}"
+                                        for s in summary.values()))
     print("ratios (kvtier; native_*: native)")
     for key, value in ratios.items():
         print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")
