@@ -58,7 +58,8 @@ round without a decoding stream at its end judges nothing (``valid`` false).
 
 Where the CPU went: around every round the client reads every thread's run time on the
 machine (``/proc/PID/task/TID/schedstat``) and splits the round's CPU-seconds by role (JSON
-``summary.cpu_share_by_role``, cores busy per second of window): the measured server's
+``summary.cpu_cores_by_role``, cores busy per second of round, and
+``cpu_ms_per_step_by_role``, per engine step of the measured server): the measured server's
 engine core, worker main thread (OpenMP thread 0 too), other worker threads, kvtier's own
 threads (``kvtier-*``) and API server; the idle servers, the latency proxy,
 ``redis-server``, the client, and the rest of the machine.
@@ -419,7 +420,7 @@ class Proxy:
         self.proc.wait(10)
 
 
-#: The roles a round's CPU time is split into (JSON ``cpu_s_by_role``), in table order.
+#: The roles a round's CPU time is split into (JSON ``cpu_cores_by_role``), in table order.
 CPU_ROLES = ("engine core", "worker main", "worker compute", "kvtier threads", "api server",
              "other servers", "proxy", "redis-server", "client", "rest of the machine")
 
@@ -448,17 +449,31 @@ def _role(process: str, thread: str, pid: int, measured: set[int], others: set[i
     return "rest of the machine"
 
 
+STEPS_METRIC = "vllm:iteration_tokens_total_count"
+
+
+def engine_steps(server: OpenAIServer) -> float:
+    """The engine steps the server has reported (vLLM observes its tokens-per-step
+    histogram once per step that produced outputs)."""
+    return sum(float(line.rpartition(" ")[2]) for line in server.metrics_text().splitlines()
+               if line.startswith(STEPS_METRIC))
+
+
 class CpuLedger:
     """The machine's CPU time by role over one round (``/proc``, every thread): what the
     measured server's engine core, worker and kvtier threads ran, and what the rest of the
-    machine (the idle servers, the proxy, ``redis-server``, this client) took meanwhile."""
+    machine (the idle servers, the proxy, ``redis-server``, this client) took meanwhile;
+    with the round's wall time and the measured server's engine steps."""
 
     def __init__(self, servers: dict[str, OpenAIServer], proxy: Proxy | None) -> None:
+        self.servers = servers
         self.trees = {name: set(process_tree(s.proc.pid)) for name, s in servers.items()
                       if s.proc is not None}
         self.proxy = {proxy.proc.pid} if proxy is not None else set()
         self._before: dict[int, tuple[str, str, float]] = {}
         self._pids: dict[int, int] = {}
+        self._t0 = 0.0
+        self._steps0 = 0.0
 
     def _read(self) -> dict[int, tuple[str, str, float]]:
         readings: dict[int, tuple[str, str, float]] = {}
@@ -468,19 +483,25 @@ class CpuLedger:
                 self._pids[tid] = pid
         return readings
 
-    def start(self) -> None:
+    def start(self, measured: str) -> None:
+        self._steps0 = engine_steps(self.servers[measured]) if measured in self.servers else 0
         self._before = self._read()
+        self._t0 = time.monotonic()
 
-    def stop(self, measured: str) -> dict[str, float]:
+    def stop(self, measured: str) -> dict[str, Any]:
+        """``{"cpu_s": {role: seconds}, "wall_s": ..., "steps": ...}`` since :meth:`start`."""
+        wall_s = time.monotonic() - self._t0
         after = self._read()
+        steps = (engine_steps(self.servers[measured]) - self._steps0
+                 if measured in self.servers else 0.0)
         mine = self.trees.get(measured, set())
         others = set().union(*(t for n, t in self.trees.items() if n != measured))
-        out = dict.fromkeys(CPU_ROLES, 0.0)
+        cpu = dict.fromkeys(CPU_ROLES, 0.0)
         for tid, (process, thread, ran) in after.items():
             pid = self._pids[tid]
             role = _role(process, thread.rsplit(" @", 1)[0], pid, mine, others, self.proxy)
-            out[role] += ran - (self._before[tid][2] if tid in self._before else 0.0)
-        return out
+            cpu[role] += ran - (self._before[tid][2] if tid in self._before else 0.0)
+        return {"cpu_s": cpu, "wall_s": wall_s, "steps": steps}
 
 
 def server_env(reserved_cpus: int | None) -> dict[str, str | None]:
@@ -629,13 +650,13 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
             for config in configs[k:] + configs[:k]:
                 time.sleep(gap_s)
                 load = load_1m()
-                ledger.start()
+                ledger.start(config)
                 res = run_round(servers[config], rnd, shape)
                 cpu = ledger.stop(config)
                 if rnd == WARMUP_ROUND:
                     continue
                 runs[config]["rounds"].append({**asdict(res), "load_before": load,
-                                               "cpu_s_by_role": cpu})
+                                               "cpu": cpu})
             if rnd >= 0:
                 say(f"round {rnd + 1}/{shape.rounds}: " + "; ".join(
                     f"{c} ITL p50/p99 {hist_percentile(r['itl_engine'], 50) * 1e3:.1f}/"
@@ -704,11 +725,15 @@ def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
         "errors": [e for r in rounds for e in r["errors"]],
         "truncated_rounds": sum(r["truncated"] for r in rounds),
         "load": [run["load_before"], run["load_after"]],
-        # CPU-seconds per second of round, by role (the round: from its decoding stream's
-        # start to its last request done, a little longer than the window)
-        "cpu_share_by_role": {role: sum(r["cpu_s_by_role"][role] for r in rounds)
-                              / max(1e-9, sum(r["window_s"] for r in rounds))
+        # The rounds' CPU by role: cores busy per second of round (from its decoding
+        # stream's start to its last request done), and milliseconds per engine step
+        "cpu_cores_by_role": {role: sum(r["cpu"]["cpu_s"][role] for r in rounds)
+                              / max(1e-9, sum(r["cpu"]["wall_s"] for r in rounds))
                               for role in CPU_ROLES},
+        "cpu_ms_per_step_by_role": {role: 1e3 * sum(r["cpu"]["cpu_s"][role] for r in rounds)
+                                    / max(1.0, sum(r["cpu"]["steps"] for r in rounds))
+                                    for role in CPU_ROLES},
+        "engine_steps": sum(r["cpu"]["steps"] for r in rounds),
     }
 
 
@@ -871,12 +896,14 @@ def main(argv: list[str]) -> int:
             if any(w in k for w in ("hit_tokens", "written_redis", "drops", "errors",
                                     "failed", "blocks_saved", "misses", "probe_waits",
                                     "presence_known_absent", "presence_not_ready"))))
-    print("cores busy per second of window, by role (CPU-seconds over the rounds / window "
-          "seconds; the rounds run a little longer than their windows)")
-    print(f"  {'role':<20}" + "".join(f"{c:>9}" for c in summary))
+    print("CPU by role over the rounds: cores busy per second of round | ms per engine step")
+    print(f"  {'role':<20}" + "".join(f"{c:>17}" for c in summary))
     for role in CPU_ROLES:
-        print(f"  {role:<20}" + "".join(f"{s['cpu_share_by_role'][role]:>9.2f}"
-                                        for s in summary.values()))
+        print(f"  {role:<20}" + "".join(
+            f"{s['cpu_cores_by_role'][role]:>8.2f} |{s['cpu_ms_per_step_by_role'][role]:>6.2f}"
+            for s in summary.values()))
+    print(f"  {'engine steps':<20}" + "".join(f"{s['engine_steps']:>17.0f}"
+                                              for s in summary.values()))
     print("ratios (kvtier; native_*: native)")
     for key, value in ratios.items():
         print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")

@@ -33,13 +33,15 @@ def test_each_thread_has_one_role(process: str, thread: str, pid: int, role: str
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_rounds_cpu_comes_from_proc_and_this_process_is_the_client() -> None:
-    ledger = CpuLedger({}, None)
-    ledger.start()
+    ledger = CpuLedger({}, None)  # no server: nothing is measured, no step counted
+    ledger.start("none")
     start = time.thread_time()
     while time.thread_time() - start < 0.2:  # burn 0.2 CPU-seconds on this thread
         pass
     burnt = time.thread_time() - start
-    cpu = ledger.stop("none")
+    reading = ledger.stop("none")
+    cpu = reading["cpu_s"]
     assert set(cpu) == set(CPU_ROLES)
     assert cpu["client"] >= burnt * 0.95  # schedstat and thread_time count the same runs
     assert all(v >= 0 for v in cpu.values())
+    assert reading["steps"] == 0 and reading["wall_s"] > 0
