@@ -310,6 +310,26 @@ def _stall_rounds(d: dict[str, Any]) -> str:
     return ("; kvtier round by round, median [range]: " + ", ".join(parts)) if parts else ""
 
 
+#: bench_stall's CPU roles shown in the figure (the rest of the machine stays in the JSON).
+STALL_CPU_ROLES = ("engine core", "worker main", "worker compute", "kvtier threads",
+                   "api server", "proxy", "redis-server")
+
+
+def stall_cpu(d: dict[str, Any]) -> str:
+    """CPU milliseconds per engine step by role, per config, where the run recorded them."""
+    rows = {c: v["summary"] for c, v in d["connectors"].items()
+            if "cpu_ms_per_step_by_role" in v["summary"]}
+    if not rows:
+        return "not recorded by this run"
+    parts = [f"{role}: " + " / ".join(f"{s['cpu_ms_per_step_by_role'][role]:.3f}"
+                                      for s in rows.values())
+             for role in STALL_CPU_ROLES]
+    steps = " / ".join(f"{s['engine_steps']:.0f}" for s in rows.values())
+    return (f"CPU ms per engine step, {' / '.join(rows)}: " + "; ".join(parts)
+            + f" (engine steps {steps}; commit {_short_commit(d['_measured']['commit'])}, "
+            f"{when(d)})")
+
+
 def nohit_ttft(*runs: dict[str, Any]) -> str:
     def cell(d: dict[str, Any], config: str) -> str:
         ms = f"{config} {d['rows'][config]['median_ms']:.1f} ms"
@@ -608,6 +628,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "janitor-row": (("janitor-64k.json", "janitor-2m.json"), janitor_row),
     "e2e": (("e2e.json",), e2e),
     "stall": (("stall.json",), stall),
+    "stall-cpu": (("stall.json",), stall_cpu),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
     "thread-cpu": (("thread_cpu_hybrid.json",), thread_cpu),
