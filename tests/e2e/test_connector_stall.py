@@ -10,9 +10,10 @@ out), a request ``B``, sent after that, has finished, and ``D`` has received 5 t
 ``B``'s prompt is shorter than a block: kvtier has nothing to ask Redis for it (a longer
 prompt would wait for its own probe, by design). An engine step that waited on Redis would
 stall ``B`` and ``D`` until the test's deadline (far below the Redis timeout) and fail.
-Outputs equal those of a first server that computed every token (it had nothing to
-restore) and stored ``LONG`` (``D``'s and ``B``'s prompts are shorter than a block: nothing
-of theirs is stored, they stay misses).
+Outputs equal those of a first engine (``LLM(...)`` with kvtier and the server's engine
+settings) that computed every token (it had nothing to restore) and stored ``LONG``
+(``D``'s and ``B``'s prompts are shorter than a block: nothing of theirs is stored, they
+stay misses).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from connector.demo.tiny_models import prompt_words
 from rigs.openai_server import OpenAIServer
 from rigs.redis_keys import scratch_prefix, wait_for_keys
 from rigs.tcp_proxy import TcpProxy
+from tests.support.connector_runner import run_in_subprocess
 
 pytestmark = pytest.mark.e2e
 
@@ -129,9 +131,9 @@ async def probe_waits(server: OpenAIServer) -> float:
     return metrics.get("vllm:kvtier_probe_waits", 0.0)
 
 
-async def race(server: OpenAIServer, proxy: TcpProxy | None = None) -> dict[str, Any]:
-    """D streams; A is sent; then B. With ``proxy`` (kvtier's way to Redis), Redis is held
-    from before A until B has finished and D got more tokens, then released."""
+async def race(server: OpenAIServer, proxy: TcpProxy) -> dict[str, Any]:
+    """D streams; A is sent; then B. ``proxy`` (kvtier's way to Redis) is held from before
+    A until B has finished and D got more tokens, then released."""
     async with httpx.AsyncClient() as client:
         decode = DecodeChain(client, server)  # A starts once D streams
         await until(lambda: decode.arrivals or decode.task.done(), "D's first token")
@@ -139,32 +141,30 @@ async def race(server: OpenAIServer, proxy: TcpProxy | None = None) -> dict[str,
             await decode.task
             raise AssertionError("D streamed no token")
         marks: dict[str, float] = {}
-        if proxy is not None:
-            asked = await probe_waits(server)
-            proxy.hold()
+        asked = await probe_waits(server)
+        proxy.hold()
         restore = Stream(client, server, LONG, 4)
-        if proxy is not None:
-            deadline = time.monotonic() + DEADLINE_S
-            while await probe_waits(server) <= asked:  # A's look-up: "ask again" (probe out)
-                if time.monotonic() >= deadline:  # say what A's look-up did instead
-                    counters = await asyncio.to_thread(server.metrics)
-                    raise AssertionError(f"A's Redis probe never went out: {counters}")
-                await asyncio.sleep(0.05)
-            marks["a_waits"] = time.monotonic()
+        deadline = time.monotonic() + DEADLINE_S
+        while await probe_waits(server) <= asked:  # A's look-up: "ask again" (probe out)
+            if time.monotonic() >= deadline:  # say what A's look-up did instead
+                counters = await asyncio.to_thread(server.metrics)
+                raise AssertionError(f"A's Redis probe never went out: {counters}")
+            await asyncio.sleep(0.05)
+        marks["a_waits"] = time.monotonic()
         short = Stream(client, server, SHORT, 4)
         b = await short.finished()
-        if proxy is not None:
-            def d_tokens_since_a_waits() -> int:
-                return sum(t > marks["a_waits"] for t in decode.arrivals)
 
-            await until(lambda: d_tokens_since_a_waits() >= D_TOKENS_WHILE_HELD
-                        or decode.task.done(), "D's tokens while Redis is held")
-            assert not restore.arrivals, "A got a token while Redis was held"
-            if decode.task.done():  # only an HTTP error ends the chain: raise it
-                await decode.task
-            assert d_tokens_since_a_waits() >= D_TOKENS_WHILE_HELD
-            marks["released"] = time.monotonic()
-            proxy.release()
+        def d_tokens_since_a_waits() -> int:
+            return sum(t > marks["a_waits"] for t in decode.arrivals)
+
+        await until(lambda: d_tokens_since_a_waits() >= D_TOKENS_WHILE_HELD
+                    or decode.task.done(), "D's tokens while Redis is held")
+        assert not restore.arrivals, "A got a token while Redis was held"
+        if decode.task.done():  # only an HTTP error ends the chain: raise it
+            await decode.task
+        assert d_tokens_since_a_waits() >= D_TOKENS_WHILE_HELD
+        marks["released"] = time.monotonic()
+        proxy.release()
         return {"A": await restore.finished(), "B": b, "D": await decode.finished(), **marks}
 
 
@@ -177,21 +177,21 @@ def prefix(redis_url: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def runs(tiny_llama_dir: Path, redis_srv: Any, prefix: str,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two kvtier servers on one Redis. ``first`` runs the race with nothing to restore
-    (every token computed by vLLM: the reference outputs) and stores LONG; ``slow``, a new
-    server whose way to Redis is the held proxy, runs it again and restores LONG."""
+    """``first``: an engine with kvtier (``LLM(...)``, the server's engine settings, vLLM's
+    default executors) computes D, A and B greedily as the server's requests ask them
+    (nothing to restore: the reference outputs) and stores LONG in Redis; ``slow``, a new
+    server whose way to Redis is the held proxy, runs the race and restores LONG."""
     logs = tmp_path_factory.mktemp("stall")
     out: dict[str, Any] = {}
     extra = {"cpu_bytes": 64 << 20, "redis_prefix": prefix,
              "redis_timeout_s": REDIS_TIMEOUT_S}
-    first = OpenAIServer(tiny_llama_dir, logs / "first.log", kv_transfer_config=(
-        kvtier_transfer_config(dict(extra, redis_url=redis_srv.url)))).start()
-    try:
-        out["first"] = asyncio.run(race(first))
-        out["first_metrics"] = first.metrics()
-        wait_for_keys(redis_srv.url, prefix, LONG_BLOCKS)  # written in the background
-    finally:
-        first.stop()
+    asked = {"D": (DECODE, DECODE_TOKENS), "A": (LONG, 4), "B": (SHORT, 4)}
+    first = run_in_subprocess({"model": "llama", "extra": dict(extra, redis_url=redis_srv.url),
+                               "steps": [["generate", name, prompt, None,
+                                          {"max_tokens": tokens, "ignore_eos": True}]
+                                         for name, (prompt, tokens) in asked.items()]})
+    out["first"] = {o["name"]: o for o in first["outputs"]}
+    wait_for_keys(redis_srv.url, prefix, LONG_BLOCKS)  # written in the background
     proxy = TcpProxy("127.0.0.1", redis_srv.port).start()
     slow = OpenAIServer(tiny_llama_dir, logs / "slow.log", kv_transfer_config=(
         kvtier_transfer_config(dict(extra, redis_url=f"redis://127.0.0.1:{proxy.port}/0"))))
@@ -206,12 +206,12 @@ def runs(tiny_llama_dir: Path, redis_srv: Any, prefix: str,
 
 
 def test_outputs_identical_with_slow_redis(runs: dict[str, Any]) -> None:
-    """Equal to the first server's outputs, which vLLM computed whole (nothing restored)."""
-    first = runs["first_metrics"]
-    assert first.get("vllm:kvtier_hit_tokens_cpu", 0) == 0
-    assert first.get("vllm:kvtier_hit_tokens_redis", 0) == 0
+    """Equal to the first engine's outputs, which vLLM computed whole (nothing restored)."""
     for name in ("D", "A", "B"):
-        assert runs["slow"][name]["text"] == runs["first"][name]["text"], name
+        first = runs["first"][name]
+        assert first["delta"].get("hit_tokens_cpu", 0) == 0, name
+        assert first["delta"].get("hit_tokens_redis", 0) == 0, name
+        assert runs["slow"][name]["text"] == first["text"], name
 
 
 def test_restore_came_from_redis(runs: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ Used by the connector's e2e tests to get a baseline without kvtier, a second eng
 on the same Redis, and engines with test-only switches, each in its own process::
 
     python -m tests.support.connector_runner '{"model": "llama", "extra": {...} | null,
-        "steps": [["generate", "name", "prompt" | [token ids], cache_salt?], ["reset"],
+        "steps": [["generate", "name", "prompt" | [token ids], cache_salt?,
+                   {"max_tokens": n, "ignore_eos": bool}?], ["reset"],
                   ["batch", "name", [prompt | [token ids], ...]],
                   ["corrupt_redis", url, prefix], ["damage_rank", url, prefix, how],
                   ["reset_connector"], ["perturb_weights", seed], ["weight_version", v],
@@ -315,13 +316,17 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
     outputs: list[dict[str, Any]] = []
     victims: list[int] = []  # worker pids of a "stop_before_host_commits" step
 
-    def gen(name: str, prompt: str | list[int], salt: str | None = None) -> str:
+    def gen(name: str, prompt: str | list[int], salt: str | None = None,
+            sampling: dict[str, Any] | None = None) -> str:
         before = counters(stats()) if extra is not None else {}
         request: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) \
             else {"prompt": prompt}
         if salt:
             request["cache_salt"] = salt
-        out = llm.generate([request], params, use_tqdm=False)[0]
+        this = params if not sampling else SamplingParams(
+            max_tokens=int(sampling.get("max_tokens", params.max_tokens)), temperature=0.0,
+            ignore_eos=bool(sampling.get("ignore_eos", False)), logprobs=params.logprobs)
+        out = llm.generate([request], this, use_tqdm=False)[0]
         settle()
         after = counters(stats()) if extra is not None else {}
         delta = {k: after[k] - before.get(k, 0) for k in after
@@ -411,7 +416,8 @@ def drive(llm: Any, spec: dict[str, Any], extra: dict[str, Any] | None,
             pids = list(victims) + engine_host.core_pids(llm)
             outputs.append({"name": "kill_engine", "result": [kill_and_reap(p) for p in pids]})
             return {"outputs": outputs, "stats": {}, "redis_tier": {}, "cpu_tier": {}}
-        gen(step[1], step[2], step[3] if len(step) > 3 else None)
+        gen(step[1], step[2], step[3] if len(step) > 3 else None,
+            step[4] if len(step) > 4 else None)
     if extra is not None:
         # At rest: every background write reported, and the CPU-tier gauges describe the
         # tier as it is now.
