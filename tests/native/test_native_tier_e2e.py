@@ -233,16 +233,16 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ".venv*", ".git", "__pycache__", "build", "*.egg-info", "tests", "benchmarks"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(tmp / "dist"), str(source)], check=True)
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    venv = tmp / "venv"  # no pip of its own: this venv's pip installs into it (--python)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = subprocess.run([str(venv / "bin" / "python"), "-c",
                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     # A plain path line: the test venv's own .pth files (the editable install) stay unread.
     (Path(site) / "test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     wheel = next((tmp / "dist").glob("kvtier-*.whl"))
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
-                    str(wheel)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "-q", "--no-deps", str(wheel)], check=True)
     return venv
 
 
