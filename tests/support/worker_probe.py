@@ -63,7 +63,7 @@ class KvtierWorkerProbe:
         default, or the tests' shorter one: tests/support/idle_wait.py)."""
         from vllm.distributed.device_communicators import shm_broadcast
 
-        (busy_loop_s,) = shm_broadcast.SpinCondition.__init__.__defaults__ or (None,)
+        (busy_loop_s,) = shm_broadcast.SpinCondition.__init__.__defaults__
         return float(busy_loop_s)
 
     def kvtier_stop_before_host_commits(self) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from connector.demo.cli import Engines, RedisChoice, _print_result, _result
 from connector.demo.report import KVTIER_HOST
 from connector.demo.workload import Workload
+from rigs.ports import free_port
 
 PROMPT_TOKENS = "vllm:prompt_tokens"
 
@@ -89,13 +89,6 @@ def test_outputs_that_differ_from_vllm_alone_are_marked_no_and_the_demo_exits_1(
     assert "NO — see the rows marked NO" in capsys.readouterr().out
 
 
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_unreachable_redis_runs_the_cpu_tier_alone_and_says_so(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
@@ -117,7 +110,7 @@ def test_an_unreachable_redis_runs_the_cpu_tier_alone_and_says_so(
 
     monkeypatch.setattr(engine, "run_engine", run_engine)
     monkeypatch.setattr(cli, "model_path", lambda model: tmp_path)
-    url = f"redis://127.0.0.1:{_closed_port()}"
+    url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
     out_json = tmp_path / "demo.json"
     assert cli.main(["--quick", "--redis-url", url, "--json", str(out_json)]) == 0
     captured = capsys.readouterr()
