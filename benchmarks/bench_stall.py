@@ -99,6 +99,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks import hook_steps
 from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory
 from benchmarks.harness import load_1m, say, write_result
 from connector.demo.cli import delete_redis_prefix
@@ -311,6 +312,7 @@ class RoundResult:
     decode_streams: int  # one after another through the window (each ends at the model's length)
     errors: list[str]
     truncated: bool  # no decoding stream ran at the window's end (one failed)
+    window_epoch: tuple[float, float] = (0.0, 0.0)  # the window, in epoch seconds
 
 
 async def decode_until(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
@@ -343,7 +345,7 @@ async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
             client, model, decode_prompt(rnd, shape), decode_max, steady, stop))
         await steady.wait()
         hist_start = await _scrape_itl(base)
-        t_start = time.perf_counter()
+        t_start, epoch_start = time.perf_counter(), time.time()
         others: list[tuple[str, asyncio.Task[StreamResult]]] = []
         plan = [("restore", i) for i in range(shape.restores)]
         plan += [("store", i) for i in range(shape.stores)]
@@ -358,6 +360,7 @@ async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
                 client, model, prompt, shape.other_max_tokens))))
         done = [(kind, await task) for kind, task in others]
         t_end = max(r.done for _, r in done)
+        epoch_end = epoch_start + (t_end - t_start)
         hist_end = await _scrape_itl(base)
         stop.set()
         decoder.cancel()
@@ -380,7 +383,8 @@ async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
         restore_cached=[r.cached_tokens for k, r in done if k == "restore"],
         store_ttft=[r.ttft for k, r in done if k == "store" and r.ttft is not None],
         decode_streams=len(streams),
-        errors=errors, truncated=last.error != "cancelled" and last.done < t_end)
+        errors=errors, truncated=last.error != "cancelled" and last.done < t_end,
+        window_epoch=(epoch_start, epoch_end))
 
 
 def _per_bucket(start: list[float], end: list[float]) -> list[float]:
@@ -606,14 +610,29 @@ def _warm_kvtier_redis(model_dir: Path, log_dir: Path, shape: Shape,
         first.stop()
 
 
+def _timed(ktc: dict[str, Any], config: str, log_dir: Path, env: dict[str, str | None]
+           ) -> tuple[dict[str, Any], dict[str, str | None]]:
+    """The connector of ``ktc`` with every hook timed and each call recorded under
+    ``log_dir/hooks-<config>`` (``benchmarks/hook_steps.py``)."""
+    times = log_dir / f"hooks-{config}"
+    times.mkdir(parents=True, exist_ok=True)
+    timed = {**ktc, "kv_connector_module_path": "benchmarks.peers.timed_connector",
+             "kv_connector": ("TimedNativeConnector" if config == "native"
+                              else "TimedTieredConnector")}
+    return timed, {**env, "KVTIER_HOOK_TIMES_DIR": str(times), "KVTIER_HOOK_CALLS": "1"}
+
+
 def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
             redis_url: str, rtt_s: float, env: dict[str, str | None], gap_s: float,
-            kvtier_extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+            kvtier_extra: dict[str, Any] | None = None,
+            hook_calls: bool = False) -> dict[str, dict[str, Any]]:
     """Every config's server up at once; the configs take turns, round by round.
 
     Round ``r`` of every config runs the same prompts within seconds of the others' round
     ``r`` (order rotated per round), so load from elsewhere on the machine falls on all of
     them alike. ``gap_s`` before each round lets the server that just ran stop spinning.
+    ``hook_calls``: the connectors run timed (``benchmarks/peers/timed_connector.py``) and
+    each config's steps in its windows are summarized (``hook_steps``).
     """
     runs: dict[str, dict[str, Any]] = {c: {"rounds": [], "load_before": load_1m()}
                                        for c in configs}
@@ -635,7 +654,10 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                     if proxy is not None else "Redis direct (--rtt-ms 0: no proxy)"), tag="stall")
                 ktc = kvtier_transfer_config(
                     {**settings, "redis_url": proxy.url if proxy is not None else redis_url})
-            servers[config] = _server(model_dir, log_dir, config, shape, ktc, env)
+            config_env = env
+            if hook_calls and ktc is not None:
+                ktc, config_env = _timed(ktc, config, log_dir, env)
+            servers[config] = _server(model_dir, log_dir, config, shape, ktc, config_env)
             if config != "kvtier":
                 warm = _warm_prompts(shape)
                 say(f"{config}: warming {len(warm)} prefixes, then POST /reset_prefix_cache",
@@ -671,6 +693,10 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                 k: after[k] - before[config].get(k, 0.0) for k in after
                 if after[k] - before[config].get(k, 0.0)}
             runs[config]["load_after"] = load_1m()
+            if hook_calls and config != "none":
+                runs[config]["hook_steps"] = hook_steps.summarize(
+                    log_dir / f"hooks-{config}",
+                    [tuple(r["window_epoch"]) for r in runs[config]["rounds"]])
     finally:
         for server in servers.values():
             server.stop()
@@ -734,6 +760,7 @@ def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
                                     / max(1.0, sum(r["cpu"]["steps"] for r in rounds))
                                     for role in CPU_ROLES},
         "engine_steps": sum(r["cpu"]["steps"] for r in rounds),
+        "hook_steps": run.get("hook_steps"),
     }
 
 
@@ -846,6 +873,9 @@ def main(argv: list[str]) -> int:
                         help="vLLM's token budget per step (default: the shape's, 256; 0: "
                              "vLLM's own, which prefills a 1024-token prompt in one step)")
     parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--hook-calls", action="store_true",
+                        help="run the connectors with every hook timed and report where each "
+                             "config's worker steps spent their time (benchmarks/hook_steps.py)")
     parser.add_argument("--kvtier-extra", default="{}", metavar="JSON",
                         help="more kvtier settings, e.g. '{\"async_saves\": false}'")
     args = parser.parse_args(argv)
@@ -868,7 +898,7 @@ def main(argv: list[str]) -> int:
     if not isinstance(kvtier_extra, dict):
         parser.error("--kvtier-extra: a JSON object of kvtier settings")
     runs = run_all(configs, model_dir, shape, log_dir, args.redis_url, args.rtt_ms / 1e3,
-                   env, args.gap_s, kvtier_extra)
+                   env, args.gap_s, kvtier_extra, hook_calls=args.hook_calls)
     summary = {c: summarize(r, shape) for c, r in runs.items()}
     per = {c: ratios_for(summary, c) for c in summary if c != "none"}
     ratios: dict[str, Any] = dict(per.get("kvtier", {}))
@@ -904,6 +934,11 @@ def main(argv: list[str]) -> int:
             for s in summary.values()))
     print(f"  {'engine steps':<20}" + "".join(f"{s['engine_steps']:>17.0f}"
                                               for s in summary.values()))
+    steps = {c: s["hook_steps"] for c, s in summary.items() if s["hook_steps"]}
+    if steps:
+        print("worker steps in the windows (timed hooks): pre / forward / post, and the "
+              "forward's time off the CPU")
+        print("\n".join(hook_steps.render(steps)))
     print("ratios (kvtier; native_*: native)")
     for key, value in ratios.items():
         print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")

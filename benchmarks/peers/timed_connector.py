@@ -9,6 +9,12 @@ them as JSON to ``$KVTIER_HOOK_TIMES_DIR/<pid>.json`` every :data:`DUMP_EVERY` c
 ``KVTIER_HOOK_CPROFILE=1`` the hooks also run under one ``cProfile`` profiler per process
 (only inside hooks), written to ``<pid>.prof`` beside it: where a hook's time goes, function
 by function (cProfile's own cost inflates every figure, so read shares, not microseconds).
+
+With ``KVTIER_HOOK_CALLS=1`` every call is also appended, as it returns, to
+``<pid>.calls`` beside them: one :data:`CALL_RECORD` per call (start as epoch seconds, the
+calling thread's CPU time at the start, wall and thread-CPU seconds of the call, the hook's
+index in :data:`HOOKS`), so that a benchmark can cut them by its own time windows and
+rebuild each step (``benchmarks/hook_steps.py``). One ``write`` of 40 bytes per call.
 """
 
 from __future__ import annotations
@@ -25,21 +31,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from benchmarks.peers.timed_hooks import CALL_RECORD, HOOKS
 from connector import TieredOffloadingConnector
 
-#: The hooks timed: the scheduler half's and the worker half's, as vLLM calls them.
-HOOKS = (
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "update_connector_output", "request_finished", "request_finished_all_groups",
-    "take_events", "get_kv_connector_stats", "handle_preemptions", "start_load_kv",
-    "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors",
-    "build_connector_worker_meta", "get_kv_connector_kv_cache_events",
-)
 DUMP_EVERY = 200
 
 _times: dict[str, list[int]] = {}  # hook -> [calls, wall ns, thread CPU ns]
 _calls = [0]
 _profiler = cProfile.Profile() if os.environ.get("KVTIER_HOOK_CPROFILE") == "1" else None
+_calls_fd: dict[int, int | None] = {}  # pid -> its file (a forked child opens its own)
+
+
+def _record_call(hook: int, start: float, cpu_start: float, wall: float, cpu: float) -> None:
+    """Append one call to ``<pid>.calls`` (``KVTIER_HOOK_CALLS=1``)."""
+    pid = os.getpid()
+    if pid not in _calls_fd:
+        out = os.environ.get("KVTIER_HOOK_TIMES_DIR")
+        fd = None
+        if out and os.environ.get("KVTIER_HOOK_CALLS") == "1":
+            fd = os.open(Path(out) / f"{pid}.calls", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                         0o600)
+        _calls_fd[pid] = fd
+    fd = _calls_fd[pid]
+    if fd is not None:
+        os.write(fd, CALL_RECORD.pack(start, cpu_start, wall, cpu, float(hook)))
 
 
 def _dump() -> None:
@@ -52,7 +67,10 @@ def _dump() -> None:
 
 
 def _timed(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    index = HOOKS.index(name)
+
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        epoch = time.time()
         wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
         if _profiler is not None:
             _profiler.enable()
@@ -61,10 +79,12 @@ def _timed(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if _profiler is not None:
                 _profiler.disable()
+            took, ran = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
             entry = _times.setdefault(name, [0, 0, 0])
             entry[0] += 1
-            entry[1] += time.perf_counter_ns() - wall
-            entry[2] += time.thread_time_ns() - cpu
+            entry[1] += took
+            entry[2] += ran
+            _record_call(index, epoch, cpu / 1e9, took / 1e9, ran / 1e9)
             _calls[0] += 1
             if _calls[0] % DUMP_EVERY == 0:
                 _dump()
