@@ -71,6 +71,7 @@ class TieredScheduler(HitPlanner, StorePlanner):
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._drop_pending(req_id)
+        self._asking.pop(req_id, None)
         for tier in self.chain:
             tier.finished(req_id)
         self._hit_tiers.pop(req_id, None)

@@ -101,6 +101,12 @@ class SecondaryTier(Protocol):
         """The workers' fetch of ``key`` for its load (job ``job``)."""
         ...
 
+    def asks_again(self, req_id: str) -> bool:
+        """A look-up of ``req_id`` asked with what its last "ask again" was asked with may
+        answer "ask again" at once: an answer this tier waits on for it is still out (the
+        ask is counted, and bounded as a full look-up's)."""
+        ...
+
     def fetched(self, job: int, key: BlockKey, ok: bool) -> None:
         """Every rank reported job ``job`` (``ok``: all read it, valid)."""
         ...
@@ -190,6 +196,9 @@ class HostTierBooks:
         self.host.unpin(self._fetches.pop(job, None))
         if not ok:  # evicted or reused since the look-up: the mirror catches up
             self.counters.add("host_misses_at_fetch")
+
+    def asks_again(self, req_id: str) -> bool:
+        return False  # its look-ups never wait: the mirror answers at once
 
     def has(self, key: BlockKey) -> bool:
         return self.host.ready and self.host.has(key)
@@ -381,6 +390,15 @@ class RedisBooks:
             save_id = probe.answers.get(k, 0)
             if save_id > 0:
                 found[k] = save_id
+        return True
+
+    def asks_again(self, req_id: str) -> bool:
+        probe = self._probes.get(req_id)
+        if probe is None or probe.asks >= self.max_probe_asks \
+                or all(k in probe.answers for k in probe.asked):
+            return False
+        probe.asks += 1
+        self.counters.add("probe_waits")
         return True
 
     def probe_done(self, job: int, keys: tuple[BlockKey, ...], save_ids: list[int]) -> None:

@@ -335,6 +335,56 @@ def test_a_probe_answer_is_used_however_many_steps_it_took() -> None:
     assert s.counters.snapshot()["probe_waits"] == 501
 
 
+class _CountedWalks:
+    """Counts the CPU-tier directory queries of a scheduler's look-ups (one per candidate
+    end walked)."""
+
+    def __init__(self, s: TieredScheduler) -> None:
+        self.calls = 0
+        real = s.directory.contains_many
+
+        def counted(keys: Any) -> Any:
+            self.calls += 1
+            return real(keys)
+        s.directory.contains_many = counted  # type: ignore[method-assign]
+
+
+def test_asked_again_unchanged_while_its_probe_is_out_the_prompt_is_not_walked() -> None:
+    s = _sched(LLAMA, redis_url=DEAD_REDIS)
+    walks = _CountedWalks(s)
+    req = Req("r", 100)
+    assert s.lookup(req, 0) == (None, False)
+    probe = s.plan({}, {}, set()).probes[0]
+    assert walks.calls == 3  # ends 32, 64, 96
+    for _ in range(100):  # vLLM asks every step while the probe is out
+        assert s.lookup(req, 0) == (None, False)
+    assert walks.calls == 3 and s.plan({}, {}, set()).probes == []
+    s.on_report(WorkerReport(probes={probe.job: ([4, 4, 4], 1)}))
+    assert s.lookup(req, 0) == (96, True)  # the answer is in: walked, held, offered
+    assert walks.calls == 6
+    assert s.counters.snapshot()["probe_waits"] == 101
+
+
+def test_asked_with_more_computed_tokens_or_another_fingerprint_the_prompt_is_walked() -> None:
+    fps = {"now": FP}
+    s = TieredScheduler(TieredConfig(redis_url=DEAD_REDIS), LLAMA, UNIT, 64, 16, 1,
+                        lambda tenant: fps["now"], lambda rid: [], lambda bid: Blk(bid))
+    walks = _CountedWalks(s)
+    req = Req("r", 100)
+    assert s.lookup(req, 0) == (None, False)
+    first = s.plan({}, {}, set()).probes[0]
+    assert s.lookup(req, 32) == (None, False)  # vLLM's own cache grew: walked from 32
+    assert walks.calls == 3 + 2 and s.plan({}, {}, set()).probes == []  # nothing new to ask
+    fps["now"] = "cd" * 16  # the weights changed: new keys, asked of Redis
+    assert s.lookup(req, 32) == (None, False)
+    second = s.plan({}, {}, set()).probes[0]
+    assert {k.fingerprint for k in second.keys} == {"cd" * 16}
+    s.on_report(WorkerReport(probes={first.job: ([4, 4, 4], 1)}))
+    assert s.lookup(req, 32) == (None, False)  # the old keys' answers are no answer
+    s.on_report(WorkerReport(probes={second.job: ([0, 0], 1)}))
+    assert s.lookup(req, 32) == (0, False)  # the new keys are in no tier
+
+
 def test_a_grown_key_set_probes_only_the_new_keys_and_keeps_counting() -> None:
     s = _sched(LLAMA, redis_url=DEAD_REDIS)
     req = Req("r", 70)
