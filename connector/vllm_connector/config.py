@@ -29,6 +29,10 @@ _FIXES: dict[str, str] = {
                   "or 'through' (a step's blocks reach Redis before the next step starts)",
     "redis_write_linger_ms": "give milliseconds as a number from 0 to 1000 (how long the "
                              "background writer gathers saves into one Redis round trip)",
+    "redis_write_batch": "give a whole number from 1 to 1024 (the saves the background "
+                         "writer sends in one pipelined batch at most)",
+    "redis_write_pace_ms": "give milliseconds as a number from 0 to 1000 (the gap between "
+                           "two of the writer's batches while more saves wait; 0: none)",
     "redis_shutdown_flush_s": "give seconds as a number from 0 to 60 (how long an exiting "
                               "engine keeps writing its queued saves to Redis)",
     "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
@@ -78,6 +82,12 @@ class TieredConfig(RedisConnectionSettings):
     write_mode: Literal["through", "back"] = "back"
     # write_mode back: how long the writer waits for more saves before one round trip.
     redis_write_linger_ms: float = Field(default=WRITE_LINGER_S * 1e3, ge=0, le=1000)
+    # write_mode back: the writer's batches hold at most this many saves, and while more
+    # wait it leaves this long between two (0: none), so that a burst of saves (a long
+    # prompt's) is spread over several steps: a lower step-time tail for more writer work
+    # in all (offload_tiers/redis/write_behind.py).
+    redis_write_batch: int = Field(default=32, ge=1, le=1024)
+    redis_write_pace_ms: float = Field(default=0.0, ge=0, le=1000)
     # At exit (vLLM's shutdown, or the interpreter's): how long queued saves may take to
     # reach Redis; what is still queued then is counted and logged, never waited for longer.
     redis_shutdown_flush_s: float = Field(default=2.0, ge=0, le=60)

@@ -51,7 +51,9 @@ def make_redis_tier(config: TieredConfig) -> RedisTier:
     from offload_tiers.redis.tier import RedisTier
 
     redis = RedisTier.from_settings(config, write_linger_s=config.redis_write_linger_ms / 1e3,
-                                    write_settle_s=WRITE_SETTLE_S)
+                                    write_settle_s=WRITE_SETTLE_S,
+                                    write_batch_items=config.redis_write_batch,
+                                    write_pace_s=config.redis_write_pace_ms / 1e3)
     if not redis.available:
         log.warning("kvtier: Redis at %s is not answering (%s); serving from the CPU tier "
                     "until it does", redis.target.redacted, redis.last_error)

@@ -94,7 +94,8 @@ class RedisTier:
                  max_inflight_bytes: int = 64 << 20, write_queue_max: int = 256,
                  write_queue_max_bytes: int = 512 << 20, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, delete_corrupt: bool = True,
-                 write_linger_s: float = WRITE_LINGER_S, write_settle_s: float = 0.0) -> None:
+                 write_linger_s: float = WRITE_LINGER_S, write_settle_s: float = 0.0,
+                 write_batch_items: int = 32, write_pace_s: float = 0.0) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if not 0 <= ttl_jitter <= 1:
@@ -115,6 +116,7 @@ class RedisTier:
         self._writer = WriteBehind(self._sink, max_items=write_queue_max,
                                    max_bytes=write_queue_max_bytes, tick=self._channel.probe,
                                    linger_s=write_linger_s, settle_s=write_settle_s,
+                                   batch_items=write_batch_items, pace_s=write_pace_s,
                                    name="kvtier-redis-writer")
 
     # ------------------------------------------------------------------ construction
@@ -127,13 +129,16 @@ class RedisTier:
                  ssl_ca_certs: str | None = None, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, strict: bool = False, delete_corrupt: bool = True,
                  write_linger_s: float = WRITE_LINGER_S, write_settle_s: float = 0.0,
+                 write_batch_items: int = 32, write_pace_s: float = 0.0,
                  **redis_kwargs: Any) -> RedisTier:
         """Connect to ``url``; with ``strict`` a failing first contact raises RedisTierError.
 
         ``redis_timeout_s`` bounds every network wait (and connecting, unless
         ``connect_timeout_s``). ``write_linger_s``: how long the write-behind thread waits
         for more stores once one arrives (0: it writes at once; a flush never waits for it);
-        ``write_settle_s``: how long after the latest store it waits at least (ditto).
+        ``write_settle_s``: how long after the latest store it waits at least (ditto);
+        ``write_batch_items``: stores per pipelined batch at most; ``write_pace_s``: the
+        gap between two batches while more wait (``WriteBehind``'s ``pace_s``).
         Extra keyword arguments go to redis-py (e.g. ``ssl_certfile``, ``ssl_keyfile``,
         ``password``).
         """
@@ -151,7 +156,8 @@ class RedisTier:
                    write_queue_max=write_queue_max, write_queue_max_bytes=write_queue_max_bytes,
                    backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                    delete_corrupt=delete_corrupt, write_linger_s=write_linger_s,
-                   write_settle_s=write_settle_s)
+                   write_settle_s=write_settle_s, write_batch_items=write_batch_items,
+                   write_pace_s=write_pace_s)
         tier._channel.probe(force=True)
         if strict and not tier.available:
             error = tier.last_error

@@ -17,6 +17,16 @@ a time (a prefill filled a batch of 32 every 2-3 requests, in its tail), TTFT me
 128 requests, engines taking turns: 200 ms linger without settle 11.0 and 9.8 ms in two
 runs, CPU tier alone 8.9 and 9.2 ms; with a 5 ms settle 8.7 ms (second run). A flush or
 close cuts both short.
+
+``pace_s``: after a batch, with more queued (less than half the queue's bound: a queue
+backing up is written at full speed), the thread waits that long before the next, so a
+burst (a long prompt's saves) is written as several small batches spread over as many
+steps instead of one that lands inside a step. In vLLM's worker the writer's Python work
+and its GIL hand-offs come out of the forward it overlaps. A trade, measured beside a
+thread of small torch calls (``python -m benchmarks.bench_step_gil``, two runs of
+2026-12-07): 32 values of 32 KiB as one batch raised the calls' p99 1.66x and 1.27x and
+cost them 3.0 and 0.8 ms per burst; as 4 batches of 8, 3 ms apart, 1.42x and 1.09x, but
+4.2 and 1.6 ms. A flush or close cuts it short.
 """
 
 from __future__ import annotations
@@ -59,17 +69,22 @@ class WriteBehind:
     def __init__(self, sink: Callable[[Sequence[Item]], list[bool]], *, max_items: int,
                  max_bytes: int, batch_items: int = 32, batch_bytes: int = 32 << 20,
                  tick: Callable[[], None] | None = None, tick_interval_s: float = 0.1,
-                 linger_s: float = 0.0, settle_s: float = 0.0,
+                 linger_s: float = 0.0, settle_s: float = 0.0, pace_s: float = 0.0,
                  name: str = "kvtier-write-behind") -> None:
-        if linger_s < 0:
-            raise ValueError(f"linger_s must be >= 0, got {linger_s}")
-        if settle_s < 0:
-            raise ValueError(f"settle_s must be >= 0, got {settle_s}")
+        for knob, value in (("linger_s", linger_s), ("settle_s", settle_s),
+                            ("pace_s", pace_s)):
+            if value < 0:
+                raise ValueError(f"{knob} must be >= 0, got {value}")
+        if batch_items < 1:
+            raise ValueError(f"batch_items must be >= 1, got {batch_items}")
         self._sink = sink
         self._linger_s = linger_s
         self._settle_s = settle_s
         self._last_submit = 0.0  # time.monotonic() of the latest hand-over
         self.settles = 0  # times the writer waited for a hand-over to settle
+        self._pace_s = pace_s
+        self._paced_until = 0.0  # time.monotonic() before which the next batch waits
+        self.paces = 0  # times the writer spaced a batch from the one before
         self.unwritten_at_close = 0  # queued items close() dropped when its bound passed
         self._flushing = 0  # flush() calls waiting: the writer does not linger meanwhile
         self._tick = tick
@@ -197,6 +212,9 @@ class WriteBehind:
                     return
                 if not self._q:
                     self._cond.wait(self._tick_interval)
+                if self._q and time.monotonic() < self._paced_until:
+                    self.paces += 1  # the batch before was written just now: spread them
+                    self._wait_until(self._paced_until, until_full=False)
                 if self._q and self._linger_s:  # gather more saves
                     self._wait_until(time.monotonic() + self._linger_s, until_full=True)
                 settled = self._last_submit + self._settle_s
@@ -225,6 +243,9 @@ class WriteBehind:
                     self.written += ok_count
                     self.failed += len(batch) - ok_count
                     self._busy = 0
+                    backing_up = len(self._q) * 2 >= self.max_items
+                    self._paced_until = (time.monotonic() + self._pace_s
+                                         if self._pace_s and not backing_up else 0.0)
                     self._cond.notify_all()
             else:
                 with self._cond:

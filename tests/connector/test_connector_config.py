@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import redis
 
 from connector.vllm_connector.config import ConnectorConfigError, check_parallel_shape, load_config
 from connector.vllm_connector.remote_store_factory import make_redis_tier
+from offload_tiers.keys import BlockKey, BlockKind
 from offload_tiers.redis.settings import WRITE_SETTLE_S
+from offload_tiers.redis.tier import RedisTier
+from tests.tiers.faults import wait_until
 
 
 def test_defaults() -> None:
@@ -27,6 +32,39 @@ def test_the_writer_lingers_as_configured(redis_url: str) -> None:
         assert tier._writer._settle_s == WRITE_SETTLE_S > 0  # a vLLM worker's writer settles
     finally:
         tier.close()
+
+
+def test_the_writer_paces_bursts_as_configured(redis_url: str) -> None:
+    defaults = load_config(None)
+    assert (defaults.redis_write_batch, defaults.redis_write_pace_ms) == (32, 0.0)
+    tier = make_redis_tier(load_config({"redis_url": redis_url, "redis_write_batch": 4,
+                                        "redis_write_pace_ms": 20}))
+    try:
+        assert tier._writer._batch_items == 4 and tier._writer._pace_s == 0.02
+    finally:
+        tier.close()
+
+
+def test_a_burst_of_saves_reaches_redis_in_paced_batches(redis_url: str) -> None:
+    """The Redis tier's writer: ``write_batch_items`` values, then a wait of
+    ``write_pace_s`` (here an hour: only the flush writes the rest)."""
+    prefix = f"kvtier-pace-{uuid.uuid4().hex[:8]}"
+    tier = RedisTier.from_url(redis_url, prefix=prefix, write_linger_s=0,
+                              write_batch_items=4, write_pace_s=3600)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [BlockKey("ab" * 16, 0, bytes([i]) * 32, 32 * (i + 1), BlockKind.FULL)
+                for i in range(10)]
+        assert all(tier.submit_puts([(k, b"v" * 64, None, 0) for k in keys]))
+        assert wait_until(lambda: tier._writer.paces == 1, timeout=30)
+        assert len(list(client.scan_iter(match=f"{prefix}:*"))) == 4  # one batch so far
+        assert tier.flush(30)
+        assert len(list(client.scan_iter(match=f"{prefix}:*"))) == 10
+    finally:
+        tier.close()
+        for name in client.scan_iter(match=f"{prefix}:*"):
+            client.delete(name)
+        client.close()
 
 
 def test_weights_version_is_a_setting() -> None:
@@ -63,6 +101,8 @@ def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
     ({"weights_version": ["a"]}, "weights_version"),
     ({"redis_write_linger_ms": -1}, "redis_write_linger_ms"),
     ({"redis_write_linger_ms": 5000}, "redis_write_linger_ms"),
+    ({"redis_write_batch": 0}, "redis_write_batch"),
+    ({"redis_write_pace_ms": -1}, "redis_write_pace_ms"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
     with pytest.raises(ConnectorConfigError) as err:

@@ -145,6 +145,41 @@ def test_a_full_batch_waits_for_its_hand_over_to_settle_and_a_flush_cuts_it_shor
     wb.close(timeout=10)
 
 
+def test_a_burst_is_written_as_paced_batches_and_a_flush_cuts_the_pace_short() -> None:
+    """With ``pace_s`` (here an hour) the writer writes one batch of a burst, then waits
+    before the next; a flush writes the rest at once."""
+    batches: list[list[str]] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        batches.append([i.key for i in batch])
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=100, max_bytes=10_000, batch_items=2, pace_s=3600)
+    assert all(wb.submit_many([Item(n, b"x", 1, None) for n in "abcdef"]))
+    assert wait_until(lambda: wb.paces == 1, timeout=10)  # spacing the second batch
+    assert batches == [["a", "b"]] and wb.depth == 4
+    assert wb.flush(10)
+    assert batches == [["a", "b"], ["c", "d"], ["e", "f"]]
+    wb.close(timeout=10)
+
+
+def test_a_queue_backing_up_is_written_without_pacing() -> None:
+    """At half the queue's bound or more the writer does not wait between batches: pacing
+    spreads a burst, it never makes the queue drop saves."""
+    batches: list[list[str]] = []
+
+    def sink(batch):  # noqa: ANN001, ANN202
+        batches.append([i.key for i in batch])
+        return [True] * len(batch)
+
+    wb = WriteBehind(sink, max_items=4, max_bytes=10_000, batch_items=1, pace_s=3600)
+    assert all(wb.submit_many([Item(n, b"x", 1, None) for n in "abcd"]))
+    # 3 left after "a" and 2 after "b" (>= half of 4): no wait; 1 after "c": paced
+    assert wait_until(lambda: wb.paces == 1, timeout=10)
+    assert batches == [["a"], ["b"], ["c"]] and wb.depth == 1
+    wb.close(timeout=10)
+
+
 def test_without_settle_a_full_batch_is_written_at_once() -> None:
     written = threading.Event()
 
@@ -158,8 +193,8 @@ def test_without_settle_a_full_batch_is_written_at_once() -> None:
     wb.close(timeout=10)
 
 
-@pytest.mark.parametrize("knob", ["linger_s", "settle_s"])
-def test_linger_and_settle_must_not_be_negative(knob: str) -> None:
+@pytest.mark.parametrize("knob", ["linger_s", "settle_s", "pace_s"])
+def test_linger_settle_and_pace_must_not_be_negative(knob: str) -> None:
     with pytest.raises(ValueError, match=knob):
         WriteBehind(lambda b: [True] * len(b), max_items=1, max_bytes=1, **{knob: -1})
 
