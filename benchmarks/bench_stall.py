@@ -29,9 +29,11 @@ reaches the model's length another starts, so the whole window has one) runs;
 once it decodes steadily, ``restores`` requests (a warmed prefix + a new suffix) and
 ``stores`` requests (a new long prompt nothing holds: kvtier saves it, to Redis too) start
 at a fixed interval, interleaved. The *window* runs from the first of them sent to the last
-one done; every gap between two chunk arrivals of the decoding stream that ends inside the
-window is one *client* inter-token latency sample (pooled over the rounds); ``client idle
-ITL`` is the same stream before the window. A warm-up round (its own prefixes) runs first
+one done, and at least ``min_window_s`` (4 s quick, 6 s full: every config's window has as
+many decode steps beside the same prefill steps, when it serves them sooner); every gap
+between two chunk arrivals of the decoding stream that ends inside the window is one
+*client* inter-token latency sample (pooled over the rounds); ``client idle ITL`` is the
+same stream before the window. A warm-up round (its own prefixes) runs first
 on every measured server and is not counted.
 
 The headline ITL is the engine's: vLLM's own ``vllm:inter_token_latency_seconds``
@@ -147,12 +149,17 @@ class Shape:
     # steps. Without it, one step prefills the whole prompt (~10x a decode step) and the ITL
     # p99 lands between the two modes: a round's p99 was 8 ms or 90 ms in the same config.
     max_num_batched_tokens: int = 256
+    # The shortest window: a round's window runs at least this long, however soon its last
+    # request is done. A config that serves the requests sooner would otherwise have fewer
+    # decode steps beside the same prefill steps, and so a higher p99 for being faster (one
+    # run of 2026-12-07: windows of 1.9 s in one config, 8.3 s in another, same prompts).
+    min_window_s: float = 0.0
 
 
 FULL = Shape(rounds=16, restores=6, stores=6, prefix_tokens=1536, suffix_tokens=40,
-             store_tokens=1536, other_max_tokens=8, interval_s=0.25)
+             store_tokens=1536, other_max_tokens=8, interval_s=0.25, min_window_s=6.0)
 QUICK = Shape(rounds=6, restores=4, stores=4, prefix_tokens=1024, suffix_tokens=40,
-              store_tokens=1024, other_max_tokens=8, interval_s=0.25)
+              store_tokens=1024, other_max_tokens=8, interval_s=0.25, min_window_s=4.0)
 WARMUP_ROUND = -1
 
 
@@ -359,7 +366,9 @@ async def _round(base: str, model: str, rnd: int, shape: Shape) -> RoundResult:
             others.append((kind, asyncio.create_task(stream_completion(
                 client, model, prompt, shape.other_max_tokens))))
         done = [(kind, await task) for kind, task in others]
-        t_end = max(r.done for _, r in done)
+        t_end = max(max(r.done for _, r in done), t_start + shape.min_window_s)
+        if t_end > time.perf_counter():  # the decoding stream runs on to the shortest window
+            await asyncio.sleep(t_end - time.perf_counter())
         epoch_end = epoch_start + (t_end - t_start)
         hist_end = await _scrape_itl(base)
         stop.set()
