@@ -330,6 +330,36 @@ def stall_cpu(d: dict[str, Any]) -> str:
             f"{when(d)})")
 
 
+def stall_steps(d: dict[str, Any]) -> str:
+    """Per config, its worker steps in the windows (``--hook-calls``): the slowest 1 %
+    split into hooks, forward and the forward's time off the CPU; the scheduler's hooks."""
+    rows = {c: v["summary"]["hook_steps"] for c, v in d["connectors"].items()
+            if v["summary"].get("hook_steps")}
+    if not rows:
+        return "not recorded by this run (bench_stall --hook-calls)"
+    parts = []
+    for config, h in rows.items():
+        w, slow = h["worker"], h["worker"]["slowest_1pct"]
+        sched = h.get("scheduler", {}).get("hooks_ms", {})
+        parts.append(
+            f"{config}: worker step p50 {w['step_ms']['p50']:.2f} / p99 {w['step_ms']['p99']:.2f}"
+            f" ms; its slowest 1 % ({slow['steps']} steps) {slow['step_ms']:.1f} ms = hooks "
+            f"before {slow['pre_ms']:.2f} + forward {slow['forward_ms']:.1f} (off the CPU "
+            f"{slow['forward_off_cpu_ms']:.2f}) + hooks after {slow['post_ms']:.2f}; scheduler "
+            f"hooks per step p99 {sched.get('p99', float('nan')):.2f} ms, max "
+            f"{sched.get('max', float('nan')):.1f}")
+    return "; ".join(parts) + f" (commit {_short_commit(d['_measured']['commit'])}, {when(d)})"
+
+
+def step_gil(d: dict[str, Any]) -> str:
+    """bench_step_gil: what each background burst costs a thread of small torch calls."""
+    c = d["cases"]
+    parts = [f"{name} p99 {x(v['p99_vs_alone'])}, {v['extra_ms_per_burst']:.2f} ms per burst"
+             for name, v in c.items() if name != "alone"]
+    return (f"steps alone p50 {c['alone']['p50_ms']:.2f} / p99 {c['alone']['p99_ms']:.2f} ms; "
+            + "; ".join(parts) + f" ({when(d)})")
+
+
 def nohit_ttft(*runs: dict[str, Any]) -> str:
     def cell(d: dict[str, Any], config: str) -> str:
         ms = f"{config} {d['rows'][config]['median_ms']:.1f} ms"
@@ -629,6 +659,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "e2e": (("e2e.json",), e2e),
     "stall": (("stall.json",), stall),
     "stall-cpu": (("stall.json",), stall_cpu),
+    "stall-steps": (("stall_hooks.json",), stall_steps),
+    "step-gil": (("step_gil.json",), step_gil),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
     "thread-cpu": (("thread_cpu_hybrid.json",), thread_cpu),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import socket
 import struct
 import threading
@@ -31,7 +32,10 @@ def _reset(sock: socket.socket) -> None:
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target``; modes: ``forward``, ``blackhole``, ``refuse``.
 
-    ``latency_s`` delays every forwarded chunk; ``reset_all()`` RSTs every open connection;
+    ``latency_s`` delays every forwarded chunk by that long after it arrived, as a network
+    link does: chunks in flight do not wait for each other (a 1 MiB reply is not 16 chunks'
+    delays late, and the proxy adds no limit on bandwidth); ``reset_all()`` RSTs every open
+    connection;
     ``blackhole`` accepts and forwards nothing (a hung peer); ``refuse`` resets new
     connections at once. ``hold()`` keeps every chunk (both ways) until ``release()``: a
     peer as slow as the test needs, for exactly as long as it needs.
@@ -43,6 +47,7 @@ class TcpProxy:
         self.latency_s = 0.0
         self.mode = "forward"
         self.connections = 0
+        self.in_flight = 0  # chunks received and not yet delivered (in the delay lines)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -111,6 +116,10 @@ class TcpProxy:
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """Receive from ``src`` into a delay line; :meth:`_deliver` sends each chunk to
+        ``dst`` once it is due."""
+        line: queue.SimpleQueue[tuple[float, bytes] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._deliver, args=(line, src, dst), daemon=True).start()
         try:
             while not self._stop.is_set():
                 data = src.recv(1 << 16)
@@ -121,9 +130,25 @@ class TcpProxy:
                 while not self._open.wait(0.05):  # held until release()
                     if self._stop.is_set():
                         return
-                if self.latency_s:
-                    time.sleep(self.latency_s)
+                with self._lock:
+                    self.in_flight += 1
+                line.put((time.monotonic() + self.latency_s, data))
+        except OSError:
+            pass
+        finally:
+            line.put(None)  # the end: delivered after what came before it
+
+    def _deliver(self, line: queue.SimpleQueue[tuple[float, bytes] | None],
+                 src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while (item := line.get()) is not None:
+                due, data = item
+                wait = due - time.monotonic()
+                if wait > 0 and self._stop.wait(wait):
+                    return  # stopped: what is in the line is not delivered
                 dst.sendall(data)
+                with self._lock:
+                    self.in_flight -= 1
         except OSError:
             pass
         finally:
