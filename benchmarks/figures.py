@@ -330,6 +330,30 @@ def stall_cpu(d: dict[str, Any]) -> str:
             f"{when(d)})")
 
 
+def stall_runs(*runs: dict[str, Any]) -> str:
+    """Several bench_stall runs in a row: kvtier's ITL p99 against its aims, TTFTs, and
+    the Redis link's timeouts, one row per run."""
+    lines = ["", "| run | kvtier ITL p99 vs vLLM alone, pooled / median of rounds (aim ≤ 1.2) "
+             "| vs native (aim ≤ 1.0) | native vs alone | storing / restoring TTFT p50 vs "
+             "alone: kvtier; native | Redis timeouts | judged |",
+             "|---|---|---|---|---|---|---|"]
+    for n, d in enumerate(runs, 1):
+        a, r = d["itl_aims"], d["ratios"]
+        alone, native = a["itl_p99_vs_no_connector"], a["itl_p99_vs_native"]
+        timeouts = d.get("kvtier_counters", {}).get("vllm:kvtier_redis_unavailable_events", 0)
+        lines.append(
+            f"| {n} | {x(alone['pooled'])} / {x(alone['median_of_rounds'])} | "
+            f"{x(native['pooled'])} / {x(native['median_of_rounds'])} | "
+            f"{x(r.get('native_itl_p99_vs_no_connector'))} | "
+            f"{x(r.get('store_ttft_p50_vs_no_connector'))} / "
+            f"{x(r.get('restore_ttft_p50_vs_no_connector'))}; "
+            f"{x(r.get('native_store_ttft_p50_vs_no_connector'))} / "
+            f"{x(r.get('native_restore_ttft_p50_vs_no_connector'))} | {timeouts:.0f} | "
+            f"{'yes' if a['valid'] else 'no: a request failed'} |")
+    stamps = when_runs(*((f"run {n}", d) for n, d in enumerate(runs, 1)))
+    return "\n".join(lines) + f"\n\n({stamps})\n"
+
+
 def stall_steps(d: dict[str, Any]) -> str:
     """Per config, its worker steps in the windows (``--hook-calls``): the slowest 1 %
     split into hooks, forward and the forward's time off the CPU; the scheduler's hooks."""
@@ -659,6 +683,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "e2e": (("e2e.json",), e2e),
     "stall": (("stall.json",), stall),
     "stall-cpu": (("stall.json",), stall_cpu),
+    "stall-runs": (("stall_run1.json", "stall_run2.json", "stall.json"), stall_runs),
     "stall-steps": (("stall_hooks.json",), stall_steps),
     "step-gil": (("step_gil.json",), step_gil),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
