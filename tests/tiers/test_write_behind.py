@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from offload_tiers.redis.write_behind import Item, WriteBehind
 from tests.tiers.faults import wait_until
+
+
+def _recording_sink() -> tuple[list[list[str]], Callable[[Sequence[Item]], list[bool]]]:
+    """A sink that writes every item and records each batch's keys."""
+    batches: list[list[str]] = []
+
+    def sink(batch: Sequence[Item]) -> list[bool]:
+        batches.append([i.key for i in batch])
+        return [True] * len(batch)
+    return batches, sink
 
 
 def test_bounded_by_count_and_bytes_drops_and_reports() -> None:
@@ -106,12 +117,7 @@ def test_submit_many_hands_a_steps_items_over_as_one_batch() -> None:
 
 
 def test_a_lingering_writer_takes_later_items_into_the_same_batch() -> None:
-    batches: list[list[str]] = []
-
-    def sink(batch):  # noqa: ANN001, ANN202
-        batches.append([i.key for i in batch])
-        return [True] * len(batch)
-
+    batches, sink = _recording_sink()
     # an hour's linger: only a full batch (3 items), a flush or close ends it
     wb = WriteBehind(sink, max_items=10, max_bytes=10_000, batch_items=3, linger_s=3600)
     for name in "abc":
@@ -129,12 +135,7 @@ def test_a_lingering_writer_takes_later_items_into_the_same_batch() -> None:
 def test_a_full_batch_waits_for_its_hand_over_to_settle_and_a_flush_cuts_it_short() -> None:
     """A batch filled by one hand-over (a step's saves) is not written at once: the writer
     waits ``settle_s`` after it (here an hour), so only the flush writes it."""
-    batches: list[list[str]] = []
-
-    def sink(batch):  # noqa: ANN001, ANN202
-        batches.append([i.key for i in batch])
-        return [True] * len(batch)
-
+    batches, sink = _recording_sink()
     wb = WriteBehind(sink, max_items=10, max_bytes=10_000, batch_items=2, linger_s=3600,
                      settle_s=3600)
     assert wb.submit_many([Item(n, b"x", 1, None) for n in "ab"]) == [True, True]
@@ -148,12 +149,7 @@ def test_a_full_batch_waits_for_its_hand_over_to_settle_and_a_flush_cuts_it_shor
 def test_a_burst_is_written_as_paced_batches_and_a_flush_cuts_the_pace_short() -> None:
     """With ``pace_s`` (here an hour) the writer writes one batch of a burst, then waits
     before the next; a flush writes the rest at once."""
-    batches: list[list[str]] = []
-
-    def sink(batch):  # noqa: ANN001, ANN202
-        batches.append([i.key for i in batch])
-        return [True] * len(batch)
-
+    batches, sink = _recording_sink()
     wb = WriteBehind(sink, max_items=100, max_bytes=10_000, batch_items=2, pace_s=3600)
     assert all(wb.submit_many([Item(n, b"x", 1, None) for n in "abcdef"]))
     assert wait_until(lambda: wb.paces == 1, timeout=10)  # spacing the second batch
@@ -166,12 +162,7 @@ def test_a_burst_is_written_as_paced_batches_and_a_flush_cuts_the_pace_short() -
 def test_a_queue_backing_up_is_written_without_pacing() -> None:
     """At half the queue's bound or more the writer does not wait between batches: pacing
     spreads a burst, it never makes the queue drop saves."""
-    batches: list[list[str]] = []
-
-    def sink(batch):  # noqa: ANN001, ANN202
-        batches.append([i.key for i in batch])
-        return [True] * len(batch)
-
+    batches, sink = _recording_sink()
     wb = WriteBehind(sink, max_items=4, max_bytes=10_000, batch_items=1, pace_s=3600)
     assert all(wb.submit_many([Item(n, b"x", 1, None) for n in "abcd"]))
     # 3 left after "a" and 2 after "b" (>= half of 4): no wait; 1 after "c": paced
