@@ -38,6 +38,7 @@ from redis.exceptions import ResponseError
 
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.redis.counters import Counters
+from offload_tiers.redis.kernel_wait import kernel_wait
 from offload_tiers.redis.node_pool import NodePool
 from offload_tiers.redis.resp import Packer, ProtocolError, Reader, command, send_all
 from offload_tiers.redis.url import RedisTarget
@@ -350,10 +351,11 @@ class RedisChannel:
             sock = conn._sock
             if sock is None:
                 raise ConnectionError("redis-py returned an unconnected connection")
-            reader = Reader(sock)
             if sizes is None:
                 sizes = [sum(memoryview(part).nbytes for part in c) for c in cmds]
-            out = self._pipeline(sock, reader, cmds, sizes, read or _whole_reply)
+            with kernel_wait(sock) as payload_flags:
+                reader = Reader(sock, payload_flags)
+                out = self._pipeline(sock, reader, cmds, sizes, read or _whole_reply)
             if not reader.drained():
                 raise ProtocolError("bytes beyond the last reply")
             return out

@@ -104,10 +104,13 @@ def send_all(sock: socket.socket, chunks: list) -> None:
 class Reader:
     """Replies of one pipelined batch, read from ``sock`` (plain or TLS)."""
 
-    __slots__ = ("_sock", "_buf", "_view", "_start", "_end")
+    __slots__ = ("_sock", "_payload_flags", "_buf", "_view", "_start", "_end")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, payload_flags: int = 0) -> None:
+        """``payload_flags``: passed to the ``recv_into`` of a payload (``MSG_WAITALL`` while
+        the socket waits in the kernel: ``offload_tiers/redis/kernel_wait.py``)."""
         self._sock = sock
+        self._payload_flags = payload_flags
         self._buf = bytearray(BUF)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -149,7 +152,7 @@ class Reader:
             self._start += have
         pos = have
         while pos < n:
-            got = self._sock.recv_into(dest[pos:], n - pos)
+            got = self._sock.recv_into(dest[pos:], n - pos, self._payload_flags)
             if not got:
                 raise ConnectionResetError("connection closed by the server mid-reply")
             pos += got
