@@ -19,7 +19,12 @@ streaming completions (``httpx`` async). Side by side in one run:
            measure: every prefix comes from Redis (asynchronous probe, then an
            asynchronous fetch in the worker's I/O threads)
 
-The three measured servers are up at once (idle ones cost nothing once their queues stop
+  kvtier-daemon  (only when named in ``--configs``) kvtier with Redis reached through a
+           new host-tier daemon (``kvtier daemon --cpu-bytes``, ``host_tier_redis``: the
+           daemon reads and writes Redis behind the same proxy, the worker process opens no
+           Redis connection), its prefixes warmed under a prefix of its own
+
+The measured servers are up at once (idle ones cost nothing once their queues stop
 spinning) and take turns round by round, the order rotated per round: round ``r`` of every
 config runs the same prompts within seconds of the others', so load from elsewhere on the
 machine falls on all of them alike.
@@ -73,6 +78,13 @@ tokens (``--enable-prompt-tokens-details``), store requests' TTFT p50, kvtier's
 (headline ``itl_p99_vs_no_connector``) plus native's under ``native_*``, and
 ``connectors.<name>.ratios`` each connector's.
 
+With ``--hook-calls`` each connector's engine steps are also compared at the same work
+(``benchmarks/hook_steps.py``: decode-only steps, steps with a long prefill chunk, the
+rest), kvtier's p50 and p99 over native's per kind (JSON ``engine_step_ratios``): the
+pooled ITL p99 also moves with how each engine's schedule spread the other requests over
+the window (a round whose requests waited seconds for their first token has fewer chunk
+steps beside the decoding stream), these do not.
+
 The client, the proxy and the server share the machine's cores (2 here): run it on a quiet
 machine, repeat it, and read ``load`` (1-min load average before/after each config).
 
@@ -80,8 +92,9 @@ Every server gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``; see
 ``server_env``).
 
 Usage: python -m benchmarks.bench_stall [--quick] [--json PATH] [--redis-url URL]
-       [--rtt-ms MS] [--configs none,native,kvtier] [--rounds N] [--gap-s S]
-       [--reserved-cpus N|vllm] [--log-dir DIR]
+       [--rtt-ms MS] [--configs none,native,kvtier[,kvtier-daemon]] [--rounds N]
+       [--gap-s S] [--reserved-cpus N|vllm] [--log-dir DIR] [--hook-calls]
+       [--kvtier-extra JSON]
 """
 
 from __future__ import annotations
@@ -105,6 +118,7 @@ from benchmarks import hook_steps
 from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory
 from benchmarks.harness import load_1m, say, write_result
 from connector.demo.cli import delete_redis_prefix
+from connector.demo.host_daemon import DemoHostTier
 from connector.demo.presets import kvtier_transfer_config
 from connector.demo.thread_times import all_processes, process_tree, thread_times
 from connector.demo.tiny_models import prompt_words, tiny_llama
@@ -122,6 +136,10 @@ NATIVE_EXTRA = {
     "cpu_bytes_to_use": CPU_BYTES,
 }
 CONFIGS = ("none", "native", "kvtier")
+#: Run only when named in --configs: kvtier with Redis reached through the host-tier daemon
+#: (``host_tier_redis``: the worker process opens no Redis connection).
+OPTIONAL_CONFIGS = ("kvtier-daemon",)
+HOST_SLOT_BYTES = 1 << 20
 # vLLM's inter-token latency histogram, finer than its defaults (10, 25, 50, 75 ms, ...) so
 # that its percentiles resolve a step: 0.5 ms up to 20 ms, 1 ms up to 60, 5 ms up to 200.
 ITL_BUCKETS_S = tuple(
@@ -650,11 +668,15 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
     prefix = f"kvtier-stall-{uuid.uuid4().hex[:10]}"
     settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0,
                 **(kvtier_extra or {})}
+    daemon_settings = {**settings, "redis_prefix": f"{prefix}-d"}
+    daemon: DemoHostTier | None = None
     try:
-        if "kvtier" in configs:
+        if "kvtier" in configs or "kvtier-daemon" in configs:
             proxy = Proxy(redis_url, rtt_s) if rtt_s > 0 else None
-            runs["kvtier"]["redis_keys_after_warm"] = _warm_kvtier_redis(
-                model_dir, log_dir, shape, env, settings, redis_url)
+        for config, s in (("kvtier", settings), ("kvtier-daemon", daemon_settings)):
+            if config in configs:
+                runs[config]["redis_keys_after_warm"] = _warm_kvtier_redis(
+                    model_dir, log_dir, shape, env, s, redis_url)
         for config in configs:
             ktc = {"none": None, "native": _native_config()}.get(config)
             if config == "kvtier":
@@ -663,11 +685,20 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                     if proxy is not None else "Redis direct (--rtt-ms 0: no proxy)"), tag="stall")
                 ktc = kvtier_transfer_config(
                     {**settings, "redis_url": proxy.url if proxy is not None else redis_url})
+            if config == "kvtier-daemon":
+                daemon = _start_daemon(daemon_settings["redis_prefix"],
+                                       proxy.url if proxy is not None else redis_url)
+                say(f"kvtier-daemon: a new server process; Redis through the host-tier "
+                    f"daemon (pid {daemon.pid})", tag="stall")
+                ktc = kvtier_transfer_config(
+                    {k: v for k, v in daemon_settings.items()
+                     if k not in ("redis_prefix", "redis_timeout_s")}
+                    | {"host_tier_socket": daemon.socket, "host_tier_redis": True})
             config_env = env
             if hook_calls and ktc is not None:
                 ktc, config_env = _timed(ktc, config, log_dir, env)
             servers[config] = _server(model_dir, log_dir, config, shape, ktc, config_env)
-            if config != "kvtier":
+            if not config.startswith("kvtier"):
                 warm = _warm_prompts(shape)
                 say(f"{config}: warming {len(warm)} prefixes, then POST /reset_prefix_cache",
                     tag="stall")
@@ -709,10 +740,23 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
     finally:
         for server in servers.values():
             server.stop()
+        if daemon is not None:
+            daemon.stop()
         if proxy is not None:
             proxy.stop()
             delete_redis_prefix(redis_url, prefix)
+            delete_redis_prefix(redis_url, daemon_settings["redis_prefix"])
     return runs
+
+
+_DAEMON_REDIS_ENV = "KVTIER_STALL_DAEMON_REDIS_URL"
+
+
+def _start_daemon(redis_prefix: str, redis_url: str) -> DemoHostTier:
+    """A new host-tier daemon (empty host tier) that reaches Redis at ``redis_url``."""
+    return DemoHostTier(f"stall-{uuid.uuid4().hex[:8]}", CPU_BYTES, HOST_SLOT_BYTES,
+                        redis_url_env=_DAEMON_REDIS_ENV, redis_prefix=redis_prefix,
+                        secrets={_DAEMON_REDIS_ENV: redis_url}).start()
 
 
 # ---------------------------------------------------------------------------- summary
@@ -819,11 +863,11 @@ def round_ratios(summary: dict[str, dict[str, Any]], config: str,
 ITL_AIMS = (("itl_p99_vs_native", "native", 1.0), ("itl_p99_vs_no_connector", "none", 1.2))
 
 
-def itl_aims(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """kvtier's ITL p99 against each aim, pooled and as the median of per-round ratios,
+def itl_aims(summary: dict[str, dict[str, Any]], config: str = "kvtier") -> dict[str, Any]:
+    """``config``'s ITL p99 against each aim, pooled and as the median of per-round ratios,
     and whether the run can judge it at all (every config ran every round without an
     error and with a decoding stream to its end)."""
-    mine = summary.get("kvtier")
+    mine = summary.get(config)
     valid = all(not s["errors"] and not s["truncated_rounds"] for s in summary.values())
     out: dict[str, Any] = {"valid": valid}
     if mine is None:
@@ -832,9 +876,24 @@ def itl_aims(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if ref not in summary:
             continue
         pooled = mine["itl_p99_ms"] / summary[ref]["itl_p99_ms"]
-        median = round_ratios(summary, "kvtier", ref)["itl_p99_vs_no_connector"]["median"]
+        median = round_ratios(summary, config, ref)["itl_p99_vs_no_connector"]["median"]
         out[name] = {"pooled": pooled, "median_of_rounds": median, "bound": bound,
                      "met": valid and pooled <= bound and median <= bound}
+    return out
+
+
+def engine_step_ratios(summary: dict[str, dict[str, Any]], config: str,
+                       against: str = "native") -> dict[str, dict[str, float]]:
+    """``config``'s engine steps over ``against``'s, kind by kind (``hook_steps``: steps
+    compared at the same scheduled work): p50 and p99 ratios, and each side's step count."""
+    mine = (summary.get(config) or {}).get("hook_steps") or {}
+    ref = (summary.get(against) or {}).get("hook_steps") or {}
+    out: dict[str, dict[str, float]] = {}
+    for kind, m in mine.get("engine_steps", {}).items():
+        r = ref.get("engine_steps", {}).get(kind)
+        if r and r["p50"] and r["p99"]:
+            out[kind] = {"p50": m["p50"] / r["p50"], "p99": m["p99"] / r["p99"],
+                         "steps": m["steps"], f"{against}_steps": r["steps"]}
     return out
 
 
@@ -846,14 +905,14 @@ def render(summary: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]
             ("restore TTFT p50", "restore_ttft_p50_ms", "{:.0f}"),
             ("restore TTFT p90", "restore_ttft_p90_ms", "{:.0f}"),
             ("store TTFT p50", "store_ttft_p50_ms", "{:.0f}")]
-    head = (f"{'config':<8} " + " ".join(f"{c[0]:>16}" for c in cols)
+    head = (f"{'config':<13} " + " ".join(f"{c[0]:>16}" for c in cols)
             + f" {'cached/prefix':>15} {'p99 ×none':>10} {'p50 ×none':>10} {'load':>10}")
     lines = [head, "-" * len(head)]
     for config, s in summary.items():
         r = ratios.get(config, {})
         p99, p50 = r.get("itl_p99_vs_no_connector"), r.get("itl_p50_vs_no_connector")
         lines.append(
-            f"{config:<8} " + " ".join(f"{c[2].format(s[c[1]]):>16}" for c in cols)
+            f"{config:<13} " + " ".join(f"{c[2].format(s[c[1]]):>16}" for c in cols)
             + f" {s['restore_cached_tokens']:>7}/{s['restore_prefix_tokens']:<7}"
             + f" {p99 if p99 is not None else 1.0:>10.2f} {p50 if p50 is not None else 1.0:>10.2f}"
             + f" {s['load'][0]:>4.1f}/{s['load'][1]:<4.1f}")
@@ -897,8 +956,9 @@ def main(argv: list[str]) -> int:
         shape = Shape(**{**asdict(shape), "max_num_batched_tokens": args.max_num_batched_tokens})
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
-        if c not in CONFIGS:
-            parser.error(f"unknown config {c!r}: expected some of {', '.join(CONFIGS)}")
+        if c not in CONFIGS + OPTIONAL_CONFIGS:
+            parser.error(f"unknown config {c!r}: expected some of "
+                         f"{', '.join(CONFIGS + OPTIONAL_CONFIGS)}")
     log_dir = Path(args.log_dir or f"/tmp/kvtier-bench-stall-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir = tiny_llama()
@@ -915,6 +975,7 @@ def main(argv: list[str]) -> int:
         ratios[f"native_{name}"] = value
     by_round = {c: round_ratios(summary, c) for c in summary if c != "none"}
     aims = itl_aims(summary)
+    aims_daemon = itl_aims(summary, "kvtier-daemon") if "kvtier-daemon" in summary else None
 
     budget = shape.max_num_batched_tokens or "vLLM's default"
     print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama, token budget {budget} "
@@ -928,9 +989,9 @@ def main(argv: list[str]) -> int:
         if s["errors"] or s["truncated_rounds"]:
             print(f"  {config}: errors {s['errors'][:3]}, truncated rounds "
                   f"{s['truncated_rounds']}")
-    if "kvtier" in runs:
-        c = runs["kvtier"]["kvtier_counters"]
-        print("kvtier counters over the measured rounds: " + ", ".join(
+    for config in (c for c in ("kvtier", "kvtier-daemon") if c in runs):
+        c = runs[config]["kvtier_counters"]
+        print(f"{config} counters over the measured rounds: " + ", ".join(
             f"{k.removeprefix('vllm:kvtier_')}={v:g}" for k, v in sorted(c.items())
             if any(w in k for w in ("hit_tokens", "written_redis", "drops", "errors",
                                     "failed", "blocks_saved", "misses", "probe_waits",
@@ -948,22 +1009,32 @@ def main(argv: list[str]) -> int:
         print("worker steps in the windows (timed hooks): pre / forward / post, and the "
               "forward's time off the CPU")
         print("\n".join(hook_steps.render(steps)))
+        for config in (c for c in ("kvtier", "kvtier-daemon") if c in steps):
+            for kind, r in engine_step_ratios(summary, config).items():
+                print(f"  {config} engine step, {kind}, over native's: p50 {r['p50']:.2f}, "
+                      f"p99 {r['p99']:.2f} ({r['steps']:.0f} and {r['native_steps']:.0f} "
+                      "steps)")
     print("ratios (kvtier; native_*: native)")
     for key, value in ratios.items():
         print(f"  {key:<42} {value:.3f}" if value is not None else f"  {key:<42} n/a")
     print("round by round (each round over vLLM alone's same round): median [min-max]")
     for config, rr in by_round.items():
         for key, r in rr.items():
-            print(f"  {config:<7} {key:<34} {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
-    print("kvtier's ITL p99 against its aims (pooled; median of rounds; bound):"
-          + ("" if aims["valid"] else " NOT JUDGED: a config had errors or truncated rounds"))
-    for name, a in aims.items():
-        if name != "valid":
-            print(f"  {name:<26} {a['pooled']:.2f}; {a['median_of_rounds']:.2f}; "
-                  f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}")
+            print(f"  {config:<13} {key:<34} {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
+    for config, judged in (("kvtier", aims), ("kvtier-daemon", aims_daemon)):
+        if judged is None:
+            continue
+        print(f"{config}'s ITL p99 against its aims (pooled; median of rounds; bound):"
+              + ("" if judged["valid"] else
+                 " NOT JUDGED: a config had errors or truncated rounds"))
+        for name, a in judged.items():
+            if name != "valid":
+                print(f"  {name:<26} {a['pooled']:.2f}; {a['median_of_rounds']:.2f}; "
+                      f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}")
     print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
     if args.json_path:
         out = {"ratios": ratios, "itl_aims": aims,
+               **({"itl_aims_daemon": aims_daemon} if aims_daemon is not None else {}),
                "connectors": {c: {"ratios": per.get(c), "round_ratios": by_round.get(c),
                                   "summary": summary[c]} for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,
@@ -971,6 +1042,11 @@ def main(argv: list[str]) -> int:
                "elapsed_s": time.monotonic() - t0}
         if "kvtier" in runs:  # what the connector counted over the measured rounds
             out["kvtier_counters"] = runs["kvtier"]["kvtier_counters"]
+        if steps:
+            out["engine_step_ratios"] = {c: engine_step_ratios(summary, c) for c in steps
+                                         if c.startswith("kvtier")}
+        if "kvtier-daemon" in runs:
+            out["kvtier_daemon_counters"] = runs["kvtier-daemon"]["kvtier_counters"]
         if args.json_runs:  # every token's arrival time: large
             out["runs"] = runs
         write_result(args.json_path, out)

@@ -12,8 +12,21 @@ vLLM's order: ``handle_preemptions`` first, then the forward, then the rest. So 
            ``wait_for_save`` and the result hooks, to the step's last hook's end
 
 In the engine core, the scheduler's hooks between two ``build_connector_meta`` calls are one
-step's. :func:`summarize` cuts both by time windows (a benchmark's measured rounds) and
-reports their distributions and what the slowest 1 % of worker steps spent where.
+step's, and the time from one ``build_connector_meta`` to the next is the engine's whole
+step (schedule, forward, output): what every running request waits between two tokens.
+Each such *engine step* is sorted by what vLLM scheduled in it (its tokens and requests,
+recorded with the call):
+
+  decode   every scheduled request got one token
+  chunk    a prefill of at least :data:`CHUNK_TOKENS` tokens rode along (a long prompt's
+           chunk)
+  mixed    the rest (a short prefill, such as a restored prompt's new suffix)
+
+so that two connectors' steps are compared at the same work, whatever their schedules
+made of the window (a connector that admits the other requests later has fewer chunk
+steps beside the decoding stream, and a lower pooled ITL p99 for it). :func:`summarize`
+cuts every kind by time windows (a benchmark's measured rounds) and reports their
+distributions and what the slowest 1 % of worker steps spent where.
 """
 
 from __future__ import annotations
@@ -25,7 +38,11 @@ import numpy as np
 
 from benchmarks.peers.timed_hooks import CALL_RECORD, HOOKS
 
-START, CPU_START, WALL, CPU, HOOK = range(5)
+START, CPU_START, WALL, CPU, HOOK, TOKENS, REQUESTS = range(7)
+FIELDS = 7
+#: Prefill tokens in a step that make it a ``chunk`` step.
+CHUNK_TOKENS = 128
+STEP_KINDS = ("decode", "mixed", "chunk")
 _LOAD = HOOKS.index("start_load_kv")
 _SAVE = HOOKS.index("wait_for_save")
 _PREEMPT = HOOKS.index("handle_preemptions")
@@ -33,11 +50,11 @@ _META = HOOKS.index("build_connector_meta")
 
 
 def read_calls(path: Path) -> np.ndarray:
-    """One process's calls, ``(n, 5)`` in :data:`CALL_RECORD`'s field order (a record cut
+    """One process's calls, ``(n, 7)`` in :data:`CALL_RECORD`'s field order (a record cut
     short by the process's end is dropped)."""
     raw = path.read_bytes()
     raw = raw[:len(raw) - len(raw) % CALL_RECORD.size]
-    return np.frombuffer(raw, dtype="<f8").reshape(-1, 5)
+    return np.frombuffer(raw, dtype="<f8").reshape(-1, FIELDS)
 
 
 def worker_steps(calls: np.ndarray) -> np.ndarray:
@@ -67,6 +84,25 @@ def scheduler_steps(calls: np.ndarray) -> np.ndarray:
     rows = [(calls[i, START], float(calls[i:j, WALL].sum()))
             for i, j in zip(metas, [*metas[1:], len(calls)], strict=True)]
     return np.array(rows, dtype=float).reshape(-1, 2)
+
+
+def engine_steps(calls: np.ndarray) -> np.ndarray:
+    """Per engine step: columns start (epoch s), time to the next ``build_connector_meta``
+    (s), scheduled tokens, scheduled requests (the process's last step, with no next, is
+    left out)."""
+    metas = np.flatnonzero(calls[:, HOOK].astype(int) == _META)
+    if len(metas) < 2:
+        return np.zeros((0, 4))
+    at = calls[metas]
+    return np.column_stack([at[:-1, START], np.diff(at[:, START]), at[:-1, TOKENS],
+                            at[:-1, REQUESTS]])
+
+
+def step_kind(tokens: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    """Each step's kind in :data:`STEP_KINDS` (by the tokens beyond one per request)."""
+    prefill = tokens - requests
+    return np.where(prefill <= 0, "decode",
+                    np.where(prefill >= CHUNK_TOKENS, "chunk", "mixed"))
 
 
 def in_windows(steps: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarray:
@@ -114,12 +150,17 @@ def summarize(times_dir: Path, windows: list[tuple[float, float]]) -> dict[str, 
             steps = in_windows(scheduler_steps(calls), windows)
             if len(steps):
                 out["scheduler"] = {"steps": len(steps), "hooks_ms": _ms(steps[:, 1])}
+            engine = in_windows(engine_steps(calls), windows)
+            kinds = step_kind(engine[:, 2], engine[:, 3])
+            out["engine_steps"] = {kind: {"steps": int((kinds == kind).sum()),
+                                          **_ms(engine[kinds == kind, 1])}
+                                   for kind in STEP_KINDS if (kinds == kind).any()}
     return out
 
 
 def render(by_config: dict[str, dict[str, Any]]) -> list[str]:
     """Table lines: per config, the worker's step parts and the scheduler's hooks."""
-    lines = [f"  {'config':<8} {'part':<22} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+    lines = [f"  {'config':<13} {'part':<22} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
              f"{'slowest 1% mean':>16}"]
     for config, data in by_config.items():
         worker, slow = data.get("worker", {}), data.get("worker", {}).get("slowest_1pct", {})
@@ -129,10 +170,13 @@ def render(by_config: dict[str, dict[str, Any]]) -> list[str]:
                           ("  post (hooks)", "post_ms")):
             d = worker.get(key)
             if d:
-                lines.append(f"  {config:<8} {part:<22} {d['p50']:>8.2f} {d['p99']:>8.2f} "
+                lines.append(f"  {config:<13} {part:<22} {d['p50']:>8.2f} {d['p99']:>8.2f} "
                              f"{d['max']:>8.2f} {slow.get(key, float('nan')):>16.2f}")
         sched = data.get("scheduler", {}).get("hooks_ms")
         if sched:
-            lines.append(f"  {config:<8} {'scheduler hooks':<22} {sched['p50']:>8.2f} "
+            lines.append(f"  {config:<13} {'scheduler hooks':<22} {sched['p50']:>8.2f} "
                          f"{sched['p99']:>8.2f} {sched['max']:>8.2f}")
+        for kind, d in data.get("engine_steps", {}).items():
+            lines.append(f"  {config:<13} {f'engine step, {kind}':<22} {d['p50']:>8.2f} "
+                         f"{d['p99']:>8.2f} {d['max']:>8.2f} {d['steps']:>10} steps")
     return lines

@@ -13,8 +13,9 @@ by function (cProfile's own cost inflates every figure, so read shares, not micr
 With ``KVTIER_HOOK_CALLS=1`` every call is also appended, as it returns, to
 ``<pid>.calls`` beside them: one :data:`CALL_RECORD` per call (start as epoch seconds, the
 calling thread's CPU time at the start, wall and thread-CPU seconds of the call, the hook's
-index in :data:`HOOKS`), so that a benchmark can cut them by its own time windows and
-rebuild each step (``benchmarks/hook_steps.py``). One ``write`` of 40 bytes per call.
+index in :data:`HOOKS`; for ``build_connector_meta`` the step's scheduled tokens and
+requests), so that a benchmark can cut them by its own time windows and rebuild each step
+(``benchmarks/hook_steps.py``). One ``write`` of 56 bytes per call.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ _profiler = cProfile.Profile() if os.environ.get("KVTIER_HOOK_CPROFILE") == "1" 
 _calls_fd: dict[int, int | None] = {}  # pid -> its file (a forked child opens its own)
 
 
-def _record_call(hook: int, start: float, cpu_start: float, wall: float, cpu: float) -> None:
+def _record_call(hook: int, start: float, cpu_start: float, wall: float, cpu: float,
+                 tokens: int = 0, requests: int = 0) -> None:
     """Append one call to ``<pid>.calls`` (``KVTIER_HOOK_CALLS=1``)."""
     pid = os.getpid()
     if pid not in _calls_fd:
@@ -54,7 +56,15 @@ def _record_call(hook: int, start: float, cpu_start: float, wall: float, cpu: fl
         _calls_fd[pid] = fd
     fd = _calls_fd[pid]
     if fd is not None:
-        os.write(fd, CALL_RECORD.pack(start, cpu_start, wall, cpu, float(hook)))
+        os.write(fd, CALL_RECORD.pack(start, cpu_start, wall, cpu, float(hook), tokens,
+                                      requests))
+
+
+def _step_size(args: tuple[Any, ...]) -> tuple[int, int]:
+    """``build_connector_meta(scheduler_output)``: the step's scheduled tokens and requests."""
+    out = args[0] if args else None
+    per_request = getattr(out, "num_scheduled_tokens", None) or {}
+    return int(getattr(out, "total_num_scheduled_tokens", 0) or 0), len(per_request)
 
 
 def _dump() -> None:
@@ -68,6 +78,7 @@ def _dump() -> None:
 
 def _timed(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
     index = HOOKS.index(name)
+    sized = name == "build_connector_meta"
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         epoch = time.time()
@@ -84,7 +95,8 @@ def _timed(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
             entry[0] += 1
             entry[1] += took
             entry[2] += ran
-            _record_call(index, epoch, cpu / 1e9, took / 1e9, ran / 1e9)
+            _record_call(index, epoch, cpu / 1e9, took / 1e9, ran / 1e9,
+                         *(_step_size(args) if sized else (0, 0)))
             _calls[0] += 1
             if _calls[0] % DUMP_EVERY == 0:
                 _dump()

@@ -15,5 +15,6 @@ HOOKS = (
 )
 
 #: One call in ``<pid>.calls``: start (epoch s), thread CPU at start (s), wall (s), CPU (s),
-#: hook index in :data:`HOOKS` (a float, so the record is five little-endian doubles).
-CALL_RECORD = struct.Struct("<5d")
+#: hook index in :data:`HOOKS`, and for ``build_connector_meta`` the step's scheduled tokens
+#: and requests (0 for the other hooks): seven little-endian doubles.
+CALL_RECORD = struct.Struct("<7d")

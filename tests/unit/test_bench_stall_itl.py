@@ -10,7 +10,9 @@ import pytest
 from benchmarks.bench_stall import (
     ITL_BUCKETS_S,
     _per_bucket,
+    engine_step_ratios,
     hist_percentile,
+    itl_aims,
     itl_bucket_args,
     itl_histogram,
     round_ratios,
@@ -86,3 +88,33 @@ def test_round_ratios_pair_each_round_with_vllm_alone_s_same_round() -> None:
     assert rr["store_ttft_p50_vs_no_connector"]["per_round"] == [0.5, 3.0]
     assert rr["restore_ttft_p50_vs_no_connector"]["per_round"] == [0.1, 0.5]
     assert round_ratios({"kvtier": kvtier}, "kvtier") == {}
+
+
+def _config(itl_p99: list[float], steps: dict[str, dict[str, float]] | None = None
+            ) -> dict[str, object]:
+    return {"itl_p99_ms": max(itl_p99), "itl_p99_ms_per_round": itl_p99,
+            "store_ttft_p50_ms_per_round": [1.0] * len(itl_p99),
+            "restore_ttft_p50_ms_per_round": [1.0] * len(itl_p99), "errors": [],
+            "truncated_rounds": 0, "hook_steps": {"engine_steps": steps} if steps else None}
+
+
+def test_engine_steps_are_compared_kind_by_kind_and_any_kvtier_config_is_judged() -> None:
+    summary = {
+        "none": _config([4.0, 4.0, 4.0]),
+        "native": _config([5.0, 5.0, 5.0], {"decode": {"p50": 2.0, "p99": 4.0, "steps": 900},
+                                            "chunk": {"p50": 10.0, "p99": 20.0, "steps": 30}}),
+        "kvtier-daemon": _config([4.0, 5.0, 6.0],
+                                 {"decode": {"p50": 2.2, "p99": 3.0, "steps": 800},
+                                  "mixed": {"p50": 5.0, "p99": 6.0, "steps": 4},
+                                  "chunk": {"p50": 12.0, "p99": 20.0, "steps": 31}})}
+    ratios = engine_step_ratios(summary, "kvtier-daemon")
+    assert ratios == {  # a kind native never ran (mixed) has no ratio
+        "decode": {"p50": pytest.approx(1.1), "p99": 0.75, "steps": 800, "native_steps": 900},
+        "chunk": {"p50": 1.2, "p99": 1.0, "steps": 31, "native_steps": 30}}
+    assert engine_step_ratios(summary, "kvtier") == {}
+    aims = itl_aims(summary, "kvtier-daemon")
+    assert aims["valid"]
+    assert aims["itl_p99_vs_native"] == {"pooled": 1.2, "median_of_rounds": 1.0, "bound": 1.0,
+                                         "met": False}
+    assert aims["itl_p99_vs_no_connector"]["pooled"] == 1.5
+    assert aims["itl_p99_vs_no_connector"]["met"] is False  # 1.5 > 1.2

@@ -11,8 +11,9 @@ from benchmarks.peers.timed_hooks import CALL_RECORD, HOOKS
 
 
 def _call(name: str, start: float, wall: float, cpu_start: float = 0.0,
-          cpu: float = 0.0) -> bytes:
-    return CALL_RECORD.pack(start, cpu_start, wall, cpu, float(HOOKS.index(name)))
+          cpu: float = 0.0, tokens: int = 0, requests: int = 0) -> bytes:
+    return CALL_RECORD.pack(start, cpu_start, wall, cpu, float(HOOKS.index(name)), tokens,
+                            requests)
 
 
 def _worker_step(t: float, cpu0: float, forward: float, forward_cpu: float) -> bytes:
@@ -64,3 +65,24 @@ def test_summaries_keep_only_the_windows_steps_and_split_the_slowest(tmp_path: P
     assert out["scheduler"]["steps"] == 2  # build_connector_meta at 10 and 11; 12 is after
     assert out["scheduler"]["hooks_ms"]["max"] == pytest.approx(0.5)
     assert any("forward off-CPU" in line for line in hook_steps.render({"kvtier": out}))
+
+
+def test_engine_steps_are_compared_by_what_was_scheduled_in_them(tmp_path: Path) -> None:
+    """From one build_connector_meta to the next is one engine step, sorted by its work:
+    one token per request (decode), a long prefill chunk along (chunk), or a short one."""
+    sizes = [(3, 3), (258, 3), (42, 3), (3, 3), (256, 2), (1, 1)]  # (tokens, requests)
+    starts = [10.0, 10.002, 10.018, 10.023, 10.026, 10.042]
+    (tmp_path / "8.calls").write_bytes(b"".join(
+        _call("build_connector_meta", t, 0.0002, tokens=n, requests=r)
+        + _call("update_connector_output", t + 0.001, 0.0001)
+        for t, (n, r) in zip(starts, sizes, strict=True)))
+    steps = hook_steps.engine_steps(hook_steps.read_calls(tmp_path / "8.calls"))
+    assert steps[:, 1] == pytest.approx([0.002, 0.016, 0.005, 0.003, 0.016])
+    assert list(hook_steps.step_kind(steps[:, 2], steps[:, 3])) == [
+        "decode", "chunk", "mixed", "decode", "chunk"]
+    engine = hook_steps.summarize(tmp_path, [(9.0, 10.03)])["engine_steps"]
+    assert {k: v["steps"] for k, v in engine.items()} == {"decode": 2, "mixed": 1, "chunk": 2}
+    assert engine["decode"]["max"] == pytest.approx(3.0)
+    assert engine["chunk"]["p50"] == pytest.approx(16.0)
+    lines = hook_steps.render({"native": {"engine_steps": engine}})
+    assert any("engine step, chunk" in line for line in lines)
