@@ -85,6 +85,16 @@ pooled ITL p99 also moves with how each engine's schedule spread the other reque
 the window (a round whose requests waited seconds for their first token has fewer chunk
 steps beside the decoding stream), these do not.
 
+Redis is a private ``redis-server`` on a loopback port, started for the run and stopped
+after it (``--redis-url``: another one). The latency proxy and that server stand in for a
+network and a Redis host, which on a deployment take none of the engine host's cores; here
+they share the 2 cores with the engines, so they run at ``nice 10`` (``--stand-ins-nice``)
+and take what the engines leave. At nice 0 (every run before 2026-12-07's evening) their
+Python relay and command parsing compete with the engine core on equal terms in the
+moment after each step that saves: in one ``--hook-calls`` run of that kind, kvtier's
+chunk steps spent 1.35 ms more than native's outside the worker (schedule, output,
+hand-offs), 0.35 ms of it in kvtier's scheduler hooks.
+
 The client, the proxy and the server share the machine's cores (2 here): run it on a quiet
 machine, repeat it, and read ``load`` (1-min load average before/after each config).
 
@@ -92,6 +102,7 @@ Every server gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``; see
 ``server_env``).
 
 Usage: python -m benchmarks.bench_stall [--quick] [--json PATH] [--redis-url URL]
+       [--stand-ins-nice N]
        [--rtt-ms MS] [--configs none,native,kvtier[,kvtier-daemon]] [--rounds N]
        [--gap-s S] [--reserved-cpus N|vllm] [--log-dir DIR] [--hook-calls]
        [--kvtier-extra JSON]
@@ -125,6 +136,7 @@ from connector.demo.tiny_models import prompt_words, tiny_llama
 from offload_tiers.redis.presence_feed import is_announce_stream
 from rigs.openai_server import OpenAIServer
 from rigs.ports import free_port
+from rigs.redis_server import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,6 +152,9 @@ CONFIGS = ("none", "native", "kvtier")
 #: (``host_tier_redis``: the worker process opens no Redis connection).
 OPTIONAL_CONFIGS = ("kvtier-daemon",)
 HOST_SLOT_BYTES = 1 << 20
+#: Niceness of the latency proxy and the private redis-server: they stand in for a network
+#: and a Redis host, which on a deployment take none of the engine host's cores.
+STAND_INS_NICE = 10
 # vLLM's inter-token latency histogram, finer than its defaults (10, 25, 50, 75 ms, ...) so
 # that its percentiles resolve a step: 0.5 ms up to 20 ms, 1 ms up to 60, 5 ms up to 200.
 ITL_BUCKETS_S = tuple(
@@ -433,12 +448,13 @@ class Proxy:
             "p.latency_s = float(sys.argv[3]); p.start(); print('ready', flush=True); "
             "time.sleep(1e9)")
 
-    def __init__(self, redis_url: str, rtt_s: float) -> None:
+    def __init__(self, redis_url: str, rtt_s: float, nice: int = 0) -> None:
         target = httpx.URL(redis_url.replace("redis://", "http://"))
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.CODE, str(target.port or 6379), str(self.port),
-             str(rtt_s / 2)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+            [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-c", self.CODE,
+             str(target.port or 6379), str(self.port), str(rtt_s / 2)], cwd=REPO_ROOT,
+            stdout=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
@@ -652,7 +668,7 @@ def _timed(ktc: dict[str, Any], config: str, log_dir: Path, env: dict[str, str |
 def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
             redis_url: str, rtt_s: float, env: dict[str, str | None], gap_s: float,
             kvtier_extra: dict[str, Any] | None = None,
-            hook_calls: bool = False) -> dict[str, dict[str, Any]]:
+            hook_calls: bool = False, stand_ins_nice: int = 0) -> dict[str, dict[str, Any]]:
     """Every config's server up at once; the configs take turns, round by round.
 
     Round ``r`` of every config runs the same prompts within seconds of the others' round
@@ -672,7 +688,7 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
     daemon: DemoHostTier | None = None
     try:
         if "kvtier" in configs or "kvtier-daemon" in configs:
-            proxy = Proxy(redis_url, rtt_s) if rtt_s > 0 else None
+            proxy = Proxy(redis_url, rtt_s, stand_ins_nice) if rtt_s > 0 else None
         for config, s in (("kvtier", settings), ("kvtier-daemon", daemon_settings)):
             if config in configs:
                 runs[config]["redis_keys_after_warm"] = _warm_kvtier_redis(
@@ -925,8 +941,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     parser.add_argument("--json-runs", action="store_true",
                         help="also write every request's token arrival times to the JSON")
-    parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REDIS_URL",
-                                                              "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--redis-url", default=os.environ.get("KVTIER_REDIS_URL"),
+                        help="a Redis to use (default: a private redis-server on a loopback "
+                             "port, started at --stand-ins-nice and stopped at the end)")
+    parser.add_argument("--stand-ins-nice", type=int, default=STAND_INS_NICE,
+                        help="niceness of the latency proxy and the private redis-server, "
+                             f"which stand in for a network and a Redis host (default "
+                             f"{STAND_INS_NICE}; 0: as the engines)")
     parser.add_argument("--rtt-ms", type=float, default=4.0,
                         help="latency the proxy adds per Redis round trip (default 4; 0: no proxy, "
                              "kvtier reads Redis directly)")
@@ -966,8 +987,17 @@ def main(argv: list[str]) -> int:
     kvtier_extra = json.loads(args.kvtier_extra)
     if not isinstance(kvtier_extra, dict):
         parser.error("--kvtier-extra: a JSON object of kvtier settings")
-    runs = run_all(configs, model_dir, shape, log_dir, args.redis_url, args.rtt_ms / 1e3,
-                   env, args.gap_s, kvtier_extra, hook_calls=args.hook_calls)
+    private = None
+    if args.redis_url is None:
+        private = RedisServer(log_dir / "redis", nice=args.stand_ins_nice).start()
+    try:
+        runs = run_all(configs, model_dir, shape, log_dir,
+                       args.redis_url or private.url, args.rtt_ms / 1e3, env, args.gap_s,
+                       kvtier_extra, hook_calls=args.hook_calls,
+                       stand_ins_nice=args.stand_ins_nice)
+    finally:
+        if private is not None:
+            private.stop()
     summary = {c: summarize(r, shape) for c, r in runs.items()}
     per = {c: ratios_for(summary, c) for c in summary if c != "none"}
     ratios: dict[str, Any] = dict(per.get("kvtier", {}))
@@ -1038,6 +1068,8 @@ def main(argv: list[str]) -> int:
                "connectors": {c: {"ratios": per.get(c), "round_ratios": by_round.get(c),
                                   "summary": summary[c]} for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,
+               "redis": "private" if private is not None else "given",
+               "stand_ins_nice": args.stand_ins_nice,
                "kvtier_extra": kvtier_extra,
                "elapsed_s": time.monotonic() - t0}
         if "kvtier" in runs:  # what the connector counted over the measured rounds

@@ -19,13 +19,16 @@ class RedisServer:
     """One redis-server the test controls. Nothing is persisted to disk."""
 
     def __init__(self, workdir: Path, *extra_args: str, port: int | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, nice: int = 0) -> None:
+        """``nice``: the server's niceness (``nice -n``; a benchmark's stand-in for a Redis
+        on another host takes only what the machine's other processes leave)."""
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (scripts/bootstrap.sh installs it)")
         self.port = port or free_port()
         self.workdir = workdir
         self.password = password
         self.extra_args = list(extra_args)
+        self.nice = nice
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -50,6 +53,8 @@ class RedisServer:
                 "--logfile", str(self.workdir / f"redis-{self.port}.log")]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.nice:
+            args = ["nice", "-n", str(self.nice), *args]
         self.proc = subprocess.Popen(args + self.extra_args, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         self.wait_ready()
