@@ -154,7 +154,7 @@ OPTIONAL_CONFIGS = ("kvtier-daemon",)
 HOST_SLOT_BYTES = 1 << 20
 #: Niceness of the latency proxy and the private redis-server: they stand in for a network
 #: and a Redis host, which on a deployment take none of the engine host's cores.
-STAND_INS_NICE = 10
+STAND_INS_NICE = 0
 # vLLM's inter-token latency histogram, finer than its defaults (10, 25, 50, 75 ms, ...) so
 # that its percentiles resolve a step: 0.5 ms up to 20 ms, 1 ms up to 60, 5 ms up to 200.
 ITL_BUCKETS_S = tuple(
