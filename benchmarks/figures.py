@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -375,6 +377,47 @@ def stall_steps(d: dict[str, Any]) -> str:
     return "; ".join(parts) + f" (commit {_short_commit(d['_measured']['commit'])}, {when(d)})"
 
 
+def stall_kinds(d: dict[str, Any]) -> str:
+    """Engine steps compared at the same work (``--hook-calls``): per kind, native's and
+    kvtier's p50 / p99 and step counts, kvtier's ratios, and the run's pooled ITL p99 ratio."""
+    rows = {c: v["summary"]["hook_steps"]["engine_steps"] for c, v in d["connectors"].items()
+            if (v["summary"].get("hook_steps") or {}).get("engine_steps")}
+    ratios = d.get("engine_step_ratios", {}).get("kvtier", {})
+    if "native" not in rows or "kvtier" not in rows:
+        return "not recorded by this run (bench_stall --hook-calls)"
+    parts = []
+    for kind, r in ratios.items():
+        n, k = rows["native"][kind], rows["kvtier"][kind]
+        parts.append(f"{kind} steps: native p50 {n['p50']:.2f} / p99 {n['p99']:.2f} ms "
+                     f"({n['steps']}), kvtier {k['p50']:.2f} / {k['p99']:.2f} ms "
+                     f"({k['steps']}): {x(r['p50'])} / {x(r['p99'])}")
+    pooled = d["itl_aims"]["itl_p99_vs_native"]["pooled"]
+    return ("; ".join(parts) + f"; in the same run kvtier's pooled ITL p99 was {x(pooled)} "
+            f"native's (commit {_short_commit(d['_measured']['commit'])}, {when(d)})")
+
+
+def stall_ttft_itl(*runs: dict[str, Any]) -> str:
+    """Over every config's rounds in ``runs``: how a round's ITL p99 moves with its TTFT
+    (the mean of its storing and restoring TTFT p50): Pearson's r of their logarithms, and
+    the ITL p99 of the rounds with the slowest and the fastest third of TTFTs."""
+    itl, ttft = [], []
+    for d in runs:
+        for v in d["connectors"].values():
+            s = v["summary"]
+            for i, r, st in zip(s["itl_p99_ms_per_round"], s["restore_ttft_p50_ms_per_round"],
+                                s["store_ttft_p50_ms_per_round"], strict=True):
+                if i > 0 and r > 0 and st > 0:
+                    itl.append(i)
+                    ttft.append((r + st) / 2)
+    by_ttft = [i for _, i in sorted(zip(ttft, itl, strict=True))]
+    third = len(by_ttft) // 3
+    r = statistics.correlation([math.log(t) for t in ttft], [math.log(i) for i in itl])
+    return (f"{len(itl)} config-rounds of {len(runs)} runs: r = {r:.2f} between log TTFT and "
+            f"log ITL p99; median ITL p99 {statistics.median(by_ttft[:third]):.1f} ms in the "
+            f"third with the fastest TTFTs, {statistics.median(by_ttft[-third:]):.1f} ms in "
+            f"the slowest third")
+
+
 def step_gil(d: dict[str, Any]) -> str:
     """bench_step_gil: what each background burst costs a thread of small torch calls."""
     c = d["cases"]
@@ -684,7 +727,13 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "stall": (("stall.json",), stall),
     "stall-cpu": (("stall.json",), stall_cpu),
     "stall-runs": (("stall_run1.json", "stall_run2.json", "stall.json"), stall_runs),
+    "stall-runs-nice0": (("stall_nice0_run1.json", "stall_nice0_run2.json",
+                          "stall_nice0_run3.json"), stall_runs),
     "stall-steps": (("stall_hooks.json",), stall_steps),
+    "stall-kinds": (("stall_kinds.json",), stall_kinds),
+    "stall-ttft-itl": (("stall_nice0_run1.json", "stall_nice0_run2.json",
+                        "stall_nice0_run3.json", "stall_run1.json", "stall_run2.json",
+                        "stall.json"), stall_ttft_itl),
     "step-gil": (("step_gil.json",), step_gil),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
