@@ -26,8 +26,12 @@ _KERNEL_TIMEOUTS = (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO)
 
 
 def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+    """``struct timeval``; a positive timeout never rounds down to 0, which the kernel reads
+    as "wait for ever"."""
+    micros = int(seconds * 1e6)
+    if seconds > 0:
+        micros = max(micros, 1)
+    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
 
 
 def _supported(sock: socket.socket) -> bool:

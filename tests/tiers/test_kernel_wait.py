@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from offload_tiers.redis.kernel_wait import WAITALL, kernel_wait
+from offload_tiers.redis.kernel_wait import WAITALL, _timeval, kernel_wait
 from offload_tiers.redis.resp import Reader
 from tests.tiers.faults import wait_until
 
@@ -135,3 +135,11 @@ def test_a_socket_without_a_timeout_or_a_non_blocking_one_is_left_alone(
     with kernel_wait(reader) as flags:
         assert flags == 0 and reader.gettimeout() == 0.0
     assert _kernel_timeouts(reader) == [(0, 0)] * 2
+
+
+def test_a_tiny_timeout_is_still_a_timeout_for_the_kernel() -> None:
+    size = struct.calcsize("@ll")
+    assert struct.unpack("@ll", _timeval(1e-9)) == (0, 1)  # 0 would mean no timeout at all
+    assert struct.unpack("@ll", _timeval(2.5)) == (2, 500_000)
+    assert struct.unpack("@ll", _timeval(0)) == (0, 0)
+    assert len(_timeval(5.0)) == size
