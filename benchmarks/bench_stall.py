@@ -91,9 +91,9 @@ network and a Redis host, which on a deployment take none of the engine host's c
 they share the 2 cores with the engines. ``--stand-ins-nice N`` runs both at ``nice N``
 (default 0, as every run so far). At 10 they took only what the engines left, and in the
 one run of it (2026-12-07) the starved proxy timed kvtier's Redis link and presence feed
-out: kvtier's ITL p99 1.32x native's, its p50 1.35x. At 0 their Python relay and command
+out: kvtier's ITL p99 1.32x native's, its p50 1.38x. At 0 their Python relay and command
 parsing compete with the engine core on equal terms in the moment after each step that
-saves: in one ``--hook-calls`` run, kvtier's chunk steps spent 1.35 ms more than native's
+saves: in one ad hoc ``--hook-calls`` run, kvtier's chunk steps spent 1.35 ms more than native's
 outside the worker (schedule, output, hand-offs), 0.35 ms of it in kvtier's scheduler hooks.
 
 The client, the proxy and the server share the machine's cores (2 here): run it on a quiet
