@@ -26,6 +26,22 @@ from rigs.ports import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
+def spawn_group(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` as the leader of a process group of its own, in the caller's session.
+
+    The group: :meth:`OpenAIServer.stop` ends the engine core and workers too, even when the
+    API server died before it could (a start that never got healthy).
+
+    The session: with the kernel's autogroups (``kernel.sched_autogroup_enabled``, on here)
+    each session is one scheduling group. A server in a session of its own (``setsid``), busy
+    decoding, kept every process of other sessions off both of this machine's cores for 3-4 s
+    at a time (kernel 6.18, ftrace, 2026-12-07): the benchmark's client sent its requests
+    seconds late, and a local ``redis-server`` and latency proxy answered seconds late, at
+    nice -5 or pinned to the other core too. In the caller's session they share fairly.
+    """
+    return subprocess.Popen(cmd, process_group=0, **kwargs)
+
+
 class OpenAIServer:
     """One server process on a loopback port; ``start()`` waits for ``/health``.
 
@@ -73,10 +89,8 @@ class OpenAIServer:
         engine_starts.record(f"openai server ({cores} engine core{'s' * (cores > 1)})",
                              count=cores)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        # Its own process group: stop() ends the engine core and workers too, even when the
-        # API server dies before it could (a start that never got healthy).
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, cwd=REPO, start_new_session=True)
+        self.proc = spawn_group(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
