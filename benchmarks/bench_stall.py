@@ -83,7 +83,8 @@ With ``--hook-calls`` each connector's engine steps are also compared at the sam
 rest), kvtier's p50 and p99 over native's per kind (JSON ``engine_step_ratios``): the
 pooled ITL p99 also moves with how each engine's schedule spread the other requests over
 the window (a round whose requests waited seconds for their first token has fewer chunk
-steps beside the decoding stream), these do not.
+steps beside the decoding stream), these do not. (In the runs before 2026-12-07's night
+such waits were the client's: see "Every server" below.)
 
 Redis is a private ``redis-server`` on a loopback port, started for the run and stopped
 after it (``--redis-url``: another one). The latency proxy and that server stand in for a
@@ -91,16 +92,17 @@ network and a Redis host, which on a deployment take none of the engine host's c
 they share the 2 cores with the engines. ``--stand-ins-nice N`` runs both at ``nice N``
 (default 0, as every run so far). At 10 they took only what the engines left, and in the
 one run of it (2026-12-07) the starved proxy timed kvtier's Redis link and presence feed
-out: kvtier's ITL p99 1.32x native's, its p50 1.38x. At 0 their Python relay and command
-parsing compete with the engine core on equal terms in the moment after each step that
-saves: in one ad hoc ``--hook-calls`` run, kvtier's chunk steps spent 1.35 ms more than native's
-outside the worker (schedule, output, hand-offs), 0.35 ms of it in kvtier's scheduler hooks.
+out: kvtier's ITL p99 1.32x native's, its p50 1.38x.
 
 The client, the proxy and the server share the machine's cores (2 here): run it on a quiet
 machine, repeat it, and read ``load`` (1-min load average before/after each config).
 
 Every server gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``; see
-``server_env``).
+``server_env``), and runs in this process's session (``rigs.openai_server.spawn_group``),
+with the client, the proxy and ``redis-server``: with the kernel's autogroups a server in a
+session of its own, busy decoding, kept the others off the CPU for 3-4 s at a time, so
+that the client's requests reached the engines seconds late and bunched (every earlier
+run's TTFTs, vLLM alone's included) and kvtier's Redis stand-ins timed out.
 
 Usage: python -m benchmarks.bench_stall [--quick] [--json PATH] [--redis-url URL]
        [--stand-ins-nice N]

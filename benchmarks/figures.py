@@ -396,6 +396,20 @@ def stall_kinds(d: dict[str, Any]) -> str:
             f"native's (commit {_short_commit(d['_measured']['commit'])}, {when(d)})")
 
 
+def stall_ttft_spread(*runs: dict[str, Any]) -> str:
+    """Per run: the spread of its rounds' restoring TTFT p50 over every config (min, median,
+    max) and the share of those rounds over one second."""
+    parts = []
+    for n, d in enumerate(runs, 1):
+        ttft = [t for v in d["connectors"].values()
+                for t in v["summary"]["restore_ttft_p50_ms_per_round"]]
+        slow = sum(t > 1000 for t in ttft)
+        parts.append(f"run {n} ({_short_commit(d['_measured']['commit'])}): "
+                     f"{min(ttft):,.0f} / {statistics.median(ttft):,.0f} / {max(ttft):,.0f} ms, "
+                     f"{slow} of {len(ttft)} rounds over 1 s")
+    return "restoring TTFT p50 per config-round, min / median / max: " + "; ".join(parts)
+
+
 def stall_ttft_itl(*runs: dict[str, Any]) -> str:
     """Over every config's rounds in ``runs``: how a round's ITL p99 moves with its TTFT
     (the mean of its storing and restoring TTFT p50): Pearson's r of their logarithms, and
@@ -729,11 +743,16 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "stall-runs": (("stall_run1.json", "stall_run2.json", "stall.json"), stall_runs),
     "stall-runs-nice0": (("stall_nice0_run1.json", "stall_nice0_run2.json",
                           "stall_nice0_run3.json"), stall_runs),
+    "stall-runs-setsid": (("stall_setsid_run1.json", "stall_setsid_run2.json",
+                           "stall_setsid_run3.json"), stall_runs),
     "stall-steps": (("stall_hooks.json",), stall_steps),
     "stall-kinds": (("stall_kinds.json",), stall_kinds),
     "stall-ttft-itl": (("stall_nice0_run1.json", "stall_nice0_run2.json",
-                        "stall_nice0_run3.json", "stall_run1.json", "stall_run2.json",
-                        "stall.json"), stall_ttft_itl),
+                        "stall_nice0_run3.json", "stall_setsid_run1.json",
+                        "stall_setsid_run2.json", "stall_setsid_run3.json"), stall_ttft_itl),
+    "stall-ttft-spread": (("stall_setsid_run1.json", "stall_setsid_run2.json",
+                           "stall_setsid_run3.json", "stall_run1.json", "stall_run2.json",
+                           "stall.json"), stall_ttft_spread),
     "step-gil": (("step_gil.json",), step_gil),
     "nohit-ttft": (("nohit_ttft_llama.json", "nohit_ttft_hybrid.json"), nohit_ttft),
     "native": (("native.json",), native),
