@@ -20,6 +20,7 @@ from offload_tiers.redis.settings import (
     RedisSettingError,
     explain,
 )
+from offload_tiers.thread_priority import BACKGROUND_NICE, MAX_NICE
 
 _FIXES: dict[str, str] = {
     "cpu_bytes": "give the CPU tier size in bytes as an integer >= 1048576, e.g. 1073741824",
@@ -35,6 +36,8 @@ _FIXES: dict[str, str] = {
                            "two of the writer's batches while more saves wait; 0: none)",
     "redis_shutdown_flush_s": "give seconds as a number from 0 to 60 (how long an exiting "
                               "engine keeps writing its queued saves to Redis)",
+    "background_nice": "give a whole number from 0 to 19 (the niceness kvtier adds to its "
+                       "Redis writer and presence feed threads; 0 leaves them as the engine's)",
     "weights_version": "use a string naming the weights (e.g. a checkpoint step or digest)",
     "store_partial": "use true or false",
     "tenant": "use a string (vLLM's per-request cache_salt is added to it)",
@@ -91,6 +94,10 @@ class TieredConfig(RedisConnectionSettings):
     # At exit (vLLM's shutdown, or the interpreter's): how long queued saves may take to
     # reach Redis; what is still queued then is counted and logged, never waited for longer.
     redis_shutdown_flush_s: float = Field(default=2.0, ge=0, le=60)
+    # Niceness added to the threads nothing waits on (the Redis writer in write_mode back,
+    # the presence feed), so that they yield the CPU to the engine's threads; 0: none
+    # (offload_tiers/thread_priority.py).
+    background_nice: int = Field(default=BACKGROUND_NICE, ge=0, le=MAX_NICE)
     store_partial: bool = True
     tenant: str = ""
     model_id: str | None = None

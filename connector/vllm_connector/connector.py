@@ -74,6 +74,7 @@ from connector.vllm_connector.scheduler import (
 from connector.vllm_connector.secondary import HitSource
 from connector.vllm_connector.slot_sizing import expected_slot_bytes, slot_count
 from connector.vllm_connector.worker import TieredWorker
+from offload_tiers.thread_priority import set_background_nice
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -223,6 +224,7 @@ class TieredOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
+        set_background_nice(self.config.background_nice)
         self.groups = _group_specs(kv_cache_config)
         self.worker: TieredWorker | None = None
         self._kv_caches: dict[str, torch.Tensor] | None = None

@@ -44,6 +44,7 @@ from offload_tiers.keys import parse_key_name
 from offload_tiers.presence import name_digest, pack_digests, unpack_digests
 from offload_tiers.redis.client import ClientFactory, Health, close_quietly
 from offload_tiers.thread_names import name_current_thread
+from offload_tiers.thread_priority import lower_current_thread
 
 __all__ = ["ANNOUNCE_MAX", "ANNOUNCE_SUFFIX", "STREAM_MAXLEN", "PresenceFeed",
            "announce_stream", "is_announce_stream"]
@@ -199,6 +200,7 @@ class PresenceFeed:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         name_current_thread()
+        lower_current_thread()
         while not self._stop.is_set() and not self.disabled:
             now = time.monotonic()
             if self._health.waiting(now):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from offload_tiers.thread_names import name_current_thread
+from offload_tiers.thread_priority import lower_current_thread
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ class WriteBehind:
 
     def _run(self) -> None:
         name_current_thread()
+        lower_current_thread()
         next_tick = 0.0
         while True:
             with self._cond:
