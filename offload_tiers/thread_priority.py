@@ -2,12 +2,12 @@
 
 kvtier's Redis writer (write-behind: no step waits on it) and presence feed (a hint for
 look-ups: a late one means a probe, never a wrong block) run at a higher niceness than the
-engine's threads they live beside. At equal niceness the kernel lets a running background
-thread finish its slice before the engine core or worker it woke beside; with Redis and its
-latency proxy sharing a 2-core host with a CPU engine, kvtier's ITL p99 was 0.92x native's
-with these threads at niceness 10, against 0.99-1.06x at 0 (``bench_stall --quick``,
-docs/benchmarks-e2e.md). Threads that a step or a request waits on (the saver, Redis fetches)
-keep their process's priority: a step must not wait on a thread it starved.
+engine's threads they live beside. At equal niceness a background thread that is running
+can keep its core until its time slice ends, even when the engine thread it shares the core with
+(on a CPU host, the engine core; on any host, the worker between forwards) wakes with a
+step to run. Threads that a step or a request waits on (the saver, Redis fetches) keep
+their process's priority: a step must not wait on a thread it starved. What it measured:
+docs/benchmarks-e2e.md ("one session, one scheduling group").
 
 Linux sets niceness per thread (``setpriority(PRIO_PROCESS, tid)``); raising it needs no
 privilege. Elsewhere, or where the OS refuses, nothing changes.
