@@ -37,6 +37,7 @@ def set_background_nice(nice: int) -> None:
 
 
 def background_nice() -> int:
+    """The niceness this process's background threads add when they start."""
     return _background_nice
 
 
