@@ -9,6 +9,10 @@ step to run. Threads that a step or a request waits on (the saver, Redis fetches
 their process's priority: a step must not wait on a thread it starved. What it measured:
 docs/benchmarks-e2e.md ("one session, one scheduling group").
 
+The niceness is a process-wide setting, 0 until a caller sets it: the vLLM connector sets
+its ``background_nice`` (default :data:`BACKGROUND_NICE`); the storage tiers alone (the
+daemon, the native tier, the LMCache adapter) leave their threads as they are.
+
 Linux sets niceness per thread (``setpriority(PRIO_PROCESS, tid)``); raising it needs no
 privilege. Elsewhere, or where the OS refuses, nothing changes.
 """
@@ -21,11 +25,11 @@ import threading
 
 log = logging.getLogger(__name__)
 
-#: Niceness added to a background thread's by default (0: none; 19: the most).
+#: The vLLM connector's default ``background_nice`` (0: none; 19: the most).
 BACKGROUND_NICE = 10
 MAX_NICE = 19
 
-_background_nice = BACKGROUND_NICE
+_background_nice = 0
 
 
 def set_background_nice(nice: int) -> None:
@@ -41,19 +45,14 @@ def background_nice() -> int:
     return _background_nice
 
 
-def lower_current_thread() -> int:
-    """Raise the calling thread's niceness by this process's background niceness; the
-    niceness it runs at (unchanged where the OS refuses or the setting is 0)."""
+def lower_current_thread() -> None:
+    """Raise the calling thread's niceness by this process's background niceness (nothing
+    for 0, or where the OS refuses)."""
+    if not _background_nice or not hasattr(os, "setpriority"):
+        return
     tid = threading.get_native_id()
-    if not hasattr(os, "setpriority"):
-        return 0
     try:
         current = os.getpriority(os.PRIO_PROCESS, tid)
-        if _background_nice:
-            target = min(MAX_NICE, current + _background_nice)
-            os.setpriority(os.PRIO_PROCESS, tid, target)
-            return target
-        return current
+        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, current + _background_nice))
     except OSError as exc:
         log.debug("kvtier: could not lower a background thread's priority: %s", exc)
-        return 0

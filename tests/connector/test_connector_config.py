@@ -103,6 +103,8 @@ def test_yaml_file_then_inline_override(tmp_path: Path) -> None:
     ({"redis_write_linger_ms": 5000}, "redis_write_linger_ms"),
     ({"redis_write_batch": 0}, "redis_write_batch"),
     ({"redis_write_pace_ms": -1}, "redis_write_pace_ms"),
+    ({"background_nice": 20}, "background_nice"),
+    ({"background_nice": -1}, "background_nice"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(extra: dict, needle: str) -> None:
     with pytest.raises(ConnectorConfigError) as err:

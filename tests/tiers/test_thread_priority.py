@@ -8,9 +8,12 @@ threads (``offload_tiers/thread_priority.py``); each thread's niceness is read b
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -31,10 +34,22 @@ def niceness(tid: int) -> int:
 
 
 @pytest.fixture(autouse=True)
-def restore_setting() -> Iterator[None]:
+def unset() -> Iterator[None]:
+    """Each test starts from 0 (a connector built earlier in this process may have set it)."""
     saved = thread_priority.background_nice()
+    thread_priority.set_background_nice(0)
     yield
     thread_priority.set_background_nice(saved)
+
+
+def test_a_process_starts_with_no_background_niceness() -> None:
+    """The storage tiers alone (daemon, native tier, LMCache adapter) change no thread's
+    priority; the vLLM connector sets its ``background_nice``."""
+    out = subprocess.run(
+        [sys.executable, "-c", "from offload_tiers import thread_priority as t; "
+                               "print(t.background_nice())"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2])
+    assert out.stdout.strip() == "0"
 
 
 def _writer_niceness() -> int:
@@ -58,13 +73,12 @@ def _writer_niceness() -> int:
 
 def test_the_writer_thread_runs_at_the_background_niceness() -> None:
     mine = niceness(threading.get_native_id())
-    assert thread_priority.background_nice() == thread_priority.BACKGROUND_NICE
+    thread_priority.set_background_nice(thread_priority.BACKGROUND_NICE)
     assert _writer_niceness() == min(19, mine + thread_priority.BACKGROUND_NICE)
     assert niceness(threading.get_native_id()) == mine  # the caller's own is unchanged
 
 
 def test_background_nice_zero_leaves_the_writer_at_the_callers_niceness() -> None:
-    thread_priority.set_background_nice(0)
     assert _writer_niceness() == niceness(threading.get_native_id())
 
 
@@ -86,4 +100,4 @@ def test_the_presence_feed_thread_runs_at_the_background_niceness(redis_url: str
 def test_a_niceness_outside_0_to_19_is_refused(bad: int) -> None:
     with pytest.raises(ValueError, match="0..19"):
         thread_priority.set_background_nice(bad)
-    assert thread_priority.background_nice() == thread_priority.BACKGROUND_NICE
+    assert thread_priority.background_nice() == 0  # unchanged
