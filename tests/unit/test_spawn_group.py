@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from rigs.openai_server import spawn_group
 
 
 def _autogroup(pid: int | str) -> str | None:
-    """The process's scheduling autogroup (``/autogroup-N nice 0``); None without them."""
+    """The process's scheduling autogroup: ``/autogroup-N``, or ``""`` in the root group.
+
+    A process whose session was never made by ``setsid`` since boot (a container's init
+    and its children, for one) is in the root task group, and the kernel prints nothing.
+    None where the kernel has no autogroups.
+    """
     try:
-        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+        text = Path(f"/proc/{pid}/autogroup").read_text()
     except OSError:
         return None
+    return text.split()[0] if text.strip() else ""
 
 
 def test_a_spawned_server_leads_its_own_group_in_the_callers_session() -> None:
@@ -34,3 +43,15 @@ def test_a_spawned_server_leads_its_own_group_in_the_callers_session() -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.skipif(_autogroup("self") is None, reason="the kernel has no autogroups")
+def test_a_child_in_a_session_of_its_own_gets_another_autogroup() -> None:
+    """The control: what ``spawn_group`` avoids is visible to the check above."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert os.getsid(proc.pid) == proc.pid
+        assert _autogroup(proc.pid) != _autogroup("self")
+    finally:
+        proc.kill()
+        proc.wait()
