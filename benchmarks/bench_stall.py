@@ -23,6 +23,10 @@ streaming completions (``httpx`` async). Side by side in one run:
            new host-tier daemon (``kvtier daemon --cpu-bytes``, ``host_tier_redis``: the
            daemon reads and writes Redis behind the same proxy, the worker process opens no
            Redis connection), its prefixes warmed under a prefix of its own
+  none-again, native-again  (only when named) A/A controls: a second server of ``none`` or
+           ``native``, set up alike and measured in the same rounds. Its ITL p99 over the
+           first's (JSON ``aa_controls``) is what this benchmark reads between two identical
+           servers: the yardstick for kvtier's ratio over native's
 
 The measured servers are up at once (idle ones cost nothing once their queues stop
 spinning) and take turns round by round, the order rotated per round: round ``r`` of every
@@ -106,7 +110,8 @@ run's TTFTs, vLLM alone's included) and kvtier's Redis stand-ins timed out.
 
 Usage: python -m benchmarks.bench_stall [--quick] [--json PATH] [--redis-url URL]
        [--stand-ins-nice N]
-       [--rtt-ms MS] [--configs none,native,kvtier[,kvtier-daemon]] [--rounds N]
+       [--rtt-ms MS] [--configs none,native,kvtier[,kvtier-daemon,none-again,
+       native-again]] [--rounds N]
        [--gap-s S] [--reserved-cpus N|vllm] [--log-dir DIR] [--hook-calls]
        [--kvtier-extra JSON]
 """
@@ -152,8 +157,16 @@ NATIVE_EXTRA = {
 }
 CONFIGS = ("none", "native", "kvtier")
 #: Run only when named in --configs: kvtier with Redis reached through the host-tier daemon
-#: (``host_tier_redis``: the worker process opens no Redis connection).
-OPTIONAL_CONFIGS = ("kvtier-daemon",)
+#: (``host_tier_redis``: the worker process opens no Redis connection), and the A/A
+#: controls: a second server of ``none`` or ``native``, set up alike and measured in the same
+#: rounds, whose ratio to the first is what the benchmark reads between two identical servers.
+OPTIONAL_CONFIGS = ("kvtier-daemon", "none-again", "native-again")
+AGAIN = "-again"
+
+
+def base_config(config: str) -> str:
+    """The config an A/A control repeats (``native-again``: ``native``); else itself."""
+    return config.removesuffix(AGAIN)
 HOST_SLOT_BYTES = 1 << 20
 #: Niceness of the latency proxy and the private redis-server: they stand in for a network
 #: and a Redis host, which on a deployment take none of the engine host's cores.
@@ -663,7 +676,7 @@ def _timed(ktc: dict[str, Any], config: str, log_dir: Path, env: dict[str, str |
     times = log_dir / f"hooks-{config}"
     times.mkdir(parents=True, exist_ok=True)
     timed = {**ktc, "kv_connector_module_path": "benchmarks.peers.timed_connector",
-             "kv_connector": ("TimedNativeConnector" if config == "native"
+             "kv_connector": ("TimedNativeConnector" if base_config(config) == "native"
                               else "TimedTieredConnector")}
     return timed, {**env, "KVTIER_HOOK_TIMES_DIR": str(times), "KVTIER_HOOK_CALLS": "1"}
 
@@ -697,7 +710,7 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                 runs[config]["redis_keys_after_warm"] = _warm_kvtier_redis(
                     model_dir, log_dir, shape, env, s, redis_url)
         for config in configs:
-            ktc = {"none": None, "native": _native_config()}.get(config)
+            ktc = {"none": None, "native": _native_config()}.get(base_config(config))
             if config == "kvtier":
                 say("kvtier: a new server process; " + (
                     f"Redis behind the proxy (+{rtt_s * 1e3:.1f} ms per round trip)"
@@ -752,7 +765,7 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                 k: after[k] - before[config].get(k, 0.0) for k in after
                 if after[k] - before[config].get(k, 0.0)}
             runs[config]["load_after"] = load_1m()
-            if hook_calls and config != "none":
+            if hook_calls and base_config(config) != "none":
                 runs[config]["hook_steps"] = hook_steps.summarize(
                     log_dir / f"hooks-{config}",
                     [tuple(r["window_epoch"]) for r in runs[config]["rounds"]])
@@ -901,6 +914,23 @@ def itl_aims(summary: dict[str, dict[str, Any]], config: str = "kvtier") -> dict
     return out
 
 
+def aa_controls(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each A/A control's ITL p99 over the config it repeats, pooled and round by round:
+    two identical servers, so any distance from 1 is the benchmark's own noise, the yardstick
+    for reading kvtier over native's."""
+    out: dict[str, dict[str, Any]] = {}
+    for config in summary:
+        base = base_config(config)
+        if base == config or base not in summary:
+            continue
+        rr = round_ratios(summary, config, base)["itl_p99_vs_no_connector"]
+        out[config] = {"against": base,
+                       "pooled": summary[config]["itl_p99_ms"] / summary[base]["itl_p99_ms"],
+                       "median_of_rounds": rr["median"], "per_round": rr["per_round"],
+                       "min": rr["min"], "max": rr["max"]}
+    return out
+
+
 def engine_step_ratios(summary: dict[str, dict[str, Any]], config: str,
                        against: str = "native") -> dict[str, dict[str, float]]:
     """``config``'s engine steps over ``against``'s, kind by kind (``hook_steps``: steps
@@ -1009,6 +1039,7 @@ def main(argv: list[str]) -> int:
     by_round = {c: round_ratios(summary, c) for c in summary if c != "none"}
     aims = itl_aims(summary)
     aims_daemon = itl_aims(summary, "kvtier-daemon") if "kvtier-daemon" in summary else None
+    controls = aa_controls(summary)
 
     budget = shape.max_num_batched_tokens or "vLLM's default"
     print(f"\nbench_stall — vLLM 0.32 CPU OpenAI server, tiny Llama, token budget {budget} "
@@ -1064,10 +1095,17 @@ def main(argv: list[str]) -> int:
             if name != "valid":
                 print(f"  {name:<26} {a['pooled']:.2f}; {a['median_of_rounds']:.2f}; "
                       f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}")
+    if controls:
+        print("A/A controls: a second identical server's ITL p99 over the first's "
+              "(pooled; median of rounds [min-max])")
+    for config, a in controls.items():
+        print(f"  {config:<13} over {a['against']:<8} {a['pooled']:.2f}; "
+              f"{a['median_of_rounds']:.2f} [{a['min']:.2f}-{a['max']:.2f}]")
     print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
     if args.json_path:
         out = {"ratios": ratios, "itl_aims": aims,
                **({"itl_aims_daemon": aims_daemon} if aims_daemon is not None else {}),
+               **({"aa_controls": controls} if controls else {}),
                "connectors": {c: {"ratios": per.get(c), "round_ratios": by_round.get(c),
                                   "summary": summary[c]} for c in summary},
                "shape": asdict(shape), "rtt_ms": args.rtt_ms, "server_env": env,

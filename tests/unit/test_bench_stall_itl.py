@@ -10,6 +10,8 @@ import pytest
 from benchmarks.bench_stall import (
     ITL_BUCKETS_S,
     _per_bucket,
+    aa_controls,
+    base_config,
     engine_step_ratios,
     hist_percentile,
     itl_aims,
@@ -118,3 +120,20 @@ def test_engine_steps_are_compared_kind_by_kind_and_any_kvtier_config_is_judged(
                                          "met": False}
     assert aims["itl_p99_vs_no_connector"]["pooled"] == 1.5
     assert aims["itl_p99_vs_no_connector"]["met"] is False  # 1.5 > 1.2
+
+
+def test_an_aa_control_is_read_against_the_config_it_repeats() -> None:
+    summary = {"none": _config([4.0, 8.0, 4.0]), "none-again": _config([5.0, 8.0, 2.0]),
+               "native": _config([4.0, 4.0, 4.0]), "native-again": _config([4.0, 4.4, 3.6]),
+               "kvtier": _config([4.0, 4.0, 4.0])}
+    controls = aa_controls(summary)
+    assert set(controls) == {"none-again", "native-again"}
+    assert controls["none-again"] == {"against": "none", "pooled": 1.0,
+                                      "median_of_rounds": 1.0, "per_round": [1.25, 1.0, 0.5],
+                                      "min": 0.5, "max": 1.25}
+    assert controls["native-again"]["against"] == "native"
+    assert controls["native-again"]["pooled"] == pytest.approx(1.1)
+    assert controls["native-again"]["per_round"] == pytest.approx([1.0, 1.1, 0.9])
+    assert aa_controls({"native-again": _config([1.0])}) == {}  # nothing it repeats
+    assert base_config("native-again") == "native"
+    assert base_config("kvtier-daemon") == "kvtier-daemon"
