@@ -356,6 +356,38 @@ def stall_runs(*runs: dict[str, Any]) -> str:
     return "\n".join(lines) + f"\n\n({stamps})\n"
 
 
+def stall_aa(*runs: dict[str, Any]) -> str:
+    """Runs with A/A controls: kvtier's ITL p99 over native's beside two identical servers'
+    (``native-again`` over ``native``, ``none-again`` over ``none``), pooled / median of
+    rounds [rounds' range], and whether kvtier's pooled distance from native's is within
+    the larger A/A distance of the same run."""
+    lines = ["", "| run | kvtier over native | native-again over native | none-again over none "
+             "| kvtier over vLLM alone | kvtier within the run's A/A distance (pooled) |",
+             "|---|---|---|---|---|---|"]
+    for n, d in enumerate(runs, 1):
+        a, aa = d["itl_aims"], d["aa_controls"]
+        vs_native = a["itl_p99_vs_native"]
+        kv_rr = d["connectors"]["kvtier"]["round_ratios"]["itl_p99_vs_no_connector"]
+        per_native = [k / v for k, v in zip(
+            d["connectors"]["kvtier"]["summary"]["itl_p99_ms_per_round"],
+            d["connectors"]["native"]["summary"]["itl_p99_ms_per_round"], strict=True)]
+        distance = max(abs(c["pooled"] - 1.0) for c in aa.values())
+        inside = abs(vs_native["pooled"] - 1.0) <= distance
+        cells = [f"{vs_native['pooled']:.2f} / {vs_native['median_of_rounds']:.2f} "
+                 f"[{min(per_native):.2f}–{max(per_native):.2f}]"]
+        cells += [f"{c['pooled']:.2f} / {c['median_of_rounds']:.2f} "
+                  f"[{c['min']:.2f}–{c['max']:.2f}]" if c else "not run"
+                  for c in (aa.get("native-again"), aa.get("none-again"))]
+        cells.append(f"{a['itl_p99_vs_no_connector']['pooled']:.2f} / "
+                     f"{kv_rr['median']:.2f} [{kv_rr['min']:.2f}–{kv_rr['max']:.2f}]")
+        cells.append(f"{'yes' if inside else 'no'} ({abs(vs_native['pooled'] - 1) * 100:.1f} "
+                     f"vs {distance * 100:.1f} points)"
+                     + ("" if a["valid"] else "; not judged: a request failed"))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    stamps = when_runs(*((f"run {n}", d) for n, d in enumerate(runs, 1)))
+    return "\n".join(lines) + f"\n\n(ITL p99 ratios, pooled / median of rounds [range]; {stamps})\n"
+
+
 def stall_steps(d: dict[str, Any]) -> str:
     """Per config, its worker steps in the windows (``--hook-calls``): the slowest 1 %
     split into hooks, forward and the forward's time off the CPU; the scheduler's hooks."""
@@ -745,6 +777,8 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
                           "stall_nice0_run3.json"), stall_runs),
     "stall-runs-setsid": (("stall_setsid_run1.json", "stall_setsid_run2.json",
                            "stall_setsid_run3.json"), stall_runs),
+    "stall-aa": (("stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
+                 stall_aa),
     "stall-steps": (("stall_hooks.json",), stall_steps),
     "stall-kinds": (("stall_kinds.json",), stall_kinds),
     "stall-ttft-itl": (("stall_nice0_run1.json", "stall_nice0_run2.json",
