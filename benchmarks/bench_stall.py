@@ -65,7 +65,9 @@ restoring TTFT p50): their median and range (JSON ``connectors.<name>.round_rati
 how far one run's pooled ratio can be trusted. ``itl_aims`` (JSON and the last lines):
 kvtier's ITL p99 over native's and over vLLM alone's, pooled and as the median of per-round
 ratios, against the aims (<= 1.0 and <= 1.2); a run where any config had an error or a
-round without a decoding stream at its end judges nothing (``valid`` false).
+round without a decoding stream at its end judges nothing (``valid`` false). Each aim's
+``paired``, and each A/A control's: the geometric mean of the per-round ratios and its 95 %
+interval (``benchmarks/paired.py``), what this many rounds resolve.
 
 Where the CPU went: around every round the client reads every thread's run time on the
 machine (``/proc/PID/task/TID/schedstat``) and splits the round's CPU-seconds by role (JSON
@@ -136,6 +138,7 @@ import httpx
 from benchmarks import hook_steps
 from benchmarks.e2e_engine import KV_CACHE_BYTES, SMALL_KV_ENV, wait_for_memory
 from benchmarks.harness import load_1m, say, write_result
+from benchmarks.paired import paired_ratio
 from connector.demo.cli import delete_redis_prefix
 from connector.demo.host_daemon import DemoHostTier
 from connector.demo.presets import kvtier_transfer_config
@@ -910,7 +913,9 @@ def itl_aims(summary: dict[str, dict[str, Any]], config: str = "kvtier") -> dict
         pooled = mine["itl_p99_ms"] / summary[ref]["itl_p99_ms"]
         median = round_ratios(summary, config, ref)["itl_p99_vs_no_connector"]["median"]
         out[name] = {"pooled": pooled, "median_of_rounds": median, "bound": bound,
-                     "met": valid and pooled <= bound and median <= bound}
+                     "met": valid and pooled <= bound and median <= bound,
+                     "paired": paired_ratio(mine["itl_p99_ms_per_round"],
+                                            summary[ref]["itl_p99_ms_per_round"])}
     return out
 
 
@@ -927,7 +932,9 @@ def aa_controls(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
         out[config] = {"against": base,
                        "pooled": summary[config]["itl_p99_ms"] / summary[base]["itl_p99_ms"],
                        "median_of_rounds": rr["median"], "per_round": rr["per_round"],
-                       "min": rr["min"], "max": rr["max"]}
+                       "min": rr["min"], "max": rr["max"],
+                       "paired": paired_ratio(summary[config]["itl_p99_ms_per_round"],
+                                              summary[base]["itl_p99_ms_per_round"])}
     return out
 
 
@@ -944,6 +951,15 @@ def engine_step_ratios(summary: dict[str, dict[str, Any]], config: str,
             out[kind] = {"p50": m["p50"] / r["p50"], "p99": m["p99"] / r["p99"],
                          "steps": m["steps"], f"{against}_steps": r["steps"]}
     return out
+
+
+def _paired_text(p: dict[str, Any]) -> str:
+    """A paired ratio as printed: geometric mean [95 % interval] (rounds)."""
+    lo, hi = p["ci95"]
+    if p["geo_mean"] is None:
+        return "n/a"
+    ci = f" [{lo:.2f}-{hi:.2f}]" if lo is not None else ""
+    return f"{p['geo_mean']:.2f}{ci} ({p['rounds']} rounds)"
 
 
 def render(summary: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> str:
@@ -1094,13 +1110,15 @@ def main(argv: list[str]) -> int:
         for name, a in judged.items():
             if name != "valid":
                 print(f"  {name:<26} {a['pooled']:.2f}; {a['median_of_rounds']:.2f}; "
-                      f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}")
+                      f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}; "
+                      f"paired over rounds {_paired_text(a['paired'])}")
     if controls:
         print("A/A controls: a second identical server's ITL p99 over the first's "
               "(pooled; median of rounds [min-max])")
     for config, a in controls.items():
         print(f"  {config:<13} over {a['against']:<8} {a['pooled']:.2f}; "
-              f"{a['median_of_rounds']:.2f} [{a['min']:.2f}-{a['max']:.2f}]")
+              f"{a['median_of_rounds']:.2f} [{a['min']:.2f}-{a['max']:.2f}]; paired over "
+              f"rounds {_paired_text(a['paired'])}")
     print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
     if args.json_path:
         out = {"ratios": ratios, "itl_aims": aims,

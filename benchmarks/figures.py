@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.paired import paired_ratio
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 DOCUMENTS = ("README.md", "docs/benchmarks.md", "docs/connector.md", "docs/daemon.md",
@@ -386,6 +388,30 @@ def stall_aa(*runs: dict[str, Any]) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     stamps = when_runs(*((f"run {n}", d) for n, d in enumerate(runs, 1)))
     return "\n".join(lines) + f"\n\n(ITL p99 ratios, pooled / median of rounds [range]; {stamps})\n"
+
+
+#: Pairs of bench_stall configs read round by round (config, over this one).
+STALL_PAIRS = (("kvtier", "native"), ("kvtier", "none"), ("native", "none"),
+               ("native-again", "native"), ("none-again", "none"))
+
+
+def stall_paired(*runs: dict[str, Any]) -> str:
+    """Every round of ``runs`` pooled, for each pair of configs they all ran: the geometric
+    mean of the per-round ITL p99 ratios and its 95 % interval (``benchmarks/paired.py``)."""
+    parts = []
+    for mine, ref in STALL_PAIRS:
+        if not all(mine in d["connectors"] and ref in d["connectors"] for d in runs):
+            continue
+        p = paired_ratio(
+            [v for d in runs for v in d["connectors"][mine]["summary"]["itl_p99_ms_per_round"]],
+            [v for d in runs for v in d["connectors"][ref]["summary"]["itl_p99_ms_per_round"]])
+        lo, hi = p["ci95"]
+        parts.append(f"{mine} over {ref} {p['geo_mean']:.2f}× [{lo:.2f}–{hi:.2f}]")
+    rounds = sum(len(d["connectors"]["kvtier"]["summary"]["itl_p99_ms_per_round"])
+                 for d in runs)
+    stamps = when_runs(*((f"run {n}", d) for n, d in enumerate(runs, 1)))
+    return (f"ITL p99, geometric mean of the per-round ratios [95 % interval], {rounds} rounds "
+            f"of {len(runs)} runs: " + "; ".join(parts) + f" ({stamps})")
 
 
 def stall_steps(d: dict[str, Any]) -> str:
@@ -779,6 +805,11 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
                            "stall_setsid_run3.json"), stall_runs),
     "stall-aa": (("stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
                  stall_aa),
+    "stall-paired": (("stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
+                     stall_paired),
+    "stall-paired-six": (("stall_run1.json", "stall_run2.json", "stall.json",
+                          "stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
+                         stall_paired),
     "stall-steps": (("stall_hooks.json",), stall_steps),
     "stall-kinds": (("stall_kinds.json",), stall_kinds),
     "stall-ttft-itl": (("stall_nice0_run1.json", "stall_nice0_run2.json",

@@ -116,8 +116,12 @@ def test_engine_steps_are_compared_kind_by_kind_and_any_kvtier_config_is_judged(
     assert engine_step_ratios(summary, "kvtier") == {}
     aims = itl_aims(summary, "kvtier-daemon")
     assert aims["valid"]
+    paired = aims["itl_p99_vs_native"].pop("paired")
     assert aims["itl_p99_vs_native"] == {"pooled": 1.2, "median_of_rounds": 1.0, "bound": 1.0,
                                          "met": False}
+    assert paired["rounds"] == 3  # per-round ratios 0.8, 1.0, 1.2
+    assert paired["geo_mean"] == pytest.approx((0.8 * 1.0 * 1.2) ** (1 / 3))
+    assert paired["ci95"][0] < 1.0 < paired["ci95"][1]
     assert aims["itl_p99_vs_no_connector"]["pooled"] == 1.5
     assert aims["itl_p99_vs_no_connector"]["met"] is False  # 1.5 > 1.2
 
@@ -128,6 +132,8 @@ def test_an_aa_control_is_read_against_the_config_it_repeats() -> None:
                "kvtier": _config([4.0, 4.0, 4.0])}
     controls = aa_controls(summary)
     assert set(controls) == {"none-again", "native-again"}
+    assert controls["none-again"].pop("paired")["geo_mean"] == pytest.approx(
+        (1.25 * 1.0 * 0.5) ** (1 / 3))
     assert controls["none-again"] == {"against": "none", "pooled": 1.0,
                                       "median_of_rounds": 1.0, "per_round": [1.25, 1.0, 0.5],
                                       "min": 0.5, "max": 1.25}
