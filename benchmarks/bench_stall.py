@@ -60,14 +60,16 @@ is one step ~10x a decode step, prefill steps are about 1 % of the window's ITL 
 the p99 falls between the two modes: one config's per-round p99 ranged 8-102 ms in one
 run of 2026-12-04. ``--max-num-batched-tokens 0`` runs vLLM's default.
 
-Each round also gives its own ratios against vLLM alone's same round (ITL p99, storing and
-restoring TTFT p50): their median and range (JSON ``connectors.<name>.round_ratios``) say
-how far one run's pooled ratio can be trusted. ``itl_aims`` (JSON and the last lines):
-kvtier's ITL p99 over native's and over vLLM alone's, pooled and as the median of per-round
-ratios, against the aims (<= 1.0 and <= 1.2); a run where any config had an error or a
-round without a decoding stream at its end judges nothing (``valid`` false). Each aim's
-``paired``, and each A/A control's: the geometric mean of the per-round ratios and its 95 %
-interval (``benchmarks/paired.py``), what this many rounds resolve.
+Each round also gives its own ratios against vLLM alone's same round (ITL p99 and p50,
+storing and restoring TTFT p50): their median and range (JSON
+``connectors.<name>.round_ratios``) say how far one run's pooled ratio can be trusted.
+``itl_aims`` (JSON and the last lines): kvtier's ITL p99 over native's and over vLLM
+alone's, pooled and as the median of per-round ratios, against the aims (<= 1.0 and <=
+1.2); a run where any config had an error or a round without a decoding stream at its end
+judges nothing (``valid`` false). Each aim's ``paired``, and each A/A control's: the
+geometric mean of the per-round ITL p99 ratios and its 95 % interval
+(``benchmarks/paired.py``), what this many rounds resolve; ``p50_paired`` the same of the
+ITL p50.
 
 Where the CPU went: around every round the client reads every thread's run time on the
 machine (``/proc/PID/task/TID/schedstat``) and splits the round's CPU-seconds by role (JSON
@@ -820,6 +822,7 @@ def summarize(run: dict[str, Any], shape: Shape) -> dict[str, Any]:
         "itl_p99_ms": 1e3 * hist_percentile(engine, 99),
         "itl_samples": sum(engine),
         "itl_p99_ms_per_round": [1e3 * hist_percentile(r["itl_engine"], 99) for r in rounds],
+        "itl_p50_ms_per_round": [1e3 * hist_percentile(r["itl_engine"], 50) for r in rounds],
         "store_ttft_p50_ms_per_round": [1e3 * _pct(r["store_ttft"], 50) for r in rounds],
         "restore_ttft_p50_ms_per_round": [1e3 * _pct(r["restore_ttft"], 50) for r in rounds],
         "client_itl_p50_ms": 1e3 * _pct(itl, 50), "client_itl_p99_ms": 1e3 * _pct(itl, 99),
@@ -872,6 +875,7 @@ def ratios_for(summary: dict[str, dict[str, Any]], config: str) -> dict[str, flo
 
 #: Ratios also taken round by round (name, per-round summary key).
 ROUND_RATIO_KEYS = (("itl_p99_vs_no_connector", "itl_p99_ms_per_round"),
+                    ("itl_p50_vs_no_connector", "itl_p50_ms_per_round"),
                     ("store_ttft_p50_vs_no_connector", "store_ttft_p50_ms_per_round"),
                     ("restore_ttft_p50_vs_no_connector", "restore_ttft_p50_ms_per_round"))
 
@@ -886,6 +890,8 @@ def round_ratios(summary: dict[str, dict[str, Any]], config: str,
     if ref is None or mine is None:
         return out
     for name, key in ROUND_RATIO_KEYS:
+        if key not in mine or key not in ref:  # a run from before the key was recorded
+            continue
         per = [m / r for m, r in zip(mine[key], ref[key], strict=True) if r and r == r]
         if per:
             out[name] = {"per_round": per, "median": statistics.median(per),
@@ -915,7 +921,9 @@ def itl_aims(summary: dict[str, dict[str, Any]], config: str = "kvtier") -> dict
         out[name] = {"pooled": pooled, "median_of_rounds": median, "bound": bound,
                      "met": valid and pooled <= bound and median <= bound,
                      "paired": paired_ratio(mine["itl_p99_ms_per_round"],
-                                            summary[ref]["itl_p99_ms_per_round"])}
+                                            summary[ref]["itl_p99_ms_per_round"]),
+                     "p50_paired": paired_ratio(mine.get("itl_p50_ms_per_round", []),
+                                                summary[ref].get("itl_p50_ms_per_round", []))}
     return out
 
 
@@ -934,7 +942,10 @@ def aa_controls(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
                        "median_of_rounds": rr["median"], "per_round": rr["per_round"],
                        "min": rr["min"], "max": rr["max"],
                        "paired": paired_ratio(summary[config]["itl_p99_ms_per_round"],
-                                              summary[base]["itl_p99_ms_per_round"])}
+                                              summary[base]["itl_p99_ms_per_round"]),
+                       "p50_paired": paired_ratio(
+                           summary[config].get("itl_p50_ms_per_round", []),
+                           summary[base].get("itl_p50_ms_per_round", []))}
     return out
 
 
@@ -1111,14 +1122,16 @@ def main(argv: list[str]) -> int:
             if name != "valid":
                 print(f"  {name:<26} {a['pooled']:.2f}; {a['median_of_rounds']:.2f}; "
                       f"<= {a['bound']:g}: {'met' if a['met'] else 'not met'}; "
-                      f"paired over rounds {_paired_text(a['paired'])}")
+                      f"paired over rounds {_paired_text(a['paired'])}; its ITL p50, paired "
+                      f"{_paired_text(a['p50_paired'])}")
     if controls:
         print("A/A controls: a second identical server's ITL p99 over the first's "
               "(pooled; median of rounds [min-max])")
     for config, a in controls.items():
         print(f"  {config:<13} over {a['against']:<8} {a['pooled']:.2f}; "
               f"{a['median_of_rounds']:.2f} [{a['min']:.2f}-{a['max']:.2f}]; paired over "
-              f"rounds {_paired_text(a['paired'])}")
+              f"rounds {_paired_text(a['paired'])}; ITL p50 paired "
+              f"{_paired_text(a['p50_paired'])}")
     print(f"total {time.monotonic() - t0:.0f} s; server logs in {log_dir}")
     if args.json_path:
         out = {"ratios": ratios, "itl_aims": aims,

@@ -117,6 +117,9 @@ def test_engine_steps_are_compared_kind_by_kind_and_any_kvtier_config_is_judged(
     aims = itl_aims(summary, "kvtier-daemon")
     assert aims["valid"]
     paired = aims["itl_p99_vs_native"].pop("paired")
+    # runs recorded before per-round p50s have none to pair
+    assert aims["itl_p99_vs_native"].pop("p50_paired") == {"rounds": 0, "geo_mean": None,
+                                                           "ci95": [None, None]}
     assert aims["itl_p99_vs_native"] == {"pooled": 1.2, "median_of_rounds": 1.0, "bound": 1.0,
                                          "met": False}
     assert paired["rounds"] == 3  # per-round ratios 0.8, 1.0, 1.2
@@ -130,8 +133,14 @@ def test_an_aa_control_is_read_against_the_config_it_repeats() -> None:
     summary = {"none": _config([4.0, 8.0, 4.0]), "none-again": _config([5.0, 8.0, 2.0]),
                "native": _config([4.0, 4.0, 4.0]), "native-again": _config([4.0, 4.4, 3.6]),
                "kvtier": _config([4.0, 4.0, 4.0])}
+    summary["native"]["itl_p50_ms_per_round"] = [2.0, 2.0, 2.0]
+    summary["native-again"]["itl_p50_ms_per_round"] = [2.2, 2.2, 2.2]
     controls = aa_controls(summary)
     assert set(controls) == {"none-again", "native-again"}
+    assert controls["native-again"].pop("p50_paired")["geo_mean"] == pytest.approx(1.1)
+    assert controls["none-again"].pop("p50_paired")["rounds"] == 0
+    assert round_ratios(summary, "native-again", "native")["itl_p50_vs_no_connector"][
+        "per_round"] == pytest.approx([1.1, 1.1, 1.1])
     assert controls["none-again"].pop("paired")["geo_mean"] == pytest.approx(
         (1.25 * 1.0 * 0.5) ** (1 / 3))
     assert controls["none-again"] == {"against": "none", "pooled": 1.0,
