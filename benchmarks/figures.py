@@ -414,6 +414,21 @@ def stall_paired(*runs: dict[str, Any]) -> str:
             f"of {len(runs)} runs: " + "; ".join(parts) + f" ({stamps})")
 
 
+def stall_p50(d: dict[str, Any]) -> str:
+    """One run's ITL p50 paired over its rounds (``p50_paired``): kvtier over native and
+    over vLLM alone, and each A/A control over the server it repeats."""
+    pairs = [("kvtier over native", d["itl_aims"]["itl_p99_vs_native"]["p50_paired"]),
+             ("kvtier over vLLM alone", d["itl_aims"]["itl_p99_vs_no_connector"]["p50_paired"])]
+    pairs += [(f"{c} over {a['against']}", a["p50_paired"])
+              for c, a in d.get("aa_controls", {}).items()]
+    parts = [f"{label} {p['geo_mean']:.2f}× [{p['ci95'][0]:.2f}–{p['ci95'][1]:.2f}]"
+             for label, p in pairs]
+    rounds = pairs[0][1]["rounds"]
+    return (f"ITL p50, geometric mean of the per-round ratios [95 % interval], {rounds} "
+            f"rounds: " + "; ".join(parts) + f" (commit "
+            f"{_short_commit(d['_measured']['commit'])}, {when(d)})")
+
+
 def stall_steps(d: dict[str, Any]) -> str:
     """Per config, its worker steps in the windows (``--hook-calls``): the slowest 1 %
     split into hooks, forward and the forward's time off the CPU; the scheduler's hooks."""
@@ -807,9 +822,10 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
                  stall_aa),
     "stall-paired": (("stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
                      stall_paired),
-    "stall-aa-long": (("stall_aa_long.json",), stall_aa),
+    "stall-aa-long": (("stall_aa_long.json", "stall_aa_long2.json"), stall_aa),
     "stall-paired-aa": (("stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json",
-                         "stall_aa_long.json"), stall_paired),
+                         "stall_aa_long.json", "stall_aa_long2.json"), stall_paired),
+    "stall-p50": (("stall_aa_long2.json",), stall_p50),
     "stall-paired-six": (("stall_run1.json", "stall_run2.json", "stall.json",
                           "stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
                          stall_paired),
