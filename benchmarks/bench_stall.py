@@ -23,6 +23,9 @@ streaming completions (``httpx`` async). Side by side in one run:
            new host-tier daemon (``kvtier daemon --cpu-bytes``, ``host_tier_redis``: the
            daemon reads and writes Redis behind the same proxy, the worker process opens no
            Redis connection), its prefixes warmed under a prefix of its own
+  kvtier-local  (only when named) kvtier as ``kvtier`` (Redis behind the proxy), its
+           prefixes warmed in the measured server and vLLM's prefix cache reset, as for
+           native: its CPU tier serves the restores, the workload native gets
   none-again, native-again  (only when named) A/A controls: a second server of ``none`` or
            ``native``, set up alike and measured in the same rounds. Its ITL p99 over the
            first's (JSON ``aa_controls``) is what this benchmark reads between two identical
@@ -114,8 +117,8 @@ run's TTFTs, vLLM alone's included) and kvtier's Redis stand-ins timed out.
 
 Usage: python -m benchmarks.bench_stall [--quick] [--json PATH] [--redis-url URL]
        [--stand-ins-nice N]
-       [--rtt-ms MS] [--configs none,native,kvtier[,kvtier-daemon,none-again,
-       native-again]] [--rounds N]
+       [--rtt-ms MS] [--configs none,native,kvtier[,kvtier-daemon,kvtier-local,
+       none-again,native-again]] [--rounds N]
        [--gap-s S] [--reserved-cpus N|vllm] [--log-dir DIR] [--hook-calls]
        [--kvtier-extra JSON]
 """
@@ -165,8 +168,14 @@ CONFIGS = ("none", "native", "kvtier")
 #: (``host_tier_redis``: the worker process opens no Redis connection), and the A/A
 #: controls: a second server of ``none`` or ``native``, set up alike and measured in the same
 #: rounds, whose ratio to the first is what the benchmark reads between two identical servers.
-OPTIONAL_CONFIGS = ("kvtier-daemon", "none-again", "native-again")
+OPTIONAL_CONFIGS = ("kvtier-daemon", "kvtier-local", "none-again", "native-again")
 AGAIN = "-again"
+
+
+def warms_in_place(config: str) -> bool:
+    """Whether the measured server warms its own prefixes and resets vLLM's prefix cache
+    (its connector's CPU tier then serves them), rather than restore them from Redis."""
+    return config == "kvtier-local" or not config.startswith("kvtier")
 
 
 def base_config(config: str) -> str:
@@ -706,9 +715,10 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
     settings = {"cpu_bytes": CPU_BYTES, "redis_prefix": prefix, "redis_timeout_s": 5.0,
                 **(kvtier_extra or {})}
     daemon_settings = {**settings, "redis_prefix": f"{prefix}-d"}
+    local_settings = {**settings, "redis_prefix": f"{prefix}-l"}
     daemon: DemoHostTier | None = None
     try:
-        if "kvtier" in configs or "kvtier-daemon" in configs:
+        if any(c.startswith("kvtier") for c in configs):
             proxy = Proxy(redis_url, rtt_s, stand_ins_nice) if rtt_s > 0 else None
         for config, s in (("kvtier", settings), ("kvtier-daemon", daemon_settings)):
             if config in configs:
@@ -722,6 +732,11 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
                     if proxy is not None else "Redis direct (--rtt-ms 0: no proxy)"), tag="stall")
                 ktc = kvtier_transfer_config(
                     {**settings, "redis_url": proxy.url if proxy is not None else redis_url})
+            if config == "kvtier-local":
+                say("kvtier-local: Redis behind the proxy as for kvtier; its prefixes warmed "
+                    "in this server, then POST /reset_prefix_cache", tag="stall")
+                ktc = kvtier_transfer_config(
+                    {**local_settings, "redis_url": proxy.url if proxy is not None else redis_url})
             if config == "kvtier-daemon":
                 daemon = _start_daemon(daemon_settings["redis_prefix"],
                                        proxy.url if proxy is not None else redis_url)
@@ -735,7 +750,7 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
             if hook_calls and ktc is not None:
                 ktc, config_env = _timed(ktc, config, log_dir, env)
             servers[config] = _server(model_dir, log_dir, config, shape, ktc, config_env)
-            if not config.startswith("kvtier"):
+            if warms_in_place(config):
                 warm = _warm_prompts(shape)
                 say(f"{config}: warming {len(warm)} prefixes, then POST /reset_prefix_cache",
                     tag="stall")
@@ -783,6 +798,7 @@ def run_all(configs: list[str], model_dir: Path, shape: Shape, log_dir: Path,
             proxy.stop()
             delete_redis_prefix(redis_url, prefix)
             delete_redis_prefix(redis_url, daemon_settings["redis_prefix"])
+            delete_redis_prefix(redis_url, local_settings["redis_prefix"])
     return runs
 
 
@@ -1066,6 +1082,7 @@ def main(argv: list[str]) -> int:
     by_round = {c: round_ratios(summary, c) for c in summary if c != "none"}
     aims = itl_aims(summary)
     aims_daemon = itl_aims(summary, "kvtier-daemon") if "kvtier-daemon" in summary else None
+    aims_local = itl_aims(summary, "kvtier-local") if "kvtier-local" in summary else None
     controls = aa_controls(summary)
 
     budget = shape.max_num_batched_tokens or "vLLM's default"
@@ -1080,7 +1097,7 @@ def main(argv: list[str]) -> int:
         if s["errors"] or s["truncated_rounds"]:
             print(f"  {config}: errors {s['errors'][:3]}, truncated rounds "
                   f"{s['truncated_rounds']}")
-    for config in (c for c in ("kvtier", "kvtier-daemon") if c in runs):
+    for config in (c for c in ("kvtier", "kvtier-daemon", "kvtier-local") if c in runs):
         c = runs[config]["kvtier_counters"]
         print(f"{config} counters over the measured rounds: " + ", ".join(
             f"{k.removeprefix('vllm:kvtier_')}={v:g}" for k, v in sorted(c.items())
@@ -1112,7 +1129,8 @@ def main(argv: list[str]) -> int:
     for config, rr in by_round.items():
         for key, r in rr.items():
             print(f"  {config:<13} {key:<34} {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]")
-    for config, judged in (("kvtier", aims), ("kvtier-daemon", aims_daemon)):
+    for config, judged in (("kvtier", aims), ("kvtier-daemon", aims_daemon),
+                           ("kvtier-local", aims_local)):
         if judged is None:
             continue
         print(f"{config}'s ITL p99 against its aims (pooled; median of rounds; bound):"
@@ -1136,6 +1154,7 @@ def main(argv: list[str]) -> int:
     if args.json_path:
         out = {"ratios": ratios, "itl_aims": aims,
                **({"itl_aims_daemon": aims_daemon} if aims_daemon is not None else {}),
+               **({"itl_aims_local": aims_local} if aims_local is not None else {}),
                **({"aa_controls": controls} if controls else {}),
                "connectors": {c: {"ratios": per.get(c), "round_ratios": by_round.get(c),
                                   "summary": summary[c]} for c in summary},
@@ -1151,6 +1170,8 @@ def main(argv: list[str]) -> int:
                                          if c.startswith("kvtier")}
         if "kvtier-daemon" in runs:
             out["kvtier_daemon_counters"] = runs["kvtier-daemon"]["kvtier_counters"]
+        if "kvtier-local" in runs:
+            out["kvtier_local_counters"] = runs["kvtier-local"]["kvtier_counters"]
         if args.json_runs:  # every token's arrival time: large
             out["runs"] = runs
         write_result(args.json_path, out)

@@ -18,6 +18,7 @@ from benchmarks.bench_stall import (
     itl_bucket_args,
     itl_histogram,
     round_ratios,
+    warms_in_place,
 )
 
 
@@ -152,3 +153,9 @@ def test_an_aa_control_is_read_against_the_config_it_repeats() -> None:
     assert aa_controls({"native-again": _config([1.0])}) == {}  # nothing it repeats
     assert base_config("native-again") == "native"
     assert base_config("kvtier-daemon") == "kvtier-daemon"
+
+
+def test_only_the_redis_restoring_kvtier_configs_skip_the_warm_in_place() -> None:
+    assert [c for c in ("none", "native", "kvtier", "kvtier-daemon", "kvtier-local",
+                        "none-again", "native-again") if warms_in_place(c)] == [
+        "none", "native", "kvtier-local", "none-again", "native-again"]
