@@ -429,6 +429,26 @@ def stall_p50(d: dict[str, Any]) -> str:
             f"{_short_commit(d['_measured']['commit'])}, {when(d)})")
 
 
+def stall_local(d: dict[str, Any]) -> str:
+    """A run with ``kvtier-local`` (kvtier's CPU tier serves the restores, native's workload)
+    beside ``kvtier`` (from Redis) and an A/A control: each over native, ITL p99 and p50
+    paired over the rounds, and each config's restoring TTFT p50 over vLLM alone's."""
+    def both(label: str, p99: dict[str, Any], p50: dict[str, Any]) -> str:
+        return (f"{label} p99 {p99['geo_mean']:.2f}× [{p99['ci95'][0]:.2f}–"
+                f"{p99['ci95'][1]:.2f}], p50 {p50['geo_mean']:.2f}× [{p50['ci95'][0]:.2f}–"
+                f"{p50['ci95'][1]:.2f}]")
+    parts = [both(label, a["paired"], a["p50_paired"]) for label, a in (
+        ("kvtier-local", d["itl_aims_local"]["itl_p99_vs_native"]),
+        ("kvtier", d["itl_aims"]["itl_p99_vs_native"]))]
+    parts += [both(c, a["paired"], a["p50_paired"]) for c, a in d["aa_controls"].items()]
+    ttft = ", ".join(f"{c} {x(v['ratios']['restore_ttft_p50_vs_no_connector'])}"
+                     for c, v in d["connectors"].items() if v.get("ratios"))
+    rounds = d["itl_aims"]["itl_p99_vs_native"]["paired"]["rounds"]
+    return (f"ITL over native's, paired over {rounds} rounds [95 % interval]: "
+            + "; ".join(parts) + f"; restoring TTFT p50 over vLLM alone's: {ttft} (commit "
+            f"{_short_commit(d['_measured']['commit'])}, {when(d)})")
+
+
 def stall_steps(d: dict[str, Any]) -> str:
     """Per config, its worker steps in the windows (``--hook-calls``): the slowest 1 %
     split into hooks, forward and the forward's time off the CPU; the scheduler's hooks."""
@@ -826,6 +846,7 @@ RENDERERS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
     "stall-paired-aa": (("stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json",
                          "stall_aa_long.json", "stall_aa_long2.json"), stall_paired),
     "stall-p50": (("stall_aa_long2.json",), stall_p50),
+    "stall-local": (("stall_local.json",), stall_local),
     "stall-paired-six": (("stall_run1.json", "stall_run2.json", "stall.json",
                           "stall_aa_run1.json", "stall_aa_run2.json", "stall_aa_run3.json"),
                          stall_paired),
