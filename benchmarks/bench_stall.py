@@ -906,7 +906,7 @@ def round_ratios(summary: dict[str, dict[str, Any]], config: str,
     if ref is None or mine is None:
         return out
     for name, key in ROUND_RATIO_KEYS:
-        if key not in mine or key not in ref:  # a run from before the key was recorded
+        if key not in mine or key not in ref:  # a summary without it (built by hand)
             continue
         per = [m / r for m, r in zip(mine[key], ref[key], strict=True) if r and r == r]
         if per:

@@ -395,6 +395,12 @@ STALL_PAIRS = (("kvtier", "native"), ("kvtier", "none"), ("native", "none"),
                ("native-again", "native"), ("none-again", "none"))
 
 
+def _interval(p: dict[str, Any]) -> str:
+    """A paired ratio (``benchmarks/paired.py``) as the docs write it: ``0.97× [0.90–1.05]``."""
+    lo, hi = p["ci95"]
+    return f"{p['geo_mean']:.2f}× [{lo:.2f}–{hi:.2f}]"
+
+
 def stall_paired(*runs: dict[str, Any]) -> str:
     """Every round of ``runs`` pooled, for each pair of configs they all ran: the geometric
     mean of the per-round ITL p99 ratios and its 95 % interval (``benchmarks/paired.py``)."""
@@ -405,8 +411,7 @@ def stall_paired(*runs: dict[str, Any]) -> str:
         p = paired_ratio(
             [v for d in runs for v in d["connectors"][mine]["summary"]["itl_p99_ms_per_round"]],
             [v for d in runs for v in d["connectors"][ref]["summary"]["itl_p99_ms_per_round"]])
-        lo, hi = p["ci95"]
-        parts.append(f"{mine} over {ref} {p['geo_mean']:.2f}× [{lo:.2f}–{hi:.2f}]")
+        parts.append(f"{mine} over {ref} {_interval(p)}")
     rounds = sum(len(d["connectors"]["kvtier"]["summary"]["itl_p99_ms_per_round"])
                  for d in runs)
     stamps = when_runs(*((f"run {n}", d) for n, d in enumerate(runs, 1)))
@@ -421,8 +426,7 @@ def stall_p50(d: dict[str, Any]) -> str:
              ("kvtier over vLLM alone", d["itl_aims"]["itl_p99_vs_no_connector"]["p50_paired"])]
     pairs += [(f"{c} over {a['against']}", a["p50_paired"])
               for c, a in d.get("aa_controls", {}).items()]
-    parts = [f"{label} {p['geo_mean']:.2f}× [{p['ci95'][0]:.2f}–{p['ci95'][1]:.2f}]"
-             for label, p in pairs]
+    parts = [f"{label} {_interval(p)}" for label, p in pairs]
     rounds = pairs[0][1]["rounds"]
     return (f"ITL p50, geometric mean of the per-round ratios [95 % interval], {rounds} "
             f"rounds: " + "; ".join(parts) + f" (commit "
@@ -433,14 +437,11 @@ def stall_local(d: dict[str, Any]) -> str:
     """A run with ``kvtier-local`` (kvtier's CPU tier serves the restores, native's workload)
     beside ``kvtier`` (from Redis) and an A/A control: each over native, ITL p99 and p50
     paired over the rounds, and each config's restoring TTFT p50 over vLLM alone's."""
-    def both(label: str, p99: dict[str, Any], p50: dict[str, Any]) -> str:
-        return (f"{label} p99 {p99['geo_mean']:.2f}× [{p99['ci95'][0]:.2f}–"
-                f"{p99['ci95'][1]:.2f}], p50 {p50['geo_mean']:.2f}× [{p50['ci95'][0]:.2f}–"
-                f"{p50['ci95'][1]:.2f}]")
-    parts = [both(label, a["paired"], a["p50_paired"]) for label, a in (
-        ("kvtier-local", d["itl_aims_local"]["itl_p99_vs_native"]),
-        ("kvtier", d["itl_aims"]["itl_p99_vs_native"]))]
-    parts += [both(c, a["paired"], a["p50_paired"]) for c, a in d["aa_controls"].items()]
+    against_native = [("kvtier-local", d["itl_aims_local"]["itl_p99_vs_native"]),
+                      ("kvtier", d["itl_aims"]["itl_p99_vs_native"]),
+                      *d["aa_controls"].items()]
+    parts = [f"{label} p99 {_interval(a['paired'])}, p50 {_interval(a['p50_paired'])}"
+             for label, a in against_native]
     ttft = ", ".join(f"{c} {x(v['ratios']['restore_ttft_p50_vs_no_connector'])}"
                      for c, v in d["connectors"].items() if v.get("ratios"))
     rounds = d["itl_aims"]["itl_p99_vs_native"]["paired"]["rounds"]
